@@ -1,0 +1,28 @@
+# Two commands do all the set-up on a fresh machine with Python 3.11:
+#   make demo   plan and train GPT-2 on 4 CPU processes (gloo)
+#   make test   the test suite
+PY ?= python3
+VENV ?= .venv
+BIN = $(VENV)/bin
+STAMP = $(VENV)/.installed
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip==24.3.1
+	# torch first and pinned exactly, so pip takes the CPU wheel and never a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info
+
+.PHONY: venv demo test clean
