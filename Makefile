@@ -8,7 +8,6 @@ STAMP = $(VENV)/.installed
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip==24.3.1
 	# torch first and pinned exactly, so pip takes the CPU wheel and never a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'

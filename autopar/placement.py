@@ -1,0 +1,96 @@
+"""Placements: PyTorch's own ``Replicate``/``Shard``/``Partial``, one per mesh axis.
+
+A *placement tuple* has one entry per mesh axis, exactly like ``DTensor.placements``. This module
+prints and parses them the way plans show them (``S(0)R``, ``RP``, ``S(1)S(1)``) and computes the
+local shard shape a placement tuple implies.
+"""
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+Placements = tuple[Placement, ...]
+
+R = Replicate()
+P = Partial()
+
+
+def S(dim: int) -> Shard:
+    return Shard(dim)
+
+
+def fmt_one(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    raise TypeError(f"not a placement: {p!r}")
+
+
+def fmt(placements: Sequence[Placement]) -> str:
+    """``(Shard(0), Replicate())`` -> ``"S(0)R"``."""
+    return "".join(fmt_one(p) for p in placements)
+
+
+_TOKEN = re.compile(r"S\((-?\d+)\)|R|P(?:\((\w+)\))?")
+
+
+def parse(text: str) -> Placements:
+    """``"S(0)R"`` -> ``(Shard(0), Replicate())``; raises ``ValueError`` naming the bad text."""
+    out, pos = [], 0
+    text = text.strip()
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if not m:
+            raise ValueError(f"bad placement string {text!r} at position {pos}: expected S(dim), R or P")
+        if m.group(0).startswith("S"):
+            out.append(Shard(int(m.group(1))))
+        elif m.group(0) == "R":
+            out.append(Replicate())
+        else:
+            out.append(Partial(m.group(2) or "sum"))
+        pos = m.end()
+    if not out:
+        raise ValueError("empty placement string")
+    return tuple(out)
+
+
+def shard_factor(placements: Sequence[Placement], mesh_shape: Sequence[int], dim: int | None = None) -> int:
+    """Number of pieces a tensor (or one ``dim`` of it) is split into by ``placements``."""
+    f = 1
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard) and (dim is None or p.dim == dim):
+            f *= n
+    return f
+
+
+def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """Local shard shape under even sharding; raises ``ValueError`` when a dim does not divide."""
+    out = list(shape)
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            d = p.dim % len(out)
+            if out[d] % n:
+                raise ValueError(f"dim {d} of size {out[d]} does not divide by mesh axis of size {n} "
+                                 f"(shape {tuple(shape)}, placements {fmt(placements)})")
+            out[d] //= n
+    return tuple(out)
+
+
+def fits(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:
+    """True when ``placements`` shard ``shape`` evenly on ``mesh_shape``."""
+    if len(placements) != len(mesh_shape):
+        return False
+    for p in placements:
+        if isinstance(p, Shard) and not (-len(shape) <= p.dim < len(shape)):
+            return False
+    try:
+        local_shape(shape, placements, mesh_shape)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,247 @@
+"""Built-in example models: the test zoo (small configs) and the big configs the CLI plans.
+
+Every entry builds a model from a config with random weights; nothing is downloaded.
+``build(name, **overrides)`` returns a :class:`Example`. Big configs are meant to be built on
+the meta device (``device="meta"``) for planning; small ones train for real on the CPU.
+
+HF transformers and timm are imported lazily: they are optional (the ``test`` extra).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(kw_only=True)
+class Example:
+    """A model with example inputs, ready for ``profiler.profile`` or ``autopar.plan``."""
+
+    name: str
+    """Registry name, e.g. ``"gpt2"``."""
+    model: nn.Module
+    """The model, in training mode, with dropout disabled so runs are deterministic."""
+    args: tuple
+    """Positional example inputs (a global batch)."""
+    kwargs: dict
+    """Keyword example inputs (``labels=`` for HF models)."""
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    """``loss_fn(output, target) -> scalar``; ``None`` when the model returns its own loss."""
+    target: torch.Tensor | None = None
+    """The target passed to ``loss_fn``."""
+
+
+def _dev(device):
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def _ids(batch, seq, vocab, device, seed=0):
+    if _dev(device).type == "meta":
+        return torch.empty(batch, seq, dtype=torch.long, device="meta")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g).to(device or "cpu")
+
+
+def _images(batch, channels, size, device, seed=0):
+    if _dev(device).type == "meta":
+        return torch.empty(batch, channels, size, size, device="meta")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, channels, size, size, generator=g).to(device or "cpu")
+
+
+def _labels(batch, classes, device, seed=1):
+    if _dev(device).type == "meta":
+        return torch.empty(batch, dtype=torch.long, device="meta")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, classes, (batch,), generator=g).to(device or "cpu")
+
+
+def _on(device, build: Callable[[], nn.Module]) -> nn.Module:
+    with torch.device(_dev(device)):
+        model = build()
+    return model.train()
+
+
+# ---------------------------------------------------------------- our own MLP
+class MLP(nn.Module):
+    """A small MLP classifier: Linear -> GELU -> Linear blocks with a residual, then a head."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64, layers: int = 2, classes: int = 8):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):  # x: (batch, dim)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)  # (batch, classes)
+
+
+def mlp(*, batch=8, dim=32, hidden=64, layers=2, classes=8, device=None, seed=0) -> Example:
+    torch.manual_seed(seed)
+    model = _on(device, lambda: MLP(dim, hidden, layers, classes))
+    if _dev(device).type == "meta":
+        x = torch.empty(batch, dim, device="meta")
+    else:
+        x = torch.randn(batch, dim, generator=torch.Generator().manual_seed(seed))
+    return Example(name="mlp", model=model, args=(x,), kwargs={}, loss_fn=F.cross_entropy,
+                   target=_labels(batch, classes, device))
+
+
+# ---------------------------------------------------------------- HF transformers
+def ensure_torchvision_importable() -> None:
+    """Make ``import torchvision`` (and so timm and parts of transformers) work beside a CPU torch.
+
+    torchvision's wheel from PyPI is built against a CUDA torch; its compiled extension does not
+    load beside the CPU build of torch. torchvision then fails at import, because it registers fake
+    kernels for ``torchvision::nms``/``qnms`` without checking that the extension loaded (its other
+    ops are guarded). When the extension does not load, defining those two schemas lets the
+    pure-Python parts import. No torchvision op is ever run by autopar or its examples.
+    """
+    import glob
+    import importlib.util
+    import os
+
+    if getattr(ensure_torchvision_importable, "done", False):
+        return
+    ensure_torchvision_importable.done = True
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    libs = glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "_C*.so"))
+    try:
+        for lib in libs:
+            torch.ops.load_library(lib)
+        return
+    except (OSError, RuntimeError):
+        pass
+    lib = torch.library.Library("torchvision", "FRAGMENT")
+    for op in ("nms", "qnms"):
+        try:
+            lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        except RuntimeError:  # already defined by someone else
+            pass
+    ensure_torchvision_importable.lib = lib  # keep the fragment alive
+
+
+def _no_dropout_gpt2(cfg):
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
+    return cfg
+
+
+def gpt2(*, batch=2, seq=16, layers=2, hidden=64, heads=4, vocab=256, device=None, seed=0) -> Example:
+    """HF ``GPT2LMHeadModel`` (tied embedding and LM head); the model returns its loss."""
+    ensure_torchvision_importable()
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = _no_dropout_gpt2(GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,
+                                      n_positions=max(seq, 64), use_cache=False,
+                                      bos_token_id=0, eos_token_id=0))
+    torch.manual_seed(seed)
+    model = _on(device, lambda: GPT2LMHeadModel(cfg))
+    ids = _ids(batch, seq, vocab, device, seed)
+    return Example(name="gpt2", model=model, args=(ids,), kwargs={"labels": ids})
+
+
+def llama(*, batch=2, seq=16, layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2,
+          vocab=256, device=None, seed=0) -> Example:
+    """HF ``LlamaForCausalLM`` with grouped-query attention (``kv_heads < heads``)."""
+    ensure_torchvision_importable()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                      max_position_embeddings=max(seq, 64), use_cache=False, attention_dropout=0.0,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = _on(device, lambda: LlamaForCausalLM(cfg))
+    ids = _ids(batch, seq, vocab, device, seed)
+    return Example(name="llama", model=model, args=(ids,), kwargs={"labels": ids})
+
+
+def bert(*, batch=2, seq=16, layers=2, hidden=64, heads=4, intermediate=128, vocab=256,
+         device=None, seed=0) -> Example:
+    """HF ``BertForMaskedLM`` (tied decoder weights)."""
+    ensure_torchvision_importable()
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     intermediate_size=intermediate, vocab_size=vocab, max_position_embeddings=max(seq, 64),
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = _on(device, lambda: BertForMaskedLM(cfg))
+    ids = _ids(batch, seq, vocab, device, seed)
+    return Example(name="bert", model=model, args=(ids,), kwargs={"labels": ids})
+
+
+# ---------------------------------------------------------------- timm
+def _import_timm():
+    ensure_torchvision_importable()
+    import timm
+
+    return timm
+
+
+def vit(*, batch=2, img=64, depth=4, classes=10, name="vit_tiny_patch16_224", device=None, seed=0) -> Example:
+    """timm ViT (default ``vit_tiny_patch16_224`` with a smaller image and depth for speed)."""
+    timm = _import_timm()
+    torch.manual_seed(seed)
+    model = _on(device, lambda: timm.create_model(name, pretrained=False, img_size=img, depth=depth,
+                                                  num_classes=classes))
+    return Example(name="vit", model=model, args=(_images(batch, 3, img, device, seed),), kwargs={},
+                   loss_fn=F.cross_entropy, target=_labels(batch, classes, device))
+
+
+def resnet(*, batch=4, img=32, classes=10, name="resnet18", device=None, seed=0) -> Example:
+    """timm ResNet (BatchNorm in training mode: batch statistics)."""
+    timm = _import_timm()
+    torch.manual_seed(seed)
+    model = _on(device, lambda: timm.create_model(name, pretrained=False, num_classes=classes))
+    return Example(name="resnet", model=model, args=(_images(batch, 3, img, device, seed),), kwargs={},
+                   loss_fn=F.cross_entropy, target=_labels(batch, classes, device))
+
+
+# ---------------------------------------------------------------- registry
+#: The six models every test runs on (small configs).
+ZOO = ("gpt2", "llama", "bert", "vit", "resnet", "mlp")
+
+_SMALL: dict[str, Callable[..., Example]] = {
+    "gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "resnet": resnet, "mlp": mlp,
+}
+
+# Big configs, for planning and profiling (build them on device="meta").
+_BIG: dict[str, tuple[Callable[..., Example], dict[str, Any]]] = {
+    "gpt2-small": (gpt2, dict(layers=12, hidden=768, heads=12, vocab=50257, batch=8, seq=1024)),
+    "gpt2-xl": (gpt2, dict(layers=48, hidden=1600, heads=25, vocab=50257, batch=8, seq=1024)),
+    "llama2-7b": (llama, dict(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32,
+                              vocab=32000, batch=8, seq=2048)),
+    "llama3-8b": (llama, dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8,
+                              vocab=128256, batch=8, seq=2048)),
+    "llama3-70b": (llama, dict(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8,
+                               vocab=128256, batch=8, seq=2048)),
+    "bert-base": (bert, dict(layers=12, hidden=768, heads=12, intermediate=3072, vocab=30522,
+                             batch=8, seq=512)),
+    "vit-b16": (vit, dict(name="vit_base_patch16_224", img=224, depth=12, classes=1000, batch=32)),
+    "vit-l16": (vit, dict(name="vit_large_patch16_224", img=224, depth=24, classes=1000, batch=32)),
+    "resnet50": (resnet, dict(name="resnet50", img=224, classes=1000, batch=32)),
+}
+
+
+def names() -> list[str]:
+    return sorted(set(_SMALL) | set(_BIG))
+
+
+def build(name: str, **overrides) -> Example:
+    """Build a registered example; ``overrides`` replace config fields (``batch=``, ``device=``...)."""
+    if name in _SMALL:
+        return _SMALL[name](**overrides)
+    if name in _BIG:
+        fn, cfg = _BIG[name]
+        return fn(**{**cfg, **overrides})
+    raise KeyError(f"unknown example {name!r}; built-in examples are: {', '.join(names())}")
