@@ -1,0 +1,80 @@
+"""Human-readable views of a plan: the one-screen summary and per-layer table."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from autopar.plan import Plan
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_seconds(s: float) -> str:
+    """``0.0123`` -> ``"12.3 ms"``."""
+    s = float(s)
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    """Left-aligned text table with a rule under the header."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def plan_family(plan: "Plan") -> str:
+    """A short name for what the plan does, e.g. ``"dp(2) x tp(4)"`` or ``"pp(2) x tp(2)"``."""
+    fam = plan.options.get("family")
+    if fam:
+        return fam
+    return "pipeline" if plan.pipeline else "sharded"
+
+
+def plan_summary(plan: "Plan") -> str:
+    mesh = plan.mesh
+    shape = "x".join(str(s) for s in mesh.get("shape", ()))
+    names = ",".join(mesh.get("axis_names", ()) or ())
+    out = [f"autopar plan for {plan.model} on mesh {shape} ({names})  family: {plan_family(plan)}"]
+    budget = "none" if plan.memory_budget is None else human_bytes(plan.memory_budget)
+    out.append(f"predicted step time {human_seconds(plan.step_time)}   peak memory/device "
+               f"{human_bytes(plan.peak_bytes)}   budget {budget}")
+    bd = plan.breakdown
+    if bd:
+        t = [f"{k} {human_seconds(bd[k])}" for k in ("compute", "comm", "reshard", "recompute", "bubble") if k in bd]
+        m = [f"{k} {human_bytes(bd['mem_' + k])}" for k in ("params", "grads", "optimizer", "activations", "transient")
+             if "mem_" + k in bd]
+        if t:
+            out.append("time:   " + ", ".join(t))
+        if m:
+            out.append("memory: " + ", ".join(m))
+    if plan.pipeline:
+        p = plan.pipeline
+        out.append(f"pipeline: {len(p.stages)} stages on axis {p.axis}, {p.microbatches} micro-batches, "
+                   f"schedule {p.schedule}")
+    if plan.layers:
+        rows = []
+        for r in plan.layers:
+            rows.append([r.get("name", "?"), r.get("placements", ""), "yes" if r.get("recompute") else "",
+                         str(r.get("stage", "")), human_seconds(r.get("time", 0.0)), human_seconds(r.get("comm", 0.0)),
+                         human_bytes(r.get("memory", 0.0))])
+        out.append("")
+        out.append(table(rows, ["layer", "parameter placements", "recompute", "stage", "time", "comm", "memory"]))
+    if plan.alternatives:
+        out.append("")
+        out.append("runner-up plans:")
+        for a in plan.alternatives[:5]:
+            out.append(f"  {a.get('family', '?'):<28} {human_seconds(a.get('step_time', 0.0)):>10}  "
+                       f"peak {human_bytes(a.get('peak_bytes', 0.0))}")
+    return "\n".join(out)
