@@ -1,0 +1,226 @@
+"""The planner: profile -> strategies -> one ILP -> :class:`autopar.plan.Plan`.
+
+``plan(model, mesh, example_inputs, ...)`` needs no process group and no GPU. Pass order:
+
+1. ``profiler.profile``: capture the training graph on fake tensors, FLOPs/bytes/saved bytes per
+   node, repeated layers.
+2. ``build.build``: strategies per node priced in seconds and bytes, followers merged, resharding
+   matrices, tied layers, checkpoint segments -> ``solver.Problem``.
+3. ``solver.solve``: the joint ILP (sharding + checkpointing + memory budget).
+4. Pipeline candidates (``autopar.planner.pipeline``) are solved the same way on the other axis
+   and compared by predicted step time; the best wins and the others are kept as runner-ups.
+5. ``to_plan``: the solution as a plain-data plan.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+import solver
+from autopar import placement as pl
+from autopar.mesh import Mesh
+from autopar.plan import NodePlan, Plan
+from autopar.planner.build import Built, Config, build, choices
+from autopar.planner.families import FAMILIES
+from autopar.units import parse_bytes
+
+__all__ = ["plan", "plan_profile", "FAMILIES", "InfeasibleBudget"]
+
+
+class InfeasibleBudget(ValueError):
+    """No plan fits the memory budget; says the smallest budget that would and what dominates it."""
+
+
+def _as_mesh(mesh) -> Mesh:
+    if isinstance(mesh, Mesh):
+        return mesh
+    if hasattr(mesh, "mesh") and hasattr(mesh, "device_type"):
+        return Mesh.from_device_mesh(mesh)
+    if isinstance(mesh, (tuple, list, int)):
+        return Mesh(mesh)
+    raise TypeError(f"mesh must be an autopar.Mesh, a torch DeviceMesh or a shape, got {type(mesh).__name__}")
+
+
+def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, target=None,
+         memory_budget=None, optimizer: str = "adamw", dtype: str = "float32", force: str | None = None,
+         checkpoint: bool = True, pipeline: bool | str = "auto", time_limit: float = 60.0,
+         **options: Any) -> Plan:
+    """Plan ``model`` for ``mesh`` (see the module docstring). ``force`` restricts the search to a
+    plan family (``autopar.planner.FAMILIES``); ``memory_budget`` is bytes or a size string."""
+    import profiler
+
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    t0 = time.perf_counter()
+    gp = profiler.profile(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, target=target)
+    t_prof = time.perf_counter() - t0
+    p = plan_profile(gp, mesh, memory_budget=memory_budget, optimizer=optimizer, dtype=dtype, force=force,
+                     checkpoint=checkpoint, pipeline=pipeline, time_limit=time_limit, **options)
+    p.solver["profile_seconds"] = t_prof
+    p.model = type(model).__name__
+    return p
+
+
+def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="float32", force=None,
+                 checkpoint=True, pipeline="auto", time_limit=60.0, **options) -> Plan:
+    """Plan from an existing ``profiler.GraphProfile`` (the planner's steps 2-5)."""
+    mesh = _as_mesh(mesh)
+    budget = parse_bytes(memory_budget)
+    if force is not None and force not in FAMILIES and force != "pp-tp":
+        raise ValueError(f"unknown plan family {force!r}; choose one of {', '.join(FAMILIES + ('pp-tp',))}")
+    cfg = Config(mesh=mesh, optimizer=optimizer, dtype=dtype, family=force if force != "pp-tp" else None,
+                 memory_budget=budget, checkpoint=checkpoint, time_limit=time_limit)
+    candidates = []
+    if force != "pp-tp":
+        candidates.append(_solve_flat(gp, cfg))
+    if (pipeline and force in (None, "pp-tp")) and mesh.ndim == 2:
+        from autopar.planner.pipeline import pipeline_candidates
+
+        candidates += pipeline_candidates(gp, cfg, required=force == "pp-tp")
+    ok = [c for c in candidates if not isinstance(c, Exception)]
+    if not ok:
+        err = candidates[0]
+        raise err
+    ok.sort(key=lambda p: (p.step_time, p.peak_bytes))
+    best = ok[0]
+    best.alternatives = [{"family": c.options.get("family", "?"), "step_time": c.step_time,
+                          "peak_bytes": c.peak_bytes} for c in ok[1:6]]
+    best.options.update({k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))})
+    return best
+
+
+def _solve_flat(gp, cfg: Config):
+    """The single-stage plan over every mesh axis, or the :class:`InfeasibleBudget` error."""
+    t0 = time.perf_counter()
+    built = build(gp, cfg)
+    t_build = time.perf_counter() - t0
+    try:
+        sol = solver.solve(built.problem)
+    except solver.Infeasible as err:
+        return InfeasibleBudget(
+            f"no plan fits the memory budget of {_gib(cfg.memory_budget)} per device on mesh {cfg.mesh.shape}: "
+            f"the smallest feasible budget is {_gib(err.min_budget)} ({err.dominant}). Raise the budget, "
+            f"use more devices, or a smaller batch")
+    return to_plan(gp, cfg, built, sol, sharding_axes=list(range(cfg.mesh.ndim)), build_seconds=t_build)
+
+
+def _gib(b) -> str:
+    return "unbounded" if b is None else f"{b / 2**30:.2f} GiB"
+
+
+def _family_name(cfg: Config, plan_nodes, params) -> str:
+    if cfg.family:
+        return cfg.family
+    shape = cfg.mesh.shape
+    sharded_params = any("S" in p for p in params.values())
+    return f"searched {'x'.join(map(str, shape))}" + (" (sharded params)" if sharded_params else "")
+
+
+def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=0.0, pipeline=None,
+            step_time=None, peak_bytes=None, family=None) -> Plan:
+    """Read the solution back into a plain-data :class:`Plan`."""
+    pick = choices(built, sol)
+    checkpointed = set()
+    segs = {s.id: s for s in built.problem.segments}
+    for sid in sol.checkpointed:
+        checkpointed |= set(segs[sid].nodes)
+    nodes: dict[str, NodePlan] = {}
+    for name in built.order:
+        opt = built.options[name]
+        s = opt.strategies[pick[name]]
+        f = lambda x: None if x is None else pl.fmt(x)  # noqa: E731
+        nodes[name] = NodePlan(strategy=s.name, inputs=[f(x) for x in s.inputs], outputs=[pl.fmt(x) for x in s.outputs],
+                               input_grads=[f(x) for x in s.input_grads],
+                               recompute=built.leader[name] in checkpointed and name in _segment_members(built, checkpointed),
+                               time=float(opt.time[pick[name]]), comm=float(opt.comm[pick[name]]))
+    cap = gp.captured
+    params = {}
+    for ph, fqn in cap.params.items():
+        params[fqn] = nodes[ph].outputs[0]
+        for alias in (getattr(cap, "param_aliases", {}) or {}).get(ph, []):
+            params[alias] = nodes[ph].outputs[0]
+    mem = _memory_split(built, pick, gp)
+    bd = {"compute": float(sol.split.get("compute", 0.0)), "comm": float(sol.split.get("comm", 0.0)),
+          "reshard": float(sol.split.get("reshard", 0.0)), "recompute": float(sol.split.get("recompute", 0.0))}
+    bd.update({f"mem_{k}": float(v) for k, v in mem.items()})
+    p = Plan(graph_hash=cap.graph_hash(), model=type(gp.captured).__name__, mesh=cfg.mesh.to_dict(),
+             sharding_axes=list(sharding_axes), nodes=nodes, params=params, memory_budget=cfg.memory_budget,
+             optimizer=cfg.optimizer, dtype=cfg.dtype, pipeline=pipeline,
+             step_time=float(sol.objective if step_time is None else step_time),
+             peak_bytes=float(sol.peak_bytes if peak_bytes is None else peak_bytes), breakdown=bd,
+             solver={"status": str(sol.status), "gap": float(sol.gap), "variables": int(sol.num_variables),
+                     "constraints": int(sol.num_constraints), "build_seconds": float(build_seconds),
+                     "solve_seconds": float(sol.solve_seconds), "checkpointed": list(sol.checkpointed)},
+             options={"family": family or _family_name(cfg, nodes, params)})
+    p.layers = _layer_rows(gp, p, built, pick)
+    return p
+
+
+def _segment_members(built: Built, checkpointed_leaders: set) -> set:
+    return {n for n in built.order if built.leader[n] in checkpointed_leaders}
+
+
+def _memory_split(built: Built, pick, gp) -> dict[str, float]:
+    kinds = {**{k: "param" for k in gp.captured.params}, **{k: "buffer" for k in gp.captured.buffers}}
+    params = other = act = 0.0
+    work = 0.0
+    for name in built.order:
+        opt = built.options[name]
+        t = pick[name]
+        if kinds.get(name) == "param":
+            params += opt.mem[t]
+        else:
+            other += opt.mem[t]
+        act += opt.act[t]
+        work = max(work, opt.work[t])
+    return {"params": params, "activations": act, "transient": work, "inputs_buffers": other}
+
+
+def _layer_rows(gp, plan: Plan, built: Built, pick) -> list[dict]:
+    """One row per module at the depth of the repeated layers (or top-level modules)."""
+    depth = _layer_depth(gp)
+    rows: dict[str, dict] = {}
+    fqn_of = {**gp.captured.params}
+    for name in built.order:
+        prof = gp.nodes.get(name)
+        path = getattr(prof, "module_path", "") or ""
+        if name in fqn_of:
+            path = fqn_of[name].rsplit(".", 1)[0]
+        key = ".".join(path.split(".")[:depth]) if path else "(top)"
+        r = rows.setdefault(key, {"name": key, "placements": {}, "recompute": False, "time": 0.0, "comm": 0.0,
+                                  "memory": 0.0, "nodes": 0})
+        np_ = plan.nodes[name]
+        r["time"] += np_.time
+        r["comm"] += np_.comm
+        r["recompute"] |= np_.recompute
+        r["nodes"] += 1
+        opt = built.options[name]
+        r["memory"] += float(opt.mem[pick[name]] + opt.act[pick[name]])
+        if name in fqn_of:
+            r["placements"][fqn_of[name][len(key) + 1:] if fqn_of[name].startswith(key + ".") else fqn_of[name]] = \
+                np_.outputs[0]
+    out = []
+    for r in rows.values():
+        pls = r["placements"]
+        r["placements"] = ", ".join(f"{k} {v}" for k, v in list(pls.items())[:4]) + (" ..." if len(pls) > 4 else "")
+        out.append(r)
+    return out
+
+
+def _layer_depth(gp) -> int:
+    groups = getattr(gp, "layers", None) or []
+    for g in groups:
+        if g.layers and g.layers[0]:
+            prof = gp.nodes.get(g.layers[0][0])
+            path = getattr(prof, "module_path", "") or ""
+            if path:
+                return len(path.split(".")) - (1 if len(g.layers) > 1 and _differs_last(gp, g) else 0) or 1
+    return 1
+
+
+def _differs_last(gp, g) -> bool:
+    a = getattr(gp.nodes.get(g.layers[0][0]), "module_path", "")
+    b = getattr(gp.nodes.get(g.layers[1][0]), "module_path", "")
+    return a.split(".")[:-1] == b.split(".")[:-1]

@@ -1,0 +1,451 @@
+"""From a profiled graph to a ``solver.Problem``: strategies priced in seconds and bytes.
+
+Pass order (each step a function of the graph and the config):
+
+1. ``_node_options``: the strategies of every node (``autopar.strategies``), placeholders filtered
+   by the forced family, each priced: compute (roofline on the local shard), in-op collectives,
+   resident bytes (parameters, gradients, optimizer state), saved activations, transient bytes.
+2. ``_merge_followers``: a node with one tensor input whose every producer choice has a strategy
+   that consumes the producer's output placement as is (views, unary pointwise ops, a weight's
+   transpose) is merged into its producer's group. This is what keeps the ILP small; it commits
+   a follower to follow (no resharding right before a view or a pointwise op), which is also what
+   a person writing a plan by hand does.
+3. ``_edges``: per remaining edge, the resharding matrix (forward placement change + backward
+   gradient placement change, ``autopar.costs.reshard``), cached by placement lists and shape.
+4. ``_ties`` and ``_segments``: repeated layers from the profiler become tie groups (one choice
+   for every layer) and checkpoint candidates (one segment per layer).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import warnings
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import solver
+from autopar import placement as pl
+from autopar.costs.collectives import collective_time
+from autopar.costs.compute import compute_time
+from autopar.costs.reshard import reshard_cost
+from autopar.mesh import Mesh
+from autopar.strategies import Strategy, strategies_for
+
+#: Resharding that no collective sequence achieves is priced at this many seconds (never chosen).
+FORBIDDEN = 1.0e4
+
+_OPT_STATE = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
+
+
+@dataclasses.dataclass(kw_only=True)
+class Config:
+    """Planner options that shape the problem."""
+
+    mesh: Mesh
+    """The (sub-)mesh the sharding is solved on."""
+    optimizer: str = "adamw"
+    """Optimizer whose state counts in memory: adamw, adam, sgd, sgd-momentum."""
+    dtype: str = "float32"
+    """``"float32"`` or ``"bf16-mixed"`` (bf16 activations and compute, fp32 master state)."""
+    family: str | None = None
+    """Forced plan family (see ``autopar.planner.families``), or None for a free search."""
+    memory_budget: float | None = None
+    """Per-device budget in bytes."""
+    checkpoint: bool = True
+    """Offer activation checkpointing of repeated layers."""
+    merge_followers: bool = True
+    """Merge view/pointwise followers into their producers (see module docstring)."""
+    time_limit: float = 60.0
+    """Solver time limit, seconds."""
+
+
+@dataclasses.dataclass
+class Option:
+    """One node's candidate strategies with their prices (vectors over its strategies)."""
+
+    name: str
+    strategies: list[Strategy]
+    time: np.ndarray
+    comm: np.ndarray
+    mem: np.ndarray
+    act: np.ndarray
+    work: np.ndarray
+    recompute: np.ndarray
+
+
+@dataclasses.dataclass
+class Built:
+    """The problem and what is needed to read its solution back."""
+
+    problem: solver.Problem
+    options: dict[str, Option]
+    leader: dict[str, str]
+    """node -> the node whose choice decides it (itself for leaders)."""
+    follow: dict[str, np.ndarray]
+    """node -> map from its leader's strategy index to its own."""
+    order: list[str]
+    """All planned node names in graph order."""
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _vals(node) -> list:
+    v = node.meta.get("val")
+    flat = v if isinstance(v, (list, tuple)) else [v]
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(shape, dtype) -> float:
+    return float(math.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+
+
+def _local_bytes(t: torch.Tensor, pls, mesh_shape) -> float:
+    if pls is None:
+        return _nbytes(t.shape, t.dtype)
+    try:
+        shape = pl.local_shape(tuple(t.shape), pls, mesh_shape)
+    except ValueError:
+        shape = t.shape
+    return _nbytes(shape, t.dtype)
+
+
+def grad_of(pls) -> tuple:
+    """Placement in which the gradient of a tensor placed ``pls`` is expected (DTensor's
+    conventions): Shard stays Shard, Replicate stays Replicate, Partial's gradient is Replicate."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in pls)
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point or t.dtype.is_complex
+
+
+def _kinds(captured) -> dict[str, str]:
+    kinds = {}
+    for name in captured.params:
+        kinds[name] = "param"
+    for name in captured.buffers:
+        kinds[name] = "buffer"
+    for name in captured.user_inputs:
+        kinds[name] = "input"
+    return kinds
+
+
+# ---------------------------------------------------------------------------------- 1. options
+def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config) -> tuple[float, ...]:
+    """(time, comm, mem, act, work, recompute) of one strategy of one node."""
+    mesh, shape = cfg.mesh, cfg.mesh.shape
+    outs = _vals(node)
+    act_scale = 0.5 if cfg.dtype == "bf16-mixed" else 1.0
+    if node.op == "placeholder":
+        t = outs[0]
+        local = _local_bytes(t, strat.outputs[0], shape)
+        if kind == "param":
+            # parameter + gradient + optimizer state, all sharded as stored.
+            mem = local * (2 + _OPT_STATE.get(cfg.optimizer, 2))
+            if cfg.dtype == "bf16-mixed":
+                mem += local / 2  # bf16 compute copy of the weight
+            return 0.0, 0.0, mem, 0.0, 0.0, 0.0
+        return 0.0, 0.0, local, 0.0, 0.0, 0.0
+    div = max(1, strat.divisor)
+    dt = "bf16" if cfg.dtype == "bf16-mixed" else (outs[0].dtype if outs else "fp32")
+    fwd = compute_time(prof.fwd_flops / div, prof.fwd_bytes / div, mesh, dt)
+    bwd = compute_time(prof.bwd_flops / div, prof.bwd_bytes / div, mesh, dt) if prof.bwd_flops or prof.bwd_bytes else 0.0
+    comm = sum(collective_time(c.kind, c.nbytes, mesh, c.axes) for c in strat.comm)
+    # Saved activations scale like the op's tensors: local/global bytes of its non-parameter inputs
+    # and outputs under this strategy.
+    glob = loc = 0.0
+    for t, p in zip(_input_vals(node), strat.inputs):
+        glob += _nbytes(t.shape, t.dtype)
+        loc += _local_bytes(t, p, shape)
+    for t, p in zip(outs, strat.outputs):
+        glob += _nbytes(t.shape, t.dtype)
+        loc += _local_bytes(t, p, shape)
+    frac = loc / glob if glob else 1.0
+    act = prof.saved_bytes * frac * act_scale
+    work = sum(_local_bytes(t, p, shape) for t, p in zip(outs, strat.outputs)) * act_scale
+    return fwd + bwd + comm, comm, 0.0, act, work, fwd
+
+
+def _input_vals(node) -> list:
+    out = []
+    for n in node.all_input_nodes:
+        v = _vals(n)
+        if node.target is operator.getitem and len(v) > 1:
+            v = [v[node.args[1]]] if node.args[1] < len(v) else v[:1]
+        out.append(v[0] if v else torch.empty(0))
+    return out
+
+
+def _allowed(strats: list[Strategy], node, kind, pred) -> list[Strategy]:
+    if pred is None or kind not in ("param", "input"):
+        return strats
+    t = _vals(node)[0]
+    keep = [s for s in strats if pred(kind, s.outputs[0], tuple(t.shape))]
+    return keep
+
+
+def node_options(gm, gp, cfg: Config) -> tuple[dict[str, Option], list[str]]:
+    """Strategies and prices of every node (placeholders and ops), in graph order."""
+    from autopar.planner.families import predicate
+
+    kinds = _kinds(gp.captured)
+    pred = predicate(cfg.family, cfg.mesh.ndim) if cfg.family else None
+    options, order = {}, []
+    for node in gm.graph.nodes:
+        if node.op in ("output", "get_attr"):
+            continue
+        strats = strategies_for(node, cfg.mesh.shape)
+        kind = kinds.get(node.name)
+        allowed = _allowed(strats, node, kind, pred)
+        if not allowed:
+            t = _vals(node)[0]
+            raise ValueError(
+                f"plan family {cfg.family!r} cannot place {kind} {_fqn(gp, node.name)} of shape "
+                f"{tuple(t.shape)} on mesh {cfg.mesh.shape}: no placement of that family divides it; "
+                f"choose another family or a batch size divisible by the mesh")
+        prof = gp.nodes.get(node.name)
+        priced = np.array([_price(node, s, prof, kind, cfg) for s in allowed], dtype=float).reshape(-1, 6)
+        options[node.name] = Option(node.name, allowed, *[priced[:, i].copy() for i in range(6)])
+        order.append(node.name)
+    return options, order
+
+
+def _fqn(gp, name):
+    c = gp.captured
+    return c.params.get(name) or c.buffers.get(name) or name
+
+
+# ---------------------------------------------------------------------------------- 2. followers
+def _out_index(producer, consumer) -> int:
+    """Which of ``producer``'s tensor outputs ``consumer`` reads (getitem picks one)."""
+    if consumer.target is operator.getitem and len(_vals(producer)) > 1:
+        return int(consumer.args[1])
+    return 0
+
+
+def _out_pl(opt: Option, s: int, idx: int):
+    outs = opt.strategies[s].outputs
+    return outs[idx] if idx < len(outs) else outs[0]
+
+
+def merge_followers(gm, options: dict[str, Option], enabled: bool):
+    """Map each node to its leader and a leader-strategy -> own-strategy index map."""
+    leader, follow = {}, {}
+    for node in gm.graph.nodes:
+        if node.name not in options:
+            continue
+        name = node.name
+        leader[name], follow[name] = name, np.arange(len(options[name].strategies))
+        inputs = [n for n in node.all_input_nodes if n.name in options]
+        if not enabled or node.op != "call_function" or len(inputs) != 1 or len(node.users) == 0:
+            continue
+        prod = inputs[0]
+        lead, fmap = leader[prod.name], follow[prod.name]
+        popt, opt = options[prod.name], options[name]
+        idx = _out_index(prod, node)
+        mapped = []
+        for s in fmap:
+            want = _out_pl(popt, s, idx)
+            cands = [t for t, st in enumerate(opt.strategies) if st.inputs and st.inputs[0] == want]
+            if not cands:
+                break
+            mapped.append(min(cands, key=lambda t: (opt.time[t], opt.act[t], t)))
+        else:
+            leader[name], follow[name] = lead, np.array(mapped, dtype=int)
+    return leader, follow
+
+
+# ---------------------------------------------------------------------------------- 3. edges
+class _EdgePricer:
+    """Resharding matrices, cached by (output placements, input placements, grads, shape)."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.cache: dict[Any, np.ndarray] = {}
+        self.pair: dict[Any, float] = {}
+
+    def one(self, src, dst, shape, itemsize) -> float:
+        if src is None or dst is None or src == dst:
+            return 0.0
+        key = (src, dst, shape, itemsize)
+        c = self.pair.get(key)
+        if c is None:
+            try:
+                c = float(reshard_cost(src, dst, shape, itemsize, self.mesh))
+            except (ValueError, KeyError):
+                c = FORBIDDEN
+            if not math.isfinite(c):
+                c = FORBIDDEN
+            self.pair[key] = c
+        return c
+
+    def matrix(self, outs: list, ins: list, grads: list, t: torch.Tensor) -> np.ndarray:
+        """``outs[s]``: producer output placement per producer choice; ``ins[u]``/``grads[u]``:
+        consumer input placement and input-gradient placement per consumer choice."""
+        shape, itemsize = tuple(t.shape), t.element_size()
+        diff = _differentiable(t)
+        key = (tuple(outs), tuple(ins), tuple(grads) if diff else None, shape, itemsize)
+        m = self.cache.get(key)
+        if m is None:
+            m = np.zeros((len(outs), len(ins)))
+            for i, o in enumerate(outs):
+                for j, (x, g) in enumerate(zip(ins, grads)):
+                    c = self.one(o, x, shape, itemsize)
+                    if diff and g is not None and o is not None:
+                        c += self.one(g, grad_of(o), shape, itemsize)
+                    m[i, j] = c
+            self.cache[key] = m
+        return m
+
+
+def _in_pl(strat: Strategy, j: int):
+    return strat.inputs[j] if j < len(strat.inputs) else None
+
+
+def _in_grad(strat: Strategy, j: int):
+    return strat.input_grads[j] if j < len(strat.input_grads) else None
+
+
+def edges(gm, options, leader, follow, mesh: Mesh):
+    """Resharding edges between groups, plus the cost of edges inside a group folded into the
+    group's own time vector (returned as ``inner``: leader -> extra seconds per choice)."""
+    pricer = _EdgePricer(mesh)
+    acc: dict[tuple[str, str], np.ndarray] = {}
+    inner: dict[str, np.ndarray] = defaultdict(lambda: 0.0)
+    for node in gm.graph.nodes:
+        if node.name not in options:
+            continue
+        opt, lu, fu = options[node.name], leader[node.name], follow[node.name]
+        for j, prod in enumerate(node.all_input_nodes):
+            if prod.name not in options:
+                continue
+            popt, ls, fs = options[prod.name], leader[prod.name], follow[prod.name]
+            idx = _out_index(prod, node)
+            vals = _vals(prod)
+            t = vals[idx] if idx < len(vals) else (vals[0] if vals else None)
+            if t is None:
+                continue
+            outs = [_out_pl(popt, s, idx) for s in fs]           # per leader(prod) choice
+            ins = [_in_pl(opt.strategies[u], j) for u in fu]     # per leader(node) choice
+            grads = [_in_grad(opt.strategies[u], j) for u in fu]
+            m = pricer.matrix(outs, ins, grads, t)
+            if ls == lu:
+                inner[lu] = inner[lu] + np.diag(m)
+            else:
+                key = (ls, lu)
+                acc[key] = acc[key] + m if key in acc else m.copy()
+    return acc, inner, pricer
+
+
+def sink_costs(gm, options, leader, follow, pricer: _EdgePricer) -> dict[str, np.ndarray]:
+    """The graph's outputs (the loss, updated buffers) must end replicated: the resharding to
+    all-``Replicate`` is charged to the producing group."""
+    extra: dict[str, np.ndarray] = defaultdict(lambda: 0.0)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    for prod in out.all_input_nodes:
+        if prod.name not in options:
+            continue
+        popt, ls, fs = options[prod.name], leader[prod.name], follow[prod.name]
+        t = _vals(prod)[0]
+        rep = tuple(Replicate() for _ in pricer.mesh.shape)
+        extra[ls] = extra[ls] + np.array(
+            [pricer.one(_out_pl(popt, s, 0), rep, tuple(t.shape), t.element_size()) for s in fs])
+    return extra
+
+
+# ---------------------------------------------------------------------------------- 4. problem
+def _group_vectors(options, leader, follow, inner, extra):
+    """Sum each leader's followers into one option vector set per group."""
+    groups: dict[str, dict[str, np.ndarray]] = {}
+    for name, opt in options.items():
+        lead = leader[name]
+        fm = follow[name]
+        g = groups.setdefault(lead, {k: np.zeros(len(options[lead].strategies))
+                                     for k in ("time", "comm", "mem", "act", "work", "recompute")})
+        for k in ("time", "comm", "mem", "act", "recompute"):
+            g[k] += getattr(opt, k)[fm]
+        g["work"] = np.maximum(g["work"], opt.work[fm])
+    for lead, v in inner.items():
+        groups[lead]["time"] += v
+    for lead, v in extra.items():
+        groups[lead]["time"] += v
+    return groups
+
+
+def _ties(gp, options, leader) -> tuple[tuple[str, ...], ...]:
+    ties = []
+    for group in getattr(gp, "layers", None) or []:
+        layers = group.layers
+        if len(layers) < 2:
+            continue
+        for i in range(len(layers[0])):
+            names = [layer[i] for layer in layers if i < len(layer)]
+            if len(names) != len(layers) or any(n not in options or leader[n] != n for n in names):
+                continue
+            ref = [s.outputs for s in options[names[0]].strategies]
+            if all([s.outputs for s in options[n].strategies] == ref for n in names[1:]):
+                ties.append(tuple(names))
+    return tuple(ties)
+
+
+def _segments(gm, gp, options, leader, follow, mesh_shape) -> tuple:
+    nodes_by_name = {n.name: n for n in gm.graph.nodes}
+    segs = []
+    for gi, group in enumerate(getattr(gp, "layers", None) or []):
+        for li, layer in enumerate(group.layers):
+            members = set(layer)
+            inside = []
+            for n in layer:
+                lead = leader.get(n)
+                if lead and lead not in inside and nodes_by_name[lead].op == "call_function" and lead in members:
+                    inside.append(lead)
+            if not inside:
+                continue
+            keep, keep_bytes = [], []
+            for n in layer:
+                for prod in nodes_by_name[n].all_input_nodes:
+                    if prod.name in members or prod.name not in options or prod.op == "placeholder":
+                        continue
+                    lead = leader[prod.name]
+                    if lead in keep or lead in inside:
+                        continue
+                    popt, fm = options[prod.name], follow[prod.name]
+                    t = _vals(prod)[0]
+                    keep.append(lead)
+                    keep_bytes.append(np.array([_local_bytes(t, _out_pl(popt, s, 0), mesh_shape) for s in fm]))
+            segs.append(solver.Segment(id=f"layer{gi}.{li}", nodes=tuple(inside), keep=tuple(keep),
+                                       keep_bytes=tuple(keep_bytes)))
+    return tuple(segs)
+
+
+def build(gp, cfg: Config) -> Built:
+    """The whole pass pipeline (see the module docstring for the order and why)."""
+    gm = gp.captured.gm
+    options, order = node_options(gm, gp, cfg)
+    leader, follow = merge_followers(gm, options, cfg.merge_followers)
+    acc, inner, pricer = edges(gm, options, leader, follow, cfg.mesh)
+    extra = sink_costs(gm, options, leader, follow, pricer)
+    groups = _group_vectors(options, leader, follow, inner, extra)
+    nodes = []
+    for lead in order:
+        if leader[lead] != lead:
+            continue
+        g = groups[lead]
+        labels = tuple(s.name for s in options[lead].strategies)
+        nodes.append(solver.Node(id=lead, labels=labels, time=g["time"], comm=g["comm"], mem=g["mem"],
+                                 act=g["act"], work=g["work"], recompute=g["recompute"]))
+    edge_list = tuple(solver.Edge(src=s, dst=d, cost=m) for (s, d), m in acc.items())
+    segs = _segments(gm, gp, options, leader, follow, cfg.mesh.shape) if cfg.checkpoint else ()
+    problem = solver.Problem(nodes=tuple(nodes), edges=edge_list, ties=_ties(gp, options, leader),
+                             segments=segs, memory_budget=cfg.memory_budget, time_limit=cfg.time_limit,
+                             name=type(gp.captured).__name__)
+    return Built(problem=problem, options=options, leader=leader, follow=follow, order=order)
+
+
+def choices(built: Built, solution) -> dict[str, int]:
+    """Every node's strategy index from the leaders' choices."""
+    return {n: int(built.follow[n][solution.choice[built.leader[n]]]) for n in built.order}
