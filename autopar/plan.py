@@ -99,6 +99,10 @@ class Plan:
     """Per-layer summary rows: name, nodes, placements of its parameters, recompute, stage, time."""
     alternatives: list[dict] = dataclasses.field(default_factory=list)
     """Runner-up plan families with their predicted step time and peak (for explanation)."""
+    considered: dict[str, list[dict]] = dataclasses.field(default_factory=dict)
+    """Per decided node (group leader): the best strategies considered, each with its cost terms
+    (seconds: time, comm, reshard with the neighbours' chosen strategies; bytes: mem, act) —
+    what ``autopar explain`` prints."""
     solver: dict = dataclasses.field(default_factory=dict)
     """Solver statistics: status, gap, variables, constraints, build/solve seconds."""
     options: dict = dataclasses.field(default_factory=dict)
@@ -304,6 +308,17 @@ def _validate(data: Any) -> Plan:
             _need(isinstance(body[key], list) and all(isinstance(x, dict) for x in body[key]), key,
                   "expected a list of objects")
             out[key] = body[key]
+    if "considered" in body:
+        c = body["considered"]
+        _need(isinstance(c, dict), "considered", "expected an object")
+        for k, rows in c.items():
+            _need(isinstance(rows, list) and all(isinstance(r, dict) for r in rows), f"considered.{k}",
+                  "expected a list of objects")
+            for i, r in enumerate(rows):
+                for key in ("time", "comm", "reshard", "mem", "act", "total"):
+                    if key in r:
+                        _number(r[key], f"considered.{k}[{i}].{key}")
+        out["considered"] = c
     for key in ("solver", "options"):
         if key in body:
             _need(isinstance(body[key], dict), key, "expected an object")

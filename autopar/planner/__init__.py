@@ -155,7 +155,35 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
                      "solve_seconds": float(sol.solve_seconds), "checkpointed": list(sol.checkpointed)},
              options={"family": family or _family_name(cfg, nodes, params)})
     p.layers = _layer_rows(gp, p, built, pick)
+    p.considered = _considered(gp, built, sol)
     return p
+
+
+def _considered(gp, built: Built, sol, top: int = 6) -> dict[str, list[dict]]:
+    """Per decided node, its best strategies with the cost terms, neighbours at their choices."""
+    from collections import defaultdict
+
+    nbrs = defaultdict(list)
+    for e in built.problem.edges:
+        nbrs[e.src].append((e.cost, e.dst))
+        nbrs[e.dst].append((e.cost.T, e.src))
+    out = {}
+    for node in built.problem.nodes:
+        nid, chosen = node.id, sol.choice[node.id]
+        prof = gp.nodes.get(nid)
+        layer = getattr(prof, "module_path", "") or ""
+        rows = []
+        for s in range(node.size):
+            resh = float(sum(m[s, sol.choice[o]] for m, o in nbrs[nid]))
+            strat = built.options[nid].strategies[s]
+            rows.append({"strategy": node.labels[s], "outputs": ",".join(pl.fmt(x) for x in strat.outputs),
+                         "time": float(node.time[s]), "comm": float(node.comm[s]), "reshard": resh,
+                         "mem": float(node.mem[s]), "act": float(node.act[s]),
+                         "total": float(node.time[s]) + resh, "chosen": s == chosen, "layer": layer})
+        rows.sort(key=lambda r: (not r["chosen"], r["total"]))
+        best = rows[:1] + sorted(rows[1:], key=lambda r: r["total"])[: top - 1]
+        out[nid] = best
+    return out
 
 
 def _segment_members(built: Built, checkpointed_leaders: set) -> set:

@@ -1,0 +1,197 @@
+"""The ``autopar`` command: profile, plan, show, explain, diff.
+
+User errors (a bad SPEC, mesh, size or plan file) print one line ``autopar: error: ...`` naming
+the problem and the fix, and exit with status 2; no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import sys
+
+from autopar import report
+from autopar.units import parse_bytes, parse_mesh
+
+
+class UserError(Exception):
+    """An error in what the user typed or handed us: printed as one line, exit status 2."""
+
+
+# ------------------------------------------------------------------------------- SPEC
+def load_spec(spec: str, *, batch=None, seq=None, device="meta"):
+    """A built-in example name or ``package.module:factory`` -> ``autopar.zoo.Example``.
+
+    A factory returns an ``Example`` or a tuple ``(model, args[, kwargs[, loss_fn[, target]]])``.
+    """
+    from autopar import zoo
+
+    overrides = {k: v for k, v in (("batch", batch), ("seq", seq)) if v is not None}
+    if ":" not in spec:
+        if spec not in zoo.names():
+            raise UserError(f"unknown example {spec!r}: use one of {', '.join(zoo.names())} "
+                            f"or package.module:factory")
+        fn = zoo._SMALL.get(spec) or zoo._BIG[spec][0]
+        accepted = inspect.signature(fn).parameters
+        bad = [k for k in overrides if k not in accepted]
+        if bad:
+            raise UserError(f"example {spec!r} takes no --{bad[0]} option")
+        return zoo.build(spec, device=device, **overrides)
+    mod_name, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as err:
+        raise UserError(f"cannot import module {mod_name!r} from SPEC {spec!r}: {err}") from None
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+        raise UserError(f"{mod_name!r} has no callable {attr!r} (SPEC is package.module:factory)")
+    out = fn(**overrides)
+    if isinstance(out, zoo.Example):
+        return out
+    if not isinstance(out, tuple) or len(out) < 2:
+        raise UserError(f"factory {spec} must return an autopar.zoo.Example or (model, args[, kwargs, loss_fn, target])")
+    model, args, *rest = out
+    rest += [None] * (3 - len(rest))
+    return zoo.Example(name=spec, model=model, args=tuple(args) if isinstance(args, (tuple, list)) else (args,),
+                       kwargs=rest[0] or {}, loss_fn=rest[1], target=rest[2])
+
+
+def _load_plan(path):
+    from autopar.plan import Plan, PlanError
+
+    try:
+        return Plan.load(path)
+    except PlanError as err:
+        raise UserError(str(err)) from None
+
+
+# ------------------------------------------------------------------------------- commands
+def cmd_profile(a) -> int:
+    import profiler
+
+    ex = load_spec(a.spec, batch=a.batch, seq=a.seq)
+    gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    print(gp.table())
+    return 0
+
+
+def _mesh(a):
+    from autopar.mesh import CLUSTERS, Mesh
+
+    try:
+        shape = parse_mesh(a.mesh)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if a.cluster not in CLUSTERS:
+        raise UserError(f"unknown cluster {a.cluster!r}: use one of {', '.join(CLUSTERS)}")
+    return Mesh(shape, cluster=a.cluster)
+
+
+def cmd_plan(a) -> int:
+    import autopar
+
+    mesh = _mesh(a)
+    try:
+        budget = parse_bytes(a.memory)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    ex = load_spec(a.spec, batch=a.batch, seq=a.seq)
+    try:
+        p = autopar.plan(ex.model, mesh, ex.args, example_kwargs=ex.kwargs, loss_fn=ex.loss_fn, target=ex.target,
+                         memory_budget=budget, force=a.force, optimizer=a.optimizer, time_limit=a.time_limit)
+    except autopar.InfeasibleBudget as err:
+        raise UserError(str(err)) from None
+    p.options["spec"] = a.spec
+    print(p.summary())
+    if a.output:
+        p.save(a.output)
+        print(f"\nplan written to {a.output}")
+    return 0
+
+
+def cmd_show(a) -> int:
+    p = _load_plan(a.plan)
+    print(p.summary())
+    if a.html:
+        from autopar.html import render
+
+        with open(a.html, "w") as f:
+            f.write(render(p))
+        print(f"\nHTML report written to {a.html}")
+    return 0
+
+
+def cmd_explain(a) -> int:
+    from autopar.explain import explain
+
+    p = _load_plan(a.plan)
+    try:
+        print(explain(p, a.node))
+    except KeyError as err:
+        raise UserError(err.args[0]) from None
+    return 0
+
+
+def cmd_diff(a) -> int:
+    from autopar.explain import diff
+
+    print(diff(_load_plan(a.a), _load_plan(a.b)))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autopar", description="Plan and inspect parallel training plans.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def spec_args(sp):
+        sp.add_argument("spec", metavar="SPEC", help="built-in example (gpt2, gpt2-xl, llama2-7b, llama3-8b, bert, "
+                        "vit, resnet50, ...) or package.module:factory")
+        sp.add_argument("--batch", type=int, help="global batch size (built-in examples)")
+        sp.add_argument("--seq", type=int, help="sequence length (built-in language models)")
+
+    sp = sub.add_parser("profile", help="per-layer FLOPs, saved activations, parameters and peak memory")
+    spec_args(sp)
+    sp.set_defaults(fn=cmd_profile)
+
+    sp = sub.add_parser("plan", help="plan a model for a mesh (no GPU or process group needed)")
+    spec_args(sp)
+    sp.add_argument("--mesh", default="2x4", help="mesh shape, e.g. 2x4 or 8 (default: %(default)s)")
+    sp.add_argument("--cluster", default="h100", help="cluster preset: a100, h100, h200, pcie, cpu (default: %(default)s)")
+    sp.add_argument("--memory", help="per-device memory budget, e.g. 80GiB")
+    sp.add_argument("--force", help="restrict to a plan family: dp, zero3, megatron, tp, atp-col-first, "
+                    "atp-row-first, pp-tp, replicate")
+    sp.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "sgd-momentum"))
+    sp.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
+    sp.add_argument("-o", "--output", help="write the plan JSON here")
+    sp.set_defaults(fn=cmd_plan)
+
+    sp = sub.add_parser("show", help="print a plan file (optionally an HTML report)")
+    sp.add_argument("plan", help="plan JSON file")
+    sp.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report")
+    sp.set_defaults(fn=cmd_show)
+
+    sp = sub.add_parser("explain", help="the strategies considered for a node or layer and the costs that decided")
+    sp.add_argument("plan", help="plan JSON file")
+    sp.add_argument("node", metavar="NODE_OR_LAYER", help="fx node name or layer/module path")
+    sp.set_defaults(fn=cmd_explain)
+
+    sp = sub.add_parser("diff", help="objective change and what moved between two plans")
+    sp.add_argument("a")
+    sp.add_argument("b")
+    sp.set_defaults(fn=cmd_diff)
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except UserError as err:
+        print(f"autopar: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
