@@ -2,12 +2,21 @@
 
 ``autopar.plan(model, mesh, example_inputs)`` finds a plan (no GPU, no process group);
 ``autopar.compile(model, mesh, example_inputs)`` plans and returns the per-rank module.
+Heavy parts are imported when first used, so ``import autopar`` stays cheap.
 """
-from autopar.mesh import CLUSTERS, Device, Link, Mesh
-from autopar.plan import Plan, PlanError
-from autopar.planner import FAMILIES, InfeasibleBudget, plan
+from autopar.plan import InfeasibleBudget, Plan, PlanError
 
 __version__ = "0.1.0"
+
+FAMILIES = ("replicate", "dp", "zero3", "megatron", "megatron-axis0", "megatron-axis1", "tp",
+            "atp-col-first", "atp-row-first", "pp-tp")
+
+
+def plan(model, mesh, example_inputs=(), **kwargs) -> Plan:
+    """Plan ``model`` for ``mesh``; see :func:`autopar.planner.plan`."""
+    from autopar.planner import plan as _plan
+
+    return _plan(model, mesh, example_inputs, **kwargs)
 
 
 def calibrate(device_mesh, **kwargs):
@@ -18,10 +27,18 @@ def calibrate(device_mesh, **kwargs):
 
 
 def compile(model, mesh=None, example_inputs=(), **kwargs):  # noqa: A001 - the public name
-    """Plan (or take ``plan=``) and build the per-rank :class:`ParallelModule` (see autopar.api)."""
+    """Plan (or take ``plan=``) and build the per-rank ``ParallelModule``; see :mod:`autopar.api`."""
     from autopar.api import compile as _compile
 
     return _compile(model, mesh, example_inputs, **kwargs)
+
+
+def __getattr__(name):
+    if name in ("Mesh", "Link", "Device", "CLUSTERS"):
+        import autopar.mesh as m
+
+        return getattr(m, name)
+    raise AttributeError(f"module 'autopar' has no attribute {name!r}")
 
 
 __all__ = ["Mesh", "Link", "Device", "CLUSTERS", "Plan", "PlanError", "plan", "compile", "calibrate",

@@ -26,6 +26,10 @@ class PlanError(ValueError):
     """A plan file that is malformed, or that does not fit the model or mesh it is used with."""
 
 
+class InfeasibleBudget(ValueError):
+    """No plan fits the memory budget; says the smallest budget that would and what dominates it."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class NodePlan:
     """What one graph node does."""

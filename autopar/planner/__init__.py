@@ -21,16 +21,12 @@ import numpy as np
 import solver
 from autopar import placement as pl
 from autopar.mesh import Mesh
-from autopar.plan import NodePlan, Plan
+from autopar.plan import InfeasibleBudget, NodePlan, Plan
 from autopar.planner.build import Built, Config, build, choices
 from autopar.planner.families import FAMILIES
 from autopar.units import parse_bytes
 
 __all__ = ["plan", "plan_profile", "FAMILIES", "InfeasibleBudget"]
-
-
-class InfeasibleBudget(ValueError):
-    """No plan fits the memory budget; says the smallest budget that would and what dominates it."""
 
 
 def _as_mesh(mesh) -> Mesh:
