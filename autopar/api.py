@@ -1,0 +1,189 @@
+"""``autopar.compile``: plan (on rank 0, or from the cache, or the plan given) and build the per-rank
+module, under ``torchrun`` or in any initialised process group.
+
+Every rank must run the same plan: rank 0 solves and broadcasts the plan as JSON bytes (never
+pickle); every rank checks that the plan was made for the graph it captured and that all ranks hold
+byte-identical plans before the first step, and stops with a clear error otherwise.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from autopar.plan import Plan, PlanError
+
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "autopar", "plans")
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"[autopar] {msg}", file=sys.stderr, flush=True)
+
+
+def init_distributed() -> None:
+    """Initialise the default process group from torchrun's environment if nobody did yet
+    (NCCL when CUDA is available, gloo otherwise)."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("autopar.compile needs a process group: launch with torchrun (which sets RANK and "
+                           "WORLD_SIZE) or call torch.distributed.init_process_group first")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+
+
+def mesh_shape_for(world: int) -> tuple[int, int]:
+    """A 2D mesh for ``world`` devices: the most square factorisation, inner axis the larger
+    (tensor parallelism on the fast inner links), inner axis at most 8 (one node)."""
+    best = (world, 1)
+    for inner in range(1, min(world, 8) + 1):
+        if world % inner == 0:
+            outer = world // inner
+            if abs(math.log(inner / outer)) <= abs(math.log(best[1] / best[0])) + 1e-9 and inner >= outer:
+                best = (outer, inner)
+    if best == (world, 1) and world > 1:
+        best = (world // min(world, 8), min(world, 8)) if world % min(world, 8) == 0 else (world, 1)
+    return best
+
+
+def _resolve_mesh(mesh, quiet: bool):
+    """(autopar.Mesh, torch DeviceMesh) from what the user passed (None, Mesh or DeviceMesh)."""
+    from autopar.mesh import Mesh
+
+    world = dist.get_world_size()
+    if mesh is None:
+        shape = mesh_shape_for(world)
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dm = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "tp"))
+        amesh = Mesh.from_device_mesh(dm)
+        if device_type == "cpu":
+            _log("calibrating the mesh links and the CPU ...", quiet)
+            from autopar.calibrate import calibrate
+
+            amesh = calibrate(dm)
+        return amesh, dm
+    if isinstance(mesh, Mesh):
+        if mesh.size != world:
+            raise ValueError(f"mesh {mesh.shape} has {mesh.size} devices but the job has world size {world}; "
+                             f"pass a mesh whose sizes multiply to {world} (or mesh=None to build one)")
+        return mesh, mesh.device_mesh()
+    if hasattr(mesh, "mesh") and hasattr(mesh, "device_type"):
+        if mesh.size() != world:
+            raise ValueError(f"DeviceMesh of {mesh.size()} devices in a job of world size {world}")
+        return Mesh.from_device_mesh(mesh), mesh
+    raise TypeError(f"mesh must be None, an autopar.Mesh or a torch DeviceMesh, got {type(mesh).__name__}")
+
+
+def _cache_path(cache_dir: str, graph_hash: str, mesh, budget, options: dict) -> str:
+    key = json.dumps({"g": graph_hash, "mesh": mesh.to_dict(), "budget": budget, "opt": options},
+                     sort_keys=True, default=str)
+    return os.path.join(cache_dir, hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+
+
+def _broadcast_text(text: str | None, device) -> str:
+    """Rank 0's string on every rank, as raw UTF-8 bytes in a uint8 tensor (no pickle)."""
+    rank = dist.get_rank()
+    data = (text or "").encode() if rank == 0 else b""
+    n = torch.tensor([len(data)], dtype=torch.long, device=device)
+    dist.broadcast(n, 0)
+    buf = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
+    if rank == 0:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, 0)
+    return bytes(buf.cpu().tolist()).decode()
+
+
+def verify_same_plan(plan: Plan, device) -> None:
+    """Every rank checks that all ranks hold byte-identical plans (sha256 of the canonical JSON)."""
+    digest = torch.tensor(list(bytes.fromhex(plan.digest())), dtype=torch.uint8, device=device)
+    gathered = [torch.empty_like(digest) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, digest)
+    bad = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+    if bad:
+        raise PlanError(f"ranks {bad} hold a different plan than rank 0 (plan digests differ); every rank must "
+                        f"load the same plan file or let rank 0 plan")
+
+
+def compile(model, mesh=None, example_inputs=(), *, example_kwargs=None, loss_fn=None, target=None,  # noqa: A001
+            memory_budget=None, optimizer: str = "adamw", plan: Plan | str | None = None,
+            cache_dir: str | None = DEFAULT_CACHE, backend: str | None = None, debug: bool = False,
+            quiet: bool = False, **options):
+    """Plan ``model`` for the job's mesh and return this rank's ``ParallelModule``.
+
+    ``plan`` may be a :class:`Plan` or a path to a plan JSON file (then no solve happens); otherwise
+    rank 0 plans (or reads the plan cache keyed by graph hash, mesh, budget and options) and
+    broadcasts it. ``backend="inductor"`` hands the per-rank graph to ``torch.compile``.
+    """
+    import profiler
+    from autopar.runtime.module import ParallelModule
+
+    init_distributed()
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    amesh, dm = _resolve_mesh(mesh, quiet)
+    device = torch.device("cuda", torch.cuda.current_device()) if dm.device_type == "cuda" else torch.device("cpu")
+    t0 = time.perf_counter()
+    _log("capturing and profiling the model ...", quiet)
+    gp = profiler.profile(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, target=target)
+    graph_hash = gp.captured.graph_hash()
+    if isinstance(plan, str):
+        plan = Plan.load(plan)
+    if plan is None:
+        text, failure = None, None
+        if dist.get_rank() == 0:
+            try:
+                text = _plan_on_rank0(gp, amesh, memory_budget, optimizer, options, cache_dir, quiet,
+                                      type(model).__name__)
+            except Exception as err:  # tell the other ranks instead of leaving them waiting
+                failure, text = err, f"{_FAIL}{type(err).__name__}: {err}"
+        got = _broadcast_text(text, device)
+        if got.startswith(_FAIL):
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"rank 0 could not plan: {got[len(_FAIL):]}")
+        plan = Plan.from_json(got)
+    plan.check_fits(graph_hash, amesh.to_dict())
+    verify_same_plan(plan, device)
+    _log(f"plan ready in {time.perf_counter() - t0:.1f} s\n{plan.summary()}", quiet)
+    return ParallelModule(model, gp.captured, plan, dm, debug=debug, backend=backend)
+
+
+_FAIL = "\x00autopar-plan-failed: "
+
+
+def _plan_on_rank0(gp, amesh, memory_budget, optimizer, options, cache_dir, quiet, model_name) -> str:
+    from autopar.planner import plan_profile
+
+    path = None
+    if cache_dir:
+        path = _cache_path(cache_dir, gp.captured.graph_hash(), amesh, memory_budget,
+                           {"optimizer": optimizer, **{k: v for k, v in options.items()}})
+        if os.path.exists(path):
+            try:
+                cached = Plan.load(path)
+                _log(f"plan loaded from cache {path}", quiet)
+                return cached.to_json()
+            except PlanError as err:
+                _log(f"ignoring unreadable cached plan ({err}); planning again", quiet)
+    _log("solving the plan ...", quiet)
+    p = plan_profile(gp, amesh, memory_budget=memory_budget, optimizer=optimizer, **options)
+    p.model = model_name
+    text = p.to_json()
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + f".tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    return text
