@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+	$(BIN)/torchrun --nproc-per-node 4 examples/train_gpt2.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
