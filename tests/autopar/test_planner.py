@@ -1,0 +1,127 @@
+"""The planner end to end on the zoo: plans on several meshes and presets, JSON round trips, the
+memory frontier, and sanity against the obvious answers."""
+import functools
+
+import pytest
+import torch
+
+import autopar
+import profiler
+from autopar import zoo
+from autopar.mesh import Link, Mesh
+from autopar.plan import Plan
+from autopar.planner import plan_profile
+
+
+@functools.lru_cache(maxsize=None)
+def _profile(name, **kw):
+    ex = zoo.build(name, device="meta", **kw)
+    return profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+
+
+def _gp(name, **kw):
+    return _profile(name, **dict(sorted(kw.items())))
+
+
+@pytest.mark.parametrize("name", zoo.ZOO)
+def test_plans_on_every_mesh_round_trip(name):
+    gp = _gp(name, batch=8)
+    for shape, cluster in [((1, 1), "a100"), ((2, 2), "a100"), ((2, 4), "h100"), ((8, 8), "h100")]:
+        p = plan_profile(gp, Mesh(shape, cluster=cluster), pipeline=False)
+        text = p.to_json()
+        assert Plan.from_json(text) == p and Plan.from_json(text).to_json() == text
+        assert p.step_time > 0 and p.peak_bytes > 0
+        s = p.summary()
+        assert "predicted step time" in s and "x".join(map(str, shape)) in s
+        assert all(len(pl) == len(shape) for n in p.nodes.values() for pl in n.outputs if pl)
+
+
+def test_single_device_plan_is_all_replicated():
+    p = plan_profile(_gp("mlp"), Mesh((1, 1), cluster="a100"), pipeline=False)
+    assert set(p.params.values()) == {"RR"}
+
+
+def test_tiny_model_gets_pure_data_parallelism():
+    # An MLP of a few thousand parameters with a big batch: sharding weights cannot pay.
+    gp = _gp("mlp", batch=4096)
+    p = plan_profile(gp, Mesh((2, 4), cluster="h100"), pipeline=False)
+    assert set(p.params.values()) == {"RR"}, p.params
+    x = next(n for n in gp.captured.user_inputs)
+    assert p.nodes[x].outputs[0] == "S(0)S(0)"
+
+
+def test_budget_below_replicated_weights_shards_parameters():
+    gp = _gp("gpt2", batch=8, seq=64, layers=2, hidden=256, heads=4, vocab=4096)
+    free = plan_profile(gp, Mesh((2, 2), cluster="a100"), pipeline=False, checkpoint=False)
+    weights = gp.param_bytes
+    p = plan_profile(gp, Mesh((2, 2), cluster="a100"), memory_budget=weights * 0.9, pipeline=False)
+    assert p.peak_bytes <= weights * 0.9
+    assert any("S" in v for v in p.params.values())
+    assert free.step_time <= p.step_time + 1e-12
+
+
+def test_memory_frontier_moves_towards_sharding_and_checkpointing():
+    gp = _gp("gpt2", batch=8, seq=128, layers=4, hidden=256, heads=4, vocab=2048)
+    mesh = Mesh((2, 2), cluster="a100")
+    top = plan_profile(gp, mesh, pipeline=False)
+    budget = top.peak_bytes
+    last_time = top.step_time
+    steps = 0
+    while True:
+        budget *= 0.8
+        try:
+            p = plan_profile(gp, mesh, memory_budget=budget, pipeline=False)
+        except autopar.InfeasibleBudget as err:
+            assert "smallest feasible budget" in str(err)
+            break
+        assert p.peak_bytes <= budget * (1 + 1e-9)
+        assert p.step_time >= last_time - 1e-12  # less memory never buys a faster plan
+        last_time = p.step_time
+        steps += 1
+    assert steps >= 2
+
+
+def test_tensor_parallelism_goes_on_the_fast_axis():
+    # Inner axis NVLink, outer axis a slow network: a large GPT puts its tensor parallelism inside.
+    gp = _gp("gpt2", batch=8, seq=512, layers=2, hidden=2048, heads=16, vocab=8192)
+    mesh = Mesh((2, 4), cluster="a100", links=[Link(20e-6, 1e9), Link(1e-6, 300e9)])
+    p = plan_profile(gp, mesh, pipeline=False, memory_budget="6GiB")
+    mats = [v for k, v in p.params.items() if k.endswith("weight") and ".h." in k and "ln" not in k]
+    assert mats and all(v[-1:] != "R" or v.endswith("S(0)") or v.endswith("S(1)") for v in mats)
+    inner_sharded = sum(v.endswith(("S(0)", "S(1)")) for v in mats)
+    outer_sharded = sum(v.startswith(("S(0)", "S(1)")) and not v.startswith("S(0)S") for v in mats)
+    assert inner_sharded >= outer_sharded and inner_sharded > 0, mats
+
+
+@pytest.mark.parametrize("family", ["dp", "zero3", "megatron", "megatron-axis0", "atp-col-first", "atp-row-first"])
+def test_forced_families_keep_their_shape(family):
+    gp = _gp("gpt2", batch=8)
+    p = plan_profile(gp, Mesh((2, 2), cluster="a100"), force=family, pipeline=False)
+    mats = {k: v for k, v in p.params.items() if k.endswith("c_fc.weight")}
+    assert mats
+    for v in mats.values():
+        if family == "dp":
+            assert v == "RR"
+        elif family == "zero3":
+            assert "R" not in v
+        elif family == "megatron":
+            assert v[0] == "R" and v[1:] in ("S(0)", "S(1)")
+        elif family == "atp-col-first":
+            # HF Conv1D stores (in, out), nn.Linear (out, in): either way both axes shard it.
+            assert v.count("S") == 2
+    assert p.options["family"] == family
+
+
+def test_infeasible_budget_names_the_minimum():
+    gp = _gp("mlp")
+    with pytest.raises(autopar.InfeasibleBudget, match="smallest feasible budget"):
+        plan_profile(gp, Mesh((2, 2), cluster="a100"), memory_budget=10, pipeline=False)
+
+
+def test_planning_is_deterministic():
+    gp = _gp("llama", batch=8)
+    a = plan_profile(gp, Mesh((2, 2), cluster="h100"), pipeline=False)
+    b = plan_profile(gp, Mesh((2, 2), cluster="h100"), pipeline=False)
+    for p in (a, b):
+        p.solver.pop("build_seconds"), p.solver.pop("solve_seconds")
+    assert a.to_json() == b.to_json()
