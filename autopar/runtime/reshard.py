@@ -1,0 +1,106 @@
+"""Run resharding step lists (from :func:`autopar.costs.reshard`) on local tensors, with autograd.
+
+Forward and backward are planned separately: the planner prices forward ``src -> dst`` and the
+gradient's ``grad_dst -> grad_src``. DTensor's conventions give the default gradient placements:
+the gradient of R is R, of P is R, of S(d) is S(d). A gradient may arrive Partial (a consumer split
+its work on an axis while its input was Replicate); then the backward list holds the all-reduce or
+reduce-scatter that the planner priced. :class:`Reshard` runs exactly the lists it is given.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.costs.reshard import Step, apply_step, grad_placements, normalize, reshard
+from autopar.mesh import Mesh
+from autopar.placement import fmt, local_shape
+from autopar.runtime import collectives as C
+
+
+def _run_step(x: torch.Tensor, step: Step, dm: DeviceMesh) -> torch.Tensor:
+    if step.kind == "noop" or dm.size(step.axis) == 1:
+        return x  # one rank on the axis: every step is the identity
+    k, a = step.kind, step.axis
+    if k == "all_gather":
+        return C.all_gather(x, step.dim, dm, a)
+    if k == "reduce_scatter":
+        return C.reduce_scatter(x, step.dim, dm, a)
+    if k == "all_reduce":
+        return C.all_reduce(x, dm, a)
+    if k == "all_to_all":
+        return C.all_to_all(x, step.dim, step.dim2, dm, a)
+    if k == "slice":
+        return C.local_chunk(x, step.dim, dm, a)
+    if k == "zero_partial":
+        return C.zero_partial(x, dm, a)
+    raise ValueError(f"unknown step kind {k!r}")
+
+
+def apply_steps(local: torch.Tensor, steps: Sequence[Step], device_mesh: DeviceMesh,
+                global_shape: Sequence[int] | None = None,
+                src: str | Sequence[Placement] | None = None) -> torch.Tensor:
+    """Run ``steps`` on this rank's ``local`` shard and return the new local shard (no autograd).
+
+    With ``global_shape`` and ``src`` given, the local shape and every step are checked against
+    the placements first, and a ``ValueError`` names the step that does not apply.
+    """
+    if any(s.axis >= device_mesh.ndim for s in steps):
+        raise ValueError(f"steps {[str(s) for s in steps]} use an axis beyond the {device_mesh.ndim}-D device mesh")
+    if global_shape is not None and src is not None:
+        _check_steps(local, steps, device_mesh, tuple(global_shape), src)
+    for step in steps:
+        local = _run_step(local, step, device_mesh)
+    return local
+
+
+def _check_steps(local, steps, dm, shape, src) -> None:
+    mesh_shape = tuple(dm.mesh.shape)
+    state = normalize(src, shape, Mesh(mesh_shape, cluster="cpu"))
+    want = local_shape(shape, state, mesh_shape)
+    if tuple(local.shape) != want:
+        raise ValueError(f"local shape {tuple(local.shape)} is not the {fmt(state)} shard {want} "
+                         f"of global shape {shape} on mesh {mesh_shape}")
+    for step in steps:
+        state = apply_step(state, step)
+        local_shape(shape, state, mesh_shape)  # raises naming the dim that does not divide
+
+
+class Reshard(torch.autograd.Function):
+    """``Reshard.apply(local, fwd_steps, bwd_steps, device_mesh, global_shape=None)``: forward runs
+    ``fwd_steps`` on the local shard, backward runs ``bwd_steps`` on the local gradient."""
+
+    @staticmethod
+    def forward(ctx, local, fwd_steps, bwd_steps, device_mesh, global_shape=None):
+        ctx.bwd = (tuple(bwd_steps), device_mesh, global_shape)
+        out = apply_steps(local, tuple(fwd_steps), device_mesh)
+        # A Function must not hand back its input object itself: return an alias.
+        return out.view_as(out) if out is local else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        steps, dm, _ = ctx.bwd
+        g = apply_steps(grad, steps, dm)
+        return (g.view_as(g) if g is grad else g), None, None, None, None
+
+
+def reshard_local(local: torch.Tensor, src, dst, device_mesh: DeviceMesh, global_shape: Sequence[int],
+                  grad_src=None, grad_dst=None, mesh: Mesh | None = None) -> torch.Tensor:
+    """Reshard this rank's shard of a tensor of ``global_shape`` from ``src`` to ``dst``
+    placements, autograd-aware: the cheapest forward ``src -> dst`` and backward
+    ``grad_dst -> grad_src`` (defaults: DTensor's gradient conventions of ``dst`` and ``src``).
+
+    ``mesh`` prices the search (default: ``Mesh.from_device_mesh(device_mesh)``).
+    """
+    mesh = Mesh.from_device_mesh(device_mesh) if mesh is None else mesh
+    if tuple(mesh.shape) != tuple(device_mesh.mesh.shape):
+        raise ValueError(f"pricing mesh {mesh.shape} differs from the device mesh {tuple(device_mesh.mesh.shape)}")
+    shape, itemsize = tuple(int(s) for s in global_shape), local.element_size()
+    src_n, dst_n = normalize(src, shape, mesh), normalize(dst, shape, mesh)
+    gsrc = grad_placements(src_n) if grad_src is None else grad_src
+    gdst = grad_placements(dst_n) if grad_dst is None else grad_dst
+    fwd = reshard(src_n, dst_n, shape, itemsize, mesh).steps
+    bwd = reshard(gdst, gsrc, shape, itemsize, mesh).steps
+    return Reshard.apply(local, fwd, bwd, device_mesh, shape)
