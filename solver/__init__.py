@@ -1,1 +1,14 @@
-"""solver."""
+"""solver: the joint sharding + checkpointing + memory ILP and pipeline helpers, in plain numbers.
+
+Imports neither torch nor autopar (numpy, networkx, pulp only). Build a ``Problem`` of ``Node``,
+``Edge`` and ``Segment`` records and call ``solve``; ``brute_force`` is the exhaustive reference.
+The ILP is stated as math in ``solver.ilp``; the exact reductions in ``solver.reduce``.
+"""
+from .brute import brute_force
+from .evaluate import Evaluation, evaluate, memory_terms
+from .ilp import solve
+from .model import Edge, Infeasible, Node, Problem, Segment, Solution, SolverError, fmt_bytes
+from . import pipeline
+
+__all__ = ["Node", "Edge", "Segment", "Problem", "Solution", "Infeasible", "SolverError", "solve",
+           "brute_force", "evaluate", "Evaluation", "memory_terms", "fmt_bytes", "pipeline"]

@@ -1,0 +1,304 @@
+r"""The joint sharding + checkpointing + memory ILP, solved by HiGHS through PuLP.
+
+The ILP is built on the reduced problem of ``solver.reduce`` (tie classes ``C`` with their alive
+strategies ``s``, class edges ``e = (a, b)``) and the checkpoint groups of ``solver.families``
+(twin groups ``G`` of ``n_G`` instances inside family groups ``F`` of ``n_F = n_G`` instances).
+Seconds are divided by a scale ``T`` and bytes by ``B`` so coefficients are O(1); the stated
+constant terms (``const_time``, ``const_bytes``, ``work_lb``) are what the reductions folded away.
+
+Variables
+    x[C,s]   in {0,1}        class C picks strategy s
+    y[e,s,t] in [0,1]        edge e=(a,b) sees a on s and b on t (integral whenever x is)
+    k[G]     in {0..n_G}     how many instances of twin group G are checkpointed
+    w[G,C,s] >= 0            = k[G] * x[C,s] for every class C in G's nodes or keep nodes
+    z[G]     in {0,1}        = [k[G] >= 1] (for n_G = 1, z[G] is k[G] itself)
+    tau      >= work_lb      the transient bytes on top of everything kept
+
+Objective (``_Formulation.set_objective``), seconds per step
+    min  sum_C sum_s time_C[s] x[C,s] + sum_e sum_{s,t} cost_e[s,t] y[e,s,t]
+       + sum_G sum_C sum_s rec_GC[s] w[G,C,s] + const_time
+    (with ``peak=True``: min P, the peak bytes, for the ``Infeasible`` report)
+
+Constraints
+    onehot[C]            sum_s x[C,s] = 1                                         (add_onehot)
+    edge_src[e,s]        sum_t y[e,s,t] = x[a,s]                                  (add_edges)
+    edge_dst[e,t]        sum_s y[e,s,t] = x[b,t]                                  (add_edges)
+    ck_count[G,C]        sum_s w[G,C,s] = k[G]                                    (add_checkpoints)
+    ck_link[G,C,s]       w[G,C,s] <= n_G x[C,s]                                   (add_checkpoints)
+    ck_once[F,q]         sum_{G in Q_q} k[G] <= n_F   for each set Q_q of groups covering a
+                         common node (nested segments: at most one per node)     (add_checkpoints)
+    ck_any[G]            k[G] <= n_G z[G]                                         (add_checkpoints)
+    transient_work[C]    tau >= sum_s work_C[s] x[C,s]                            (add_memory)
+    transient_ckpt[G]    tau >= sum_C sum_s act_GC[s] x[C,s] - M_G (1 - z[G]),
+                         M_G = sum_C max_s act_GC[s]                              (add_memory)
+    mem_peak             sum_C sum_s (static_C[s] + cov_C[s]) x[C,s]
+                         - sum_G sum_C sum_s act_GC[s] w[G,C,s]
+                         + sum_G sum_K sum_s keep_GK[s] w[G,K,s] + tau + const_bytes
+                         <= memory_budget   (or <= P)                             (add_memory)
+
+Exactness. For binary x the transportation rows force y[e,s,t] = x[a,s] x[b,t], and the
+``ck_count``/``ck_link`` rows force w[G,C,s] = k[G] x[C,s]; so the ILP prices every choice exactly
+as ``solver.evaluate`` does. ``time_C``/``static_C``/``cov_C``/``work_C`` are a class's summed
+member terms (``cov``: saved bytes of members inside some segment); ``act_GC``, ``rec_GC``,
+``keep_GK`` are one instance's bytes and seconds of group G on class C. Counts are turned back into
+segment ids by ``solver.families.decompose``.
+"""
+from __future__ import annotations
+
+import math
+import time as _time
+from dataclasses import dataclass
+
+import numpy as np
+import pulp
+
+from .compat import make_solver
+from .evaluate import describe_terms, evaluate, memory_terms
+from .families import decompose
+from .model import Infeasible, Problem, Solution, SolverError, fmt_bytes
+from .reduce import Compact, reduce_problem
+
+__all__ = ["solve"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Result:
+    status: str
+    picks: dict[int, int]
+    counts: dict[int, int]
+    gap: float
+    seconds: float
+
+
+class _Formulation:
+    """The ILP of the module docstring over ``cp``; with ``peak`` it minimises the peak bytes."""
+
+    def __init__(self, cp: Compact, budget: float | None, *, peak: bool = False, name: str = ""):
+        self.cp, self.budget, self.peak = cp, budget, peak
+        self.memory = budget is not None
+        self.lp = pulp.LpProblem(name or "autopar", pulp.LpMinimize)
+        self.rows: dict[str, pulp.LpConstraint] = {}
+        self.pulp_names: set[str] = set()
+        cls = cp.classes.values()
+        # Scales: seconds and bytes divided by their rough totals so coefficients are O(1).
+        self.T = max(sum(float(np.abs(t.time[t.alive]).max()) for t in cls)
+                     + sum(float(np.abs(m).max()) for m in cp.edges.values()), 1e-30)
+        self.B = max(budget or 0.0, cp.const_static + cp.work_lb
+                     + sum(float((t.static + t.cov + t.work)[t.alive].max()) for t in cls), 1.0)
+        self.x: dict[int, dict[int, pulp.LpVariable]] = {}
+        self.y: dict[tuple[int, int], dict[tuple[int, int], pulp.LpVariable]] = {}
+        self.k: dict[int, pulp.LpVariable] = {}
+        self.w: dict[tuple[int, int], dict[int, pulp.LpVariable]] = {}
+        self.z: dict[int, pulp.LpVariable] = {}
+        self.add_onehot()
+        self.add_edges()
+        if self.memory:
+            self.add_checkpoints()
+            self.add_memory()
+        self.set_objective()
+
+    def var(self, name: str, low: float | None = 0.0, up: float | None = None, cat=pulp.LpContinuous):
+        return self.lp.add_variable(name, low, up, cat)
+
+    def row(self, name: str, terms: dict, sense: int, rhs: float) -> None:
+        """Add ``sum terms (sense) rhs`` under the stable ``name`` (kept verbatim in ``self.rows``)."""
+        pname = name.translate(str.maketrans("-+[] ", "_____"))
+        while pname in self.pulp_names:  # names equal after PuLP's sanitising get a suffix
+            pname += "'"
+        self.pulp_names.add(pname)
+        con = pulp.LpConstraint(pulp.LpAffineExpression(list(terms.items())), sense, pname, rhs)
+        self.rows[name] = con
+        self.lp.addConstraint(con)
+
+    def add_onehot(self) -> None:
+        """x[C,s] binaries and onehot[C]."""
+        for c, t in self.cp.classes.items():
+            self.x[c] = {int(s): self.var(f"x_{c:06d}_{s:04d}", cat=pulp.LpBinary) for s in t.alive}
+            self.row(f"onehot[{self.cp.names[c]}]", {v: 1.0 for v in self.x[c].values()}, pulp.LpConstraintEQ, 1.0)
+
+    def add_edges(self) -> None:
+        """y[e,s,t] and the transportation rows edge_src[e,s], edge_dst[e,t]."""
+        for j, ((a, b), m) in enumerate(self.cp.edges.items()):
+            ya = {(s, t): self.var(f"y_{j:06d}_{s:04d}_{t:04d}", 0.0, 1.0) for s in self.x[a] for t in self.x[b]}
+            self.y[(a, b)] = ya
+            tag = f"{self.cp.names[a]}->{self.cp.names[b]}"
+            for s, xs in self.x[a].items():
+                terms = {ya[(s, t)]: 1.0 for t in self.x[b]}
+                terms[xs] = -1.0
+                self.row(f"edge_src[{tag},{s}]", terms, pulp.LpConstraintEQ, 0.0)
+            for t, xt in self.x[b].items():
+                terms = {ya[(s, t)]: 1.0 for s in self.x[a]}
+                terms[xt] = -1.0
+                self.row(f"edge_dst[{tag},{t}]", terms, pulp.LpConstraintEQ, 0.0)
+
+    def add_checkpoints(self) -> None:
+        """k[G], w[G,C,s], z[G] with ck_count, ck_link, ck_any and ck_once."""
+        for g, grp in enumerate(self.cp.groups):
+            kg = self.var(f"k_{g:05d}", 0.0, float(grp.n), pulp.LpInteger)
+            self.k[g] = kg
+            for c in sorted(set(grp.act) | set(grp.keep)):
+                wg = {s: self.var(f"w_{g:05d}_{c:06d}_{s:04d}") for s in self.x[c]}
+                self.w[(g, c)] = wg
+                self.row(f"ck_count[{grp.label},{self.cp.names[c]}]", {**{v: 1.0 for v in wg.values()}, kg: -1.0},
+                         pulp.LpConstraintEQ, 0.0)
+                for s, v in wg.items():
+                    self.row(f"ck_link[{grp.label},{self.cp.names[c]},{s}]", {v: 1.0, self.x[c][s]: -float(grp.n)},
+                             pulp.LpConstraintLE, 0.0)
+            if grp.n == 1:
+                self.z[g] = kg
+            else:
+                self.z[g] = self.var(f"z_{g:05d}", cat=pulp.LpBinary)
+                self.row(f"ck_any[{grp.label}]", {kg: 1.0, self.z[g]: -float(grp.n)}, pulp.LpConstraintLE, 0.0)
+        for f, fam in enumerate(self.cp.fams):
+            for q, cover in enumerate(fam.covers):
+                label = self.cp.groups[fam.groups[0]].label
+                self.row(f"ck_once[{label},{q}]", {self.k[g]: 1.0 for g in cover}, pulp.LpConstraintLE, float(fam.n))
+
+    def add_memory(self) -> None:
+        """tau, transient_work[C], transient_ckpt[G] and mem_peak (all bytes divided by B)."""
+        B, cp = self.B, self.cp
+        lb = max([cp.work_lb] + [float(t.work[t.alive].min()) for t in cp.classes.values()])
+        self.tau = self.var("tau", lb / B)
+        for c, t in cp.classes.items():
+            if t.work[t.alive].max() > lb:
+                terms = {v: float(t.work[s]) / B for s, v in self.x[c].items()}
+                self.row(f"transient_work[{cp.names[c]}]", {**terms, self.tau: -1.0}, pulp.LpConstraintLE, 0.0)
+        for g, grp in enumerate(cp.groups):
+            terms, big = {}, 0.0
+            for c, act in grp.act.items():
+                big += float(act[cp.classes[c].alive].max()) / B
+                for s, v in self.x[c].items():
+                    terms[v] = terms.get(v, 0.0) + float(act[s]) / B
+            if big > 0:  # tau >= A_G(x) - M_G (1 - z_G)
+                terms[self.z[g]] = big
+                terms[self.tau] = -1.0
+                self.row(f"transient_ckpt[{grp.label}]", terms, pulp.LpConstraintLE, big)
+        terms: dict = {self.tau: 1.0}
+        for c, t in cp.classes.items():
+            for s, v in self.x[c].items():
+                terms[v] = float(t.static[s] + t.cov[s]) / B
+        for (g, c), ws in self.w.items():
+            grp = cp.groups[g]
+            for s, v in ws.items():
+                coef = float(grp.keep[c][s]) if c in grp.keep else 0.0
+                coef -= float(grp.act[c][s]) if c in grp.act else 0.0
+                terms[v] = terms.get(v, 0.0) + coef / B
+        if self.peak:
+            self.P = self.var("P")
+            terms[self.P] = -1.0
+            self.row("mem_peak", terms, pulp.LpConstraintLE, -cp.const_static / B)
+        else:
+            self.row("mem_peak", terms, pulp.LpConstraintLE, (self.budget - cp.const_static) / B)
+
+    def set_objective(self) -> None:
+        """Seconds (divided by T): node time + resharding + recompute; or the peak P."""
+        if self.peak:
+            self.lp.setObjective(pulp.LpAffineExpression([(self.P, 1.0)]))
+            return
+        T, cp, terms = self.T, self.cp, {}
+        for c, t in cp.classes.items():
+            for s, v in self.x[c].items():
+                terms[v] = float(t.time[s]) / T
+        for key, ys in self.y.items():
+            m = cp.edges[key]
+            for (s, t), v in ys.items():
+                terms[v] = float(m[s, t]) / T
+        for (g, c), ws in self.w.items():
+            rec = cp.groups[g].rec.get(c)
+            for s, v in ws.items():
+                if rec is not None and rec[s] != 0:
+                    terms[v] = float(rec[s]) / T
+        self.lp.setObjective(pulp.LpAffineExpression(list(terms.items())))
+
+    @property
+    def num_variables(self) -> int:
+        return len(self.lp.variables())
+
+    def run(self, time_limit: float, mip_gap: float) -> _Result:
+        """Solve; status is "optimal", "time_limit" or "infeasible" (SolverError otherwise)."""
+        if not self.cp.classes:  # everything was folded into constants
+            return _Result(status="optimal", picks={}, counts={}, gap=0.0, seconds=0.0)
+        solver = make_solver(time_limit, mip_gap)
+        t0 = _time.perf_counter()
+        self.lp.solve(solver)
+        seconds = _time.perf_counter() - t0
+        status, gap = _status(self.lp, solver)
+        if status not in ("optimal", "time_limit", "infeasible"):
+            raise SolverError(f"the MIP solver ended with status {status!r} and no usable solution "
+                              f"after {seconds:.1f} s; raise Problem.time_limit (now {time_limit} s) "
+                              f"or Problem.mip_gap")
+        if status == "infeasible":
+            return _Result(status=status, picks={}, counts={}, gap=math.inf, seconds=seconds)
+        picks = {c: max(xs, key=lambda s: (xs[s].varValue, -s)) for c, xs in self.x.items()}
+        counts = {g: int(round(k.varValue)) for g, k in self.k.items()}
+        return _Result(status=status, picks=picks, counts=counts, gap=gap, seconds=seconds)
+
+    def decode(self, problem: Problem, res: _Result) -> tuple[dict[str, int], tuple[str, ...]]:
+        """Node id -> strategy and checkpointed segment ids from an ILP result."""
+        per_class = self.cp.expand(res.picks)
+        cof = problem.class_of
+        choice = {n.id: int(per_class[int(cof[i])]) for i, n in enumerate(problem.nodes)}
+        segs: list[int] = []
+        for fam in self.cp.fams:
+            segs += decompose(fam, {g: res.counts.get(g, 0) for g in fam.groups})
+        return choice, tuple(problem.segments[g].id for g in sorted(segs))
+
+
+def _status(lp: pulp.LpProblem, solver) -> tuple[str, float]:
+    """(status, relative gap) after a solve, read from HiGHS when it was the solver."""
+    model = getattr(lp, "solverModel", None)
+    if model is not None and hasattr(model, "getModelStatus"):
+        import highspy
+
+        ms = model.getModelStatus()
+        names = {highspy.HighsModelStatus.kOptimal: "optimal", highspy.HighsModelStatus.kTimeLimit: "time_limit",
+                 highspy.HighsModelStatus.kInfeasible: "infeasible"}
+        info = model.getInfo()
+        status = names.get(ms, model.modelStatusToString(ms))
+        if status in ("optimal", "time_limit") and info.primal_solution_status != 2:  # 2: feasible
+            return "no feasible solution found", math.inf
+        gap = float(info.mip_gap) if math.isfinite(info.mip_gap) else math.inf
+        return status, max(gap, 0.0)
+    if lp.status == pulp.LpStatusInfeasible:
+        return "infeasible", math.inf
+    if lp.status == pulp.LpStatusOptimal:
+        optimal = lp.sol_status == pulp.LpSolutionOptimal
+        return ("optimal", 0.0) if optimal else ("time_limit", math.nan)
+    return pulp.LpStatus.get(lp.status, str(lp.status)), math.inf
+
+
+def solve(problem: Problem) -> Solution:
+    """Choose a strategy per node and the checkpointed segments minimising seconds per step under
+    ``problem.memory_budget``. Deterministic: the same problem always yields the same solution.
+    Raises ``Infeasible`` (with ``min_budget`` and ``dominant``) when no choice fits the budget and
+    ``SolverError`` when the time limit ends before any feasible solution is found."""
+    t0 = _time.perf_counter()
+    cp = reduce_problem(problem)
+    form = _Formulation(cp, problem.memory_budget, name=problem.name)
+    build = _time.perf_counter() - t0
+    res = form.run(problem.time_limit, problem.mip_gap)
+    if res.status == "infeasible":
+        raise infeasible_error(problem, cp)
+    choice, ckpt = form.decode(problem, res)
+    ev = evaluate(problem, choice, ckpt)
+    return Solution(choice=choice, checkpointed=ckpt, objective=ev.objective, split=ev.split,
+                    peak_bytes=ev.peak_bytes, status=res.status, gap=0.0 if res.status == "optimal" else res.gap,
+                    num_variables=form.num_variables, num_constraints=len(form.rows),
+                    solve_seconds=res.seconds, build_seconds=build, stats=dict(cp.stats))
+
+
+def infeasible_error(problem: Problem, cp: Compact | None = None) -> Infeasible:
+    """The ``Infeasible`` for ``problem``: a second ILP minimises the peak to find ``min_budget``."""
+    cp = cp or reduce_problem(problem)
+    form = _Formulation(cp, problem.memory_budget, peak=True, name=problem.name)
+    res = form.run(problem.time_limit, 0.0)
+    choice, ckpt = form.decode(problem, res)
+    least = evaluate(problem, choice, ckpt).peak_bytes
+    dominant = describe_terms(memory_terms(problem, choice, ckpt))
+    bound = "" if res.status == "optimal" else " (an upper bound: the peak ILP hit its time limit)"
+    msg = (f"problem {problem.name!r}: no choice fits memory_budget={fmt_bytes(problem.memory_budget)} "
+           f"(row 'mem_peak' cannot hold); the smallest feasible budget is {fmt_bytes(least)} "
+           f"({least:.0f} bytes){bound}, dominated by: {'; '.join(dominant) or 'nothing'}. "
+           f"Raise memory_budget to at least {least:.0f} bytes, or offer strategies that shard these "
+           f"terms further (more devices, parameter sharding, checkpoint segments).")
+    return Infeasible(msg, min_budget=least, dominant=dominant)

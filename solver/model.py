@@ -1,0 +1,293 @@
+"""The solver's plain-number types: ``Node``, ``Edge``, ``Segment``, ``Problem``, ``Solution``.
+
+Nothing here knows of torch or of a model: a problem is string ids, numpy vectors of seconds and
+bytes per strategy, and per-edge transition matrices, so anyone can write one with a dozen numbers.
+Every array is copied to a read-only float64 array and checked on construction; a bad input raises
+``ValueError`` naming the field, the node and the fix.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+__all__ = ["Node", "Edge", "Segment", "Problem", "Solution", "Infeasible", "SolverError", "fmt_bytes"]
+
+
+def fmt_bytes(n: float) -> str:
+    """``4.4e9`` -> ``"4.10 GiB"``: bytes in the largest binary unit that keeps the number >= 1."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _vector(owner: str, name: str, value, size: int) -> np.ndarray:
+    """A read-only float64 copy of ``value`` with shape (size,), finite and >= 0."""
+    arr = np.zeros(size) if value is None else np.array(value, dtype=np.float64).reshape(-1)
+    if arr.shape != (size,):
+        raise ValueError(f"{owner}: {name} has {arr.size} entries but there are {size} strategies; "
+                         f"give one value per strategy label")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise ValueError(f"{owner}: {name} must be finite and >= 0, got {arr.tolist()}; "
+                         f"drop a strategy instead of giving it an infinite cost")
+    arr.setflags(write=False)
+    return arr
+
+
+@dataclass(frozen=True, kw_only=True)
+class Node:
+    """One op of the graph with S candidate strategies; every cost array has shape (S,)."""
+
+    id: str
+    """Unique name of the node (an fx node name, a module path)."""
+    labels: tuple[str, ...]
+    """Strategy names, e.g. placement strings ``("S(0)R", "RR")``; their count S fixes all shapes."""
+    time: np.ndarray
+    """(S,) seconds of the op under each strategy: compute + un-hidden in-op communication."""
+    comm: np.ndarray | None = None
+    """(S,) the communication part of ``time`` (reported in the cost split only); None = zeros."""
+    mem: np.ndarray | None = None
+    """(S,) bytes resident for the whole step: parameters, gradients, optimizer state; None = zeros."""
+    act: np.ndarray | None = None
+    """(S,) bytes this node keeps saved for backward at the forward/backward boundary; None = zeros."""
+    work: np.ndarray | None = None
+    """(S,) transient bytes while the op runs (workspace, temporary output); None = zeros."""
+    recompute: np.ndarray | None = None
+    """(S,) seconds to recompute this node's forward in backward when checkpointed; None = zeros."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not self.id:
+            raise ValueError(f"Node.id must be a non-empty string, got {self.id!r}")
+        labels = tuple(str(x) for x in self.labels)
+        if not labels:
+            raise ValueError(f"node {self.id!r} has no strategy labels; give at least one strategy")
+        object.__setattr__(self, "labels", labels)
+        size = len(labels)
+        for name in ("time", "comm", "mem", "act", "work", "recompute"):
+            object.__setattr__(self, name, _vector(f"node {self.id!r}", name, getattr(self, name), size))
+        bad = np.nonzero(self.comm > self.time * (1 + 1e-9) + 1e-15)[0]
+        if bad.size:
+            s = int(bad[0])
+            raise ValueError(f"node {self.id!r}: comm[{s}]={self.comm[s]!r} exceeds time[{s}]={self.time[s]!r}; "
+                             f"comm is the communication part of time, so time must include it")
+
+    @property
+    def size(self) -> int:
+        """S, the number of strategies."""
+        return len(self.labels)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Edge:
+    """A data dependency ``src -> dst`` with the price of resharding between their strategies."""
+
+    src: str
+    """Id of the producing node."""
+    dst: str
+    """Id of the consuming node."""
+    cost: np.ndarray
+    """(S_src, S_dst) seconds of resharding (forward + backward) when src picks s and dst picks t."""
+
+    def __post_init__(self) -> None:
+        cost = np.array(self.cost, dtype=np.float64)
+        if cost.ndim != 2 or not np.all(np.isfinite(cost)) or np.any(cost < 0):
+            raise ValueError(f"edge {self.src!r}->{self.dst!r}: cost must be a finite, >= 0 matrix "
+                             f"(S_src, S_dst), got shape {cost.shape}")
+        cost.setflags(write=False)
+        object.__setattr__(self, "cost", cost)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Segment:
+    """An activation-checkpoint candidate: a contiguous run of nodes recomputed in backward."""
+
+    id: str
+    """Unique name of the segment (a layer path such as ``h.3`` or ``h.3.mlp``)."""
+    nodes: tuple[str, ...]
+    """Ids of the nodes inside the segment, in graph order."""
+    keep: tuple[str, ...] = ()
+    """Ids of the nodes whose outputs stay saved when the segment is recomputed: its inputs."""
+    keep_bytes: tuple[np.ndarray, ...] = ()
+    """Per keep-node, (S_keep,) bytes of its output under each of that node's strategies."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        object.__setattr__(self, "keep", tuple(self.keep))
+        if not self.nodes:
+            raise ValueError(f"segment {self.id!r} has no nodes")
+        if len(set(self.nodes)) != len(self.nodes):
+            raise ValueError(f"segment {self.id!r} lists a node twice: {self.nodes}")
+        if len(self.keep_bytes) != len(self.keep):
+            raise ValueError(f"segment {self.id!r}: {len(self.keep)} keep nodes but {len(self.keep_bytes)} "
+                             f"keep_bytes arrays; give one (S_keep,) array per keep node")
+        arrays = tuple(_vector(f"segment {self.id!r}", f"keep_bytes[{k!r}]", b, np.size(b))
+                       for k, b in zip(self.keep, self.keep_bytes))
+        object.__setattr__(self, "keep_bytes", arrays)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """One sharding + checkpointing problem: choose a strategy per node and the checkpointed segments
+    minimising step seconds with per-device peak bytes under ``memory_budget``."""
+
+    nodes: tuple[Node, ...]
+    """The ops, each with its strategies and per-strategy costs."""
+    edges: tuple[Edge, ...] = ()
+    """Data dependencies with resharding costs; parallel edges are summed."""
+    ties: tuple[tuple[str, ...], ...] = ()
+    """Groups of node ids that must choose the same strategy index (repeated layers)."""
+    segments: tuple[Segment, ...] = ()
+    """Activation-checkpoint candidates; overlapping (nested) ones are mutually exclusive."""
+    memory_budget: float | None = None
+    """Bytes per device the peak must fit in; None = unconstrained (then nothing is checkpointed)."""
+    time_limit: float = 60.0
+    """Seconds the ILP solver may run; on expiry the best solution found is returned with its gap."""
+    mip_gap: float = 0.0
+    """Relative optimality gap at which the solver may stop (0 = prove optimality)."""
+    name: str = ""
+    """A name for logs and reports."""
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "edges", "segments"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "ties", tuple(tuple(t) for t in self.ties))
+        if not self.nodes:
+            raise ValueError(f"problem {self.name!r} has no nodes")
+        index: dict[str, int] = {}
+        for i, node in enumerate(self.nodes):
+            if node.id in index:
+                raise ValueError(f"duplicate node id {node.id!r}; node ids must be unique")
+            index[node.id] = i
+        self._check_edges(index)
+        self._check_ties(index)
+        self._check_segments(index)
+        if self.memory_budget is not None and not (self.memory_budget > 0 and math.isfinite(self.memory_budget)):
+            raise ValueError(f"memory_budget must be a positive number of bytes or None, got {self.memory_budget!r}")
+        if not self.time_limit > 0:
+            raise ValueError(f"time_limit must be > 0 seconds, got {self.time_limit!r}")
+        if not 0 <= self.mip_gap < 1:
+            raise ValueError(f"mip_gap must be in [0, 1), got {self.mip_gap!r}")
+
+    def _check_edges(self, index: dict[str, int]) -> None:
+        for e in self.edges:
+            for end in (e.src, e.dst):
+                if end not in index:
+                    raise ValueError(f"edge {e.src!r}->{e.dst!r} names unknown node {end!r}")
+            if e.src == e.dst:
+                raise ValueError(f"edge {e.src!r}->{e.dst!r} is a self-loop; fold its cost into the node's time")
+            want = (self.nodes[index[e.src]].size, self.nodes[index[e.dst]].size)
+            if e.cost.shape != want:
+                raise ValueError(f"edge {e.src!r}->{e.dst!r}: cost has shape {e.cost.shape} but the nodes "
+                                 f"have {want[0]} and {want[1]} strategies; give a (S_src, S_dst) matrix")
+
+    def _check_ties(self, index: dict[str, int]) -> None:
+        for group in self.ties:
+            for n in group:
+                if n not in index:
+                    raise ValueError(f"tie group {group[:3]}... names unknown node {n!r}")
+            sizes = {self.nodes[index[n]].size for n in group}
+            if len(sizes) > 1:
+                raise ValueError(f"tie group starting {group[0]!r} mixes nodes with {sorted(sizes)} strategies; "
+                                 f"tied nodes choose the same strategy index, so they need the same count")
+
+    def _check_segments(self, index: dict[str, int]) -> None:
+        seen: set[str] = set()
+        for seg in self.segments:
+            if seg.id in seen:
+                raise ValueError(f"duplicate segment id {seg.id!r}")
+            seen.add(seg.id)
+            for n in seg.nodes + seg.keep:
+                if n not in index:
+                    raise ValueError(f"segment {seg.id!r} names unknown node {n!r}")
+            for k, b in zip(seg.keep, seg.keep_bytes):
+                if b.shape != (self.nodes[index[k]].size,):
+                    raise ValueError(f"segment {seg.id!r}: keep_bytes of {k!r} has {b.size} entries but the "
+                                     f"node has {self.nodes[index[k]].size} strategies")
+
+    @cached_property
+    def node_index(self) -> dict[str, int]:
+        """Node id -> position in ``nodes``."""
+        return {n.id: i for i, n in enumerate(self.nodes)}
+
+    @cached_property
+    def classes(self) -> tuple[tuple[int, ...], ...]:
+        """Tie classes: node positions that share one choice (the union of overlapping ``ties``),
+        ordered by their first member; an untied node is a class of its own."""
+        parent = list(range(len(self.nodes)))
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        for group in self.ties:
+            ids = [self.node_index[n] for n in group]
+            for j in ids[1:]:
+                a, b = find(ids[0]), find(j)
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+        members: dict[int, list[int]] = {}
+        for i in range(len(self.nodes)):
+            members.setdefault(find(i), []).append(i)
+        return tuple(tuple(m) for m in members.values())
+
+    @cached_property
+    def class_of(self) -> np.ndarray:
+        """(num_nodes,) index into ``classes`` of each node."""
+        out = np.empty(len(self.nodes), dtype=np.int64)
+        for c, members in enumerate(self.classes):
+            out[list(members)] = c
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Solution:
+    """The chosen strategies and checkpoints with their predicted cost (the problem's own model)."""
+
+    choice: dict[str, int]
+    """Node id -> index of the chosen strategy (into that node's ``labels``)."""
+    checkpointed: tuple[str, ...]
+    """Ids of the checkpointed segments, in problem order."""
+    objective: float
+    """Predicted seconds per step: node time + resharding + recompute."""
+    split: dict[str, float]
+    """Seconds by kind: ``compute``, ``comm`` (in-op), ``reshard`` (edges), ``recompute``."""
+    peak_bytes: float
+    """Predicted per-device peak: resident + kept activations + checkpoint inputs + transient."""
+    status: str
+    """``"optimal"`` or ``"time_limit"`` (best found, see ``gap``)."""
+    gap: float
+    """Relative optimality gap of ``objective`` proven by the solver (0 when optimal)."""
+    num_variables: int = 0
+    """ILP columns after the exact reductions."""
+    num_constraints: int = 0
+    """ILP rows after the exact reductions."""
+    solve_seconds: float = field(default=0.0, compare=False)
+    """Wall seconds in the MIP solver."""
+    build_seconds: float = field(default=0.0, compare=False)
+    """Wall seconds to reduce the problem and build the ILP."""
+    stats: dict[str, int] = field(default_factory=dict)
+    """Sizes before and after the reductions (nodes, classes, strategies, edges, segment groups)."""
+
+    def labels(self, problem: Problem) -> dict[str, str]:
+        """Node id -> the chosen strategy's label."""
+        return {n.id: n.labels[self.choice[n.id]] for n in problem.nodes}
+
+
+class Infeasible(Exception):
+    """No choice fits ``memory_budget``. ``min_budget`` is the smallest budget that does (found by a
+    second ILP minimising peak memory); ``dominant`` lists the terms that dominate that peak."""
+
+    def __init__(self, message: str, *, min_budget: float, dominant: tuple[str, ...]):
+        super().__init__(message)
+        self.min_budget = min_budget
+        self.dominant = dominant
+
+
+class SolverError(RuntimeError):
+    """The MIP solver ended without a usable answer (e.g. the time limit ran out before any
+    feasible solution was found)."""
