@@ -1,0 +1,116 @@
+"""Hypothesis strategies for small solver problems (chains and DAGs up to 8 nodes x 4 strategies).
+
+Seconds are multiples of 0.1 and bytes whole MiB, so a budget of (k + 1/2) MiB is never on the
+boundary of any choice's peak: feasibility never hinges on solver tolerances.
+"""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+from solver import Edge, Node, Problem, Segment
+
+MiB = 2**20
+
+
+def _vec(draw, size: int, hi: int, unit: float) -> np.ndarray:
+    return np.array(draw(st.lists(st.integers(0, hi), min_size=size, max_size=size)), dtype=np.float64) * unit
+
+
+def _node(draw, nid: str, size: int) -> Node:
+    time = _vec(draw, size, 40, 0.1)
+    comm = np.floor(time * draw(st.sampled_from([0.0, 0.5]))) if size else time
+    return Node(id=nid, labels=tuple(f"s{i}" for i in range(size)), time=time, comm=np.minimum(comm, time),
+                mem=_vec(draw, size, 30, MiB), act=_vec(draw, size, 30, MiB), work=_vec(draw, size, 20, MiB),
+                recompute=_vec(draw, size, 10, 0.1))
+
+
+def _twin(node: Node, nid: str) -> Node:
+    return Node(id=nid, labels=node.labels, time=node.time, comm=node.comm, mem=node.mem, act=node.act,
+                work=node.work, recompute=node.recompute)
+
+
+@st.composite
+def layered(draw):
+    """A head node, then R repeats of an L-node layer (tied by position), with per-layer segments,
+    optionally a nested sub-segment, and a residual edge per layer."""
+    width = draw(st.integers(1, 3))
+    repeats = draw(st.integers(2, max(2, 6 // width)))
+    sizes = [draw(st.integers(1, 4)) for _ in range(width)]
+    twins = draw(st.booleans())  # identical costs per position (twin segments) or not
+    head = _node(draw, "head", draw(st.integers(1, 3)))
+    nodes, layers = [head], []
+    for r in range(repeats):
+        layer = []
+        for j in range(width):
+            nid = f"l{r}.{j}"
+            layer.append(_twin(nodes[1 + j], nid) if twins and r > 0 else _node(draw, nid, sizes[j]))
+        nodes += layer
+        layers.append([n.id for n in layer])
+    ids = [n.id for n in nodes]
+    size = {n.id: n.size for n in nodes}
+    edges = [Edge(src=a, dst=b, cost=_vec(draw, size[a] * size[b], 20, 0.1).reshape(size[a], size[b]))
+             for a, b in zip(ids, ids[1:])]
+    if width > 1 and draw(st.booleans()):  # residual: layer input -> layer output
+        for r, layer in enumerate(layers):
+            src = ids[ids.index(layer[0]) - 1]
+            edges.append(Edge(src=src, dst=layer[-1], cost=np.full((size[src], size[layer[-1]]), 0.1)))
+    ties = tuple(tuple(layer[j] for layer in layers) for j in range(width) if draw(st.booleans()))
+    segs = []
+    nested = width > 1 and draw(st.booleans())
+    first_kb = None
+    for r, layer in enumerate(layers):
+        prev = ids[ids.index(layer[0]) - 1]
+        # layers >= 1 keep the previous layer's output: reuse layer 1's bytes so twins stay twins
+        keep_bytes = first_kb if r > 1 and twins else _vec(draw, size[prev], 10, MiB)
+        if r == 1:
+            first_kb = keep_bytes
+        segs.append(Segment(id=f"L{r}", nodes=tuple(layer), keep=(prev,), keep_bytes=(keep_bytes,)))
+        if nested:
+            segs.append(Segment(id=f"L{r}.tail", nodes=tuple(layer[1:]), keep=(layer[0],),
+                                keep_bytes=(nodes[ids.index(layer[0])].act,)))
+    return nodes, edges, ties, segs
+
+
+@st.composite
+def dag(draw):
+    """2..8 nodes in topological order: a chain or random forward edges, random ties among nodes
+    with equal strategy counts, random contiguous segments (possibly overlapping)."""
+    n = draw(st.integers(2, 8))
+    sizes = [draw(st.integers(1, 4)) for _ in range(n)]
+    nodes = [_node(draw, f"n{i}", sizes[i]) for i in range(n)]
+    pairs = [(i, i + 1) for i in range(n - 1)] if draw(st.booleans()) else []
+    pairs += [(i, j) for i in range(n) for j in range(i + 2, n) if draw(st.integers(0, 3)) == 0]
+    edges = [Edge(src=f"n{i}", dst=f"n{j}", cost=_vec(draw, sizes[i] * sizes[j], 20, 0.1).reshape(sizes[i], sizes[j]))
+             for i, j in pairs]
+    ties = []
+    for k in set(sizes):
+        same = [f"n{i}" for i in range(n) if sizes[i] == k]
+        if len(same) > 1 and draw(st.booleans()):
+            ties.append(tuple(draw(st.lists(st.sampled_from(same), min_size=2, max_size=len(same), unique=True))))
+    segs = []
+    for g in range(draw(st.integers(0, 4))):
+        lo = draw(st.integers(1, n - 1))
+        hi = draw(st.integers(lo + 1, n))
+        keep = (f"n{lo - 1}",)
+        segs.append(Segment(id=f"g{g}", nodes=tuple(f"n{i}" for i in range(lo, hi)), keep=keep,
+                            keep_bytes=(_vec(draw, sizes[lo - 1], 10, MiB),)))
+    return nodes, edges, tuple(ties), segs
+
+
+@st.composite
+def problems(draw):
+    """(problem without budget, budget fraction): the test sets the budget from brute force."""
+    nodes, edges, ties, segs = draw(st.one_of(layered(), dag()))
+    frac = draw(st.sampled_from([-0.3, 0.0, 0.15, 0.3, 0.5, 0.75, 1.0, 1.3]))
+    return Problem(nodes=tuple(nodes), edges=tuple(edges), ties=ties, segments=tuple(segs), name="hyp"), frac
+
+
+def with_budget(problem: Problem, budget: float | None) -> Problem:
+    return Problem(nodes=problem.nodes, edges=problem.edges, ties=problem.ties, segments=problem.segments,
+                   memory_budget=budget, time_limit=problem.time_limit, name=problem.name)
+
+
+def half_mib(x: float) -> float:
+    """The nearest (k + 1/2) MiB to ``x`` bytes, at least 1/2 MiB."""
+    return max(np.floor(x / MiB), 0.0) * MiB + MiB / 2

@@ -1,0 +1,150 @@
+"""The ILP against exhaustive enumeration on random small problems, and its determinism."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+
+import solver
+from solver import Edge, Infeasible, Node, Problem, Segment
+from solver.brute import disjoint_subsets
+
+from solver_problems import MiB, half_mib, problems, with_budget
+
+SETTINGS = settings(max_examples=70, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _small(problem: Problem) -> bool:
+    """Small enough for brute force in a few milliseconds."""
+    combos = math.prod(problem.nodes[m[0]].size for m in problem.classes)
+    return combos * len(disjoint_subsets(problem)) <= 100_000
+
+
+def _budget(problem: Problem, frac: float) -> float:
+    """A budget between the least possible peak (frac 0) and the unconstrained optimum's (frac 1)."""
+    free = solver.brute_force(with_budget(problem, None)).peak_bytes
+    try:
+        least = solver.brute_force(with_budget(problem, 1.0)).peak_bytes
+    except Infeasible as err:
+        least = err.min_budget
+    return half_mib(least + frac * (free - least)) if frac >= 0 or least < MiB else half_mib(least) - MiB
+
+
+def _check_solution(problem: Problem, sol: solver.Solution) -> None:
+    ev = solver.evaluate(problem, sol.choice, sol.checkpointed)
+    assert sol.objective == pytest.approx(ev.objective, rel=1e-12)
+    assert sol.peak_bytes == pytest.approx(ev.peak_bytes, rel=1e-12)
+    assert sum(sol.split.values()) == pytest.approx(sol.objective, rel=1e-9)
+    for group in problem.ties:
+        assert len({sol.choice[n] for n in group}) == 1, f"tie {group} broken: {sol.choice}"
+    if problem.memory_budget is not None:
+        assert sol.peak_bytes <= problem.memory_budget
+    else:
+        assert sol.checkpointed == ()
+
+
+@SETTINGS
+@given(problems())
+def test_ilp_matches_brute_force(case):
+    problem, frac = case
+    assume(_small(problem))
+    budget = None if frac > 1.2 else _budget(problem, frac)
+    problem = with_budget(problem, budget)
+    try:
+        ref = solver.brute_force(problem)
+    except Infeasible as want:
+        with pytest.raises(Infeasible) as got:
+            solver.solve(problem)
+        assert got.value.min_budget == pytest.approx(want.min_budget, rel=1e-9)
+        assert got.value.min_budget > budget
+        assert got.value.dominant and "smallest feasible budget" in str(got.value)
+        return
+    sol = solver.solve(problem)
+    assert sol.status == "optimal" and sol.gap == 0.0
+    assert sol.objective == pytest.approx(ref.objective, rel=1e-6, abs=1e-9)
+    _check_solution(problem, sol)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_same_problem_same_solution(case):
+    problem, frac = case
+    assume(_small(problem))
+    problem = with_budget(problem, None if frac > 1.2 else _budget(problem, max(frac, 0.0)))
+    assert solver.solve(problem) == solver.solve(problem)
+
+
+def _chain(n: int, budget: float | None) -> Problem:
+    rng = np.random.default_rng(7)
+    nodes = tuple(Node(id=f"n{i}", labels=("a", "b", "c"), time=rng.integers(1, 9, 3) * 0.1,
+                       mem=rng.integers(1, 9, 3) * MiB, act=rng.integers(1, 9, 3) * MiB,
+                       recompute=np.full(3, 0.05)) for i in range(n))
+    edges = tuple(Edge(src=f"n{i}", dst=f"n{i + 1}", cost=rng.integers(0, 5, (3, 3)) * 0.1) for i in range(n - 1))
+    segs = (Segment(id="mid", nodes=("n1", "n2", "n3"), keep=("n0",), keep_bytes=(np.full(3, MiB),)),
+            Segment(id="inner", nodes=("n2",), keep=("n1",), keep_bytes=(np.full(3, MiB),)))
+    return Problem(nodes=nodes, edges=edges, segments=segs, memory_budget=budget, name="chain")
+
+
+def _two_layers(budget: float | None) -> Problem:
+    """Five nodes, R (1.0 s, 4 MiB params, 4 MiB saved) or S (1.5 s, 1 MiB, 1 MiB); two layers."""
+    nodes = tuple(Node(id=f"n{i}", labels=("R", "S"), time=[1.0, 1.5], mem=[4 * MiB, MiB], act=[4 * MiB, MiB],
+                       recompute=[0.1, 0.15]) for i in range(5))
+    segs = (Segment(id="s1", nodes=("n1", "n2"), keep=("n0",), keep_bytes=([MiB, MiB],)),
+            Segment(id="s2", nodes=("n3", "n4"), keep=("n2",), keep_bytes=([MiB, MiB],)))
+    return Problem(nodes=nodes, segments=segs, memory_budget=budget, name="two-layers")
+
+
+def test_hand_example_checkpoints_when_the_budget_bites():
+    # All R: 40 MiB at 5.0 s. Checkpointing both layers: 20 resident + 4 saved (n0) + 2 kept
+    # + 8 recomputed transient = 34 MiB at 5.0 + 4 * 0.1 s; one layer alone gives 41 MiB; any S
+    # costs 0.5 s. So a 36 MiB budget checkpoints both layers at 5.4 s.
+    assert solver.solve(_two_layers(None)).objective == pytest.approx(5.0)
+    sol = solver.solve(_two_layers(36 * MiB))
+    assert sol.checkpointed == ("s1", "s2")
+    assert sol.objective == pytest.approx(5.4)
+    assert sol.peak_bytes == 34 * MiB
+    assert sol.split["recompute"] == pytest.approx(0.4)
+    assert set(sol.labels(_two_layers(36 * MiB)).values()) == {"R"}
+    tight = solver.solve(_two_layers(25 * MiB))
+    assert tight.objective == pytest.approx(solver.brute_force(_two_layers(25 * MiB)).objective)
+    assert tight.peak_bytes <= 25 * MiB
+
+
+def test_infeasible_names_min_budget_and_dominant_terms():
+    problem = _chain(5, 1.0 * MiB)
+    with pytest.raises(Infeasible) as err:
+        solver.solve(problem)
+    with pytest.raises(Infeasible) as ref:
+        solver.brute_force(problem)
+    assert err.value.min_budget == pytest.approx(ref.value.min_budget)
+    text = str(err.value)
+    assert "smallest feasible budget" in text and "mem_peak" in text
+    assert any("parameters+optimizer state" in d or "activations" in d for d in err.value.dominant)
+
+
+def test_time_limit_returns_best_found_with_gap():
+    """Random dense costs on a 60-node graph with skip edges (a frustrated MRF the LP relaxation
+    does not close; HiGHS needs ~20 s): a 1 s limit returns the incumbent with its gap."""
+    rng = np.random.default_rng(3)
+    n, s = 60, 6
+    nodes = tuple(Node(id=f"n{i}", labels=tuple(map(str, range(s))), time=rng.random(s)) for i in range(n))
+    edges = tuple(Edge(src=f"n{i}", dst=f"n{j}", cost=rng.random((s, s)))
+                  for i in range(n) for j in (i + 1, i + 7) if j < n)
+    problem = Problem(nodes=nodes, edges=edges, time_limit=1.0)
+    try:
+        sol = solver.solve(problem)
+    except solver.SolverError as err:  # no incumbent within the limit is the other valid outcome
+        assert "time_limit" in str(err)
+        return
+    assert sol.status in ("optimal", "time_limit")
+    if sol.status == "time_limit":
+        assert 0 < sol.gap < 1
+    assert sol.objective == pytest.approx(solver.evaluate(problem, sol.choice).objective)
+
+
+def test_disjoint_subsets_respect_nesting():
+    problem = _chain(5, None)
+    assert disjoint_subsets(problem) == [(), (0,), (1,)]
