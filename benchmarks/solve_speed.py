@@ -1,0 +1,58 @@
+"""How fast the planner builds and solves the joint problem on big configs.
+
+    python benchmarks/solve_speed.py [--quick]
+
+For GPT-2 1.5B (48 layers, b8, s1024), Llama-2-7B and Llama-3-8B (b8, s2048) on meshes (2,4), (8,8)
+and (16,64), and a 70B Llama on (16,64) (H100 preset, 80 GiB budget): profile seconds, variables,
+constraints, build seconds, solve seconds (sharding + checkpointing + memory ILP, plus the pipeline
+search), the objective and the chosen plan family. Targets: the full joint solve <= 5 s for
+Llama-3-8B on (8,8) and <= 30 s for the 70B config on (16,64); the ratio printed is target / ours
+(>= 1 meets it).
+"""
+import argparse
+import time
+
+import profiler
+from autopar import zoo
+from autopar.mesh import Mesh
+from autopar.planner import plan_profile
+
+CASES = [
+    ("gpt2-xl", {}, [(2, 4), (8, 8), (16, 64)]),
+    ("llama2-7b", {}, [(2, 4), (8, 8), (16, 64)]),
+    ("llama3-8b", {}, [(2, 4), (8, 8), (16, 64)]),
+    ("llama3-70b", {"batch": 64}, [(16, 64)]),
+]
+TARGETS = {("llama3-8b", (8, 8)): 5.0, ("llama3-70b", (16, 64)): 30.0}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="only the two target cases")
+    ap.add_argument("--memory", default="80GiB")
+    args = ap.parse_args()
+    print(f"{'model':<11} {'mesh':<7} {'profile s':>9} {'vars':>8} {'cons':>8} {'build s':>8} {'solve s':>8} "
+          f"{'total s':>8} {'step ms':>9}  family / target ratio")
+    for name, kw, meshes in CASES:
+        if args.quick and not any((name, m) in TARGETS for m in meshes):
+            continue
+        t0 = time.perf_counter()
+        ex = zoo.build(name, device="meta", **kw)
+        gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+        t_prof = time.perf_counter() - t0
+        for shape in meshes:
+            if args.quick and (name, shape) not in TARGETS:
+                continue
+            t1 = time.perf_counter()
+            p = plan_profile(gp, Mesh(shape, cluster="h100"), memory_budget=args.memory)
+            total = time.perf_counter() - t1
+            s = p.solver
+            target = TARGETS.get((name, shape))
+            ratio = f"  target {target:.0f} s, ratio {target / total:.2f}" if target else ""
+            print(f"{name:<11} {'x'.join(map(str, shape)):<7} {t_prof:>9.1f} {s.get('variables', 0):>8} "
+                  f"{s.get('constraints', 0):>8} {s.get('build_seconds', 0):>8.2f} {s.get('solve_seconds', 0):>8.2f} "
+                  f"{total:>8.2f} {p.step_time * 1e3:>9.1f}  {p.options.get('family')}{ratio}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
