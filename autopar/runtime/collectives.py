@@ -39,15 +39,33 @@ def _check_divides(x: torch.Tensor, dim: int, n: int, what: str) -> None:
                          f"does not divide by the mesh axis size {n}; resharding needs even shards")
 
 
+# Layout helpers run per rank on plain tensors (under LocalTensorMode one call for all simulated
+# ranks instead of one dispatch per view op); each returns a fresh contiguous tensor.
+@maybe_run_for_local_tensor
+def _rows_to_dim(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    # (n*A, ..) stacked along dim 0 -> the n row blocks concatenated along `dim`
+    return torch.cat(x.chunk(n, 0), dim).contiguous()
+
+
+@maybe_run_for_local_tensor
+def _dim_to_rows(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    # the n chunks of `dim` stacked along dim 0, so a dim-0 collective sends chunk k to peer k
+    return torch.cat(x.chunk(n, dim), 0).contiguous()
+
+
 def all_gather(x: torch.Tensor, dim: int, dm: DeviceMesh, axis: int) -> torch.Tensor:
     """Concatenate the ``n`` local tensors of the axis group along ``dim``, in coordinate order."""
-    return _wait(funcol.all_gather_single(x.contiguous(), dim, (dm, axis)))
+    n = axis_size(dm, axis)
+    out = _wait(funcol.all_gather_single(x.contiguous(), 0, (dm, axis)))  # (n * D0, ..)
+    return out if dim == 0 else _rows_to_dim(out, n, dim)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, dm: DeviceMesh, axis: int) -> torch.Tensor:
     """Sum over the axis group, keep this rank's chunk of ``dim``: (.., D, ..) -> (.., D/n, ..)."""
-    _check_divides(x, dim, axis_size(dm, axis), "reduce_scatter")
-    return _wait(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, (dm, axis)))
+    n = axis_size(dm, axis)
+    _check_divides(x, dim, n, "reduce_scatter")
+    rows = x.contiguous() if dim == 0 else _dim_to_rows(x, n, dim)
+    return _wait(funcol.reduce_scatter_single(rows, "sum", 0, (dm, axis)))
 
 
 def all_reduce(x: torch.Tensor, dm: DeviceMesh, axis: int) -> torch.Tensor:
@@ -61,9 +79,9 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, dm: DeviceMesh, axis: int) 
     (.., D/n, .., E, ..) -> (.., D, .., E/n, ..)."""
     n = axis_size(dm, axis)
     _check_divides(x, dim2, n, "all_to_all")
-    buf = torch.stack(x.chunk(n, dim2)).contiguous()  # (n, *chunk): row k goes to peer k
-    out = _wait(funcol.all_to_all_single(buf, None, None, (dm, axis)))  # row k came from peer k
-    return torch.cat(out.unbind(0), dim=dim)
+    rows = x.contiguous() if dim2 == 0 else _dim_to_rows(x, n, dim2)  # (n * A, ..): block k goes to peer k
+    out = _wait(funcol.all_to_all_single(rows, None, None, (dm, axis)))  # block k came from peer k
+    return out if dim == 0 else _rows_to_dim(out, n, dim)
 
 
 @maybe_run_for_local_tensor

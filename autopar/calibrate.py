@@ -1,0 +1,211 @@
+"""Measure the live cluster: alpha and beta per mesh axis, matmul FLOP/s, copy bandwidth.
+
+``calibrate(device_mesh)`` runs on every rank of a live process group and returns the same
+:class:`autopar.Mesh` on all of them, with the measured figures and a JSON-serialisable
+``mesh.calibration`` record (measured points, fits, residuals).
+
+Per axis, all-reduce and all-gather run over a sweep of message sizes inside every axis group at
+once (as in training), each timed between world barriers, median of ``repeats``. The ring model
+``t = alpha * steps + nbytes * factor / beta`` (all-reduce: steps 2(n-1), factor 2(n-1)/n;
+all-gather: steps n-1, factor (n-1)/n) is fitted by least squares on RELATIVE errors, so small
+messages (which set alpha) weigh as much as large ones (which set beta); the residual reported is
+the RMS relative error of the fit. Every rank's times are max-reduced first: the slowest rank sets
+the pace and all ranks derive identical figures.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from autopar.mesh import Device, Link, Mesh
+
+DEFAULT_SIZES = {"cpu": (2**10, 2**14, 2**17, 2**20, 2**22), "cuda": (2**12, 2**16, 2**20, 2**24, 2**26)}
+"""Message sizes in bytes swept per axis, by device type (a short sweep: about a second on gloo)."""
+_KINDS = ("all_reduce", "all_gather")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn, device, repeats: int, warmup: int, barrier: bool) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        if barrier:
+            dist.barrier()  # every group starts together, as in a training step
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _time_collective(kind: str, nbytes: int, dm, axis: int, device, repeats: int, warmup: int) -> float:
+    group, n = dm.get_group(axis), dm.size(axis)
+    numel = max(1, nbytes // 4)  # fp32 elements
+    if kind == "all_reduce":
+        buf = torch.ones(numel, device=device)
+        fn = lambda: dist.all_reduce(buf, group=group)  # noqa: E731
+    else:  # all_gather: nbytes is the gathered output
+        inp = torch.ones(max(1, numel // n), device=device)
+        out = torch.empty(inp.numel() * n, device=device)
+        fn = lambda: dist.all_gather_into_tensor(out, inp, group=group)  # noqa: E731
+    return _median_time(fn, device, repeats, warmup, barrier=True)
+
+
+def ring_terms(kind: str, n: int) -> tuple[int, float]:
+    """(message steps, bandwidth factor) of the ring model of ``kind`` over ``n`` ranks."""
+    return (2 * (n - 1), 2 * (n - 1) / n) if kind == "all_reduce" else (n - 1, (n - 1) / n)
+
+
+def fit_alpha_beta(points: Sequence[dict], n: int) -> dict:
+    """Least-squares (relative error) fit of ``t = alpha * steps + nbytes * factor / beta`` to
+    ``points`` (dicts with kind, nbytes, seconds). Returns alpha, beta (both positive and finite),
+    residual (RMS relative error) and max_rel_error."""
+    a = np.array([ring_terms(p["kind"], n)[0] for p in points], dtype=float)
+    b = np.array([p["nbytes"] * ring_terms(p["kind"], n)[1] for p in points], dtype=float)
+    t = np.array([p["seconds"] for p in points], dtype=float)
+    rows = np.stack([a / t, b / t], axis=1)  # divide by t: minimise relative error
+    candidates = []
+    sol, *_ = np.linalg.lstsq(rows, np.ones_like(t), rcond=None)
+    if sol[0] > 0 and sol[1] > 0:
+        candidates.append((float(sol[0]), float(sol[1])))
+    for col in (0, 1):  # one-term fits keep the other coefficient at 0 (non-negative least squares)
+        x = float(rows[:, col] @ np.ones_like(t) / (rows[:, col] @ rows[:, col]))
+        candidates.append((x, 0.0) if col == 0 else (0.0, x))
+
+    def rel_err(c):
+        return (c[0] * a + c[1] * b - t) / t
+
+    alpha, inv_beta = min(candidates, key=lambda c: float(np.sum(rel_err(c) ** 2)))
+    err = rel_err((alpha, inv_beta))
+    # Links need beta > 0 finite: a pure-latency fit bounds beta by the largest transfer seen.
+    beta = 1.0 / inv_beta if inv_beta > 0 else float(np.max(b / t))
+    return {"alpha": max(alpha, 1e-9), "beta": beta, "residual": float(np.sqrt(np.mean(err ** 2))),
+            "max_rel_error": float(np.max(np.abs(err)))}
+
+
+def _matmul_time(n: int, dtype, device, repeats, warmup) -> float | None:
+    try:
+        x = torch.randn(n, n, device=device).to(dtype)
+        y = torch.randn(n, n, device=device).to(dtype)
+        return _median_time(lambda: torch.mm(x, y), device, repeats, warmup, barrier=False)
+    except (RuntimeError, TypeError):  # dtype without a matmul kernel on this device
+        return None
+
+
+def _device_times(device: torch.device, repeats: int, warmup: int) -> dict:
+    """Raw device timings (seconds), in a fixed order so ranks can max-reduce them."""
+    n = 512 if device.type == "cpu" else 4096
+    n_low = 256 if device.type == "cpu" else 4096  # CPU half precision can be slow: keep it short
+    out = {"fp32": (n, _matmul_time(n, torch.float32, device, repeats, warmup))}
+    if device.type == "cuda":
+        old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        out["tf32"] = (n, _matmul_time(n, torch.float32, device, repeats, warmup))
+        torch.backends.cuda.matmul.allow_tf32 = old
+    for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        out[name] = (n_low, _matmul_time(n_low, dt, device, repeats, warmup))
+    numel = (4 << 20) if device.type == "cpu" else (64 << 20)  # fp32 elements: 16 MiB / 256 MiB
+    src, dst = torch.ones(numel, device=device), torch.empty(numel, device=device)
+    out["copy"] = (numel * 4, _median_time(lambda: dst.copy_(src), device, repeats, warmup, barrier=False))
+    tiny = torch.zeros(1, device=device)
+    out["kernel"] = (1, _median_time(lambda: tiny.add_(1), device, max(repeats, 21), warmup, barrier=False))
+    return out
+
+
+def _max_over_ranks(values: list[float], device) -> list[float]:
+    # A missing measurement is sent as -1 and stays missing only if every rank lacks it.
+    t = torch.tensor([-1.0 if v is None else v for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [None if v < 0 else v for v in t.tolist()]
+
+
+def _host_memory_per_rank() -> int:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return total // max(1, local)
+
+
+def calibrate(device_mesh, *, sizes: Sequence[int] | None = None, repeats: int = 5, warmup: int = 1,
+              cluster: str | None = None) -> Mesh:
+    """Measure the links of every axis of the live ``device_mesh`` and this device; return a
+    :class:`Mesh` with the measured figures (axis names kept) and its ``calibration`` record.
+
+    ``sizes``: message sizes in bytes (default :data:`DEFAULT_SIZES` of the device type);
+    ``repeats``: timed runs per point (median); ``cluster``: preset for what is not measured.
+    Collective: every rank of the mesh must call it.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("calibrate needs a live process group: call torch.distributed.init_process_group "
+                           "(or launch with torchrun) and pass a DeviceMesh")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    base = Mesh.from_device_mesh(device_mesh, cluster)
+    device = _torch_device(device_mesh)
+    sizes = tuple(DEFAULT_SIZES.get(device.type, DEFAULT_SIZES["cuda"]) if sizes is None else sizes)
+    if not sizes or any(s < 4 for s in sizes):
+        raise ValueError(f"sizes must be message sizes of at least 4 bytes, got {sizes}")
+
+    plan = [(ax, k, s) for ax in range(base.ndim) if base.shape[ax] > 1 for k in _KINDS for s in sizes]
+    raw = [_time_collective(k, s, device_mesh, ax, device, repeats, warmup) for ax, k, s in plan]
+    dev = _device_times(device, repeats, warmup)
+    agreed = _max_over_ranks(raw + [v[1] for v in dev.values()], device)
+    coll, dev = agreed[:len(raw)], dict(zip(dev, ((v[0], t) for v, t in zip(dev.values(), agreed[len(raw):]))))
+
+    links, axes = list(base.links), {}
+    for ax, name in enumerate(base.axis_names):
+        pts = [{"kind": k, "nbytes": s, "seconds": t} for (a, k, s), t in zip(plan, coll) if a == ax]
+        if not pts:
+            axes[name] = {"size": 1, "skipped": "axis of size 1: nothing to measure, preset link kept"}
+            continue
+        fit = fit_alpha_beta(pts, base.shape[ax])
+        links[ax] = Link(fit["alpha"], fit["beta"])
+        axes[name] = {"size": base.shape[ax], "points": pts, **fit}
+    new_device, dev_record = _device_from_times(base.device, dev, device)
+    record = {"backend": dist.get_backend(), "world_size": dist.get_world_size(), "repeats": repeats,
+              "sizes": list(sizes), "axes": axes, "device": dev_record}
+    return base.replace(links=tuple(links), device=new_device, calibration=record)
+
+
+def _torch_device(device_mesh) -> torch.device:
+    if device_mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_mesh.device_type)
+
+
+def _device_from_times(preset: Device, dev: dict, device: torch.device) -> tuple[Device, dict]:
+    rates = {}
+    for name in ("fp32", "tf32", "bf16", "fp16"):
+        if name in dev and dev[name][1]:
+            n, t = dev[name]
+            rates[name] = 2 * n**3 / t
+    rates.setdefault("tf32", rates["fp32"])  # no TF32 path: fp32 matmuls run at the fp32 rate
+    for name in ("bf16", "fp16"):
+        rates.setdefault(name, rates["fp32"])
+    copy_bytes, copy_t = dev["copy"]
+    mem_bw = 2 * copy_bytes / copy_t  # a copy reads and writes every byte
+    memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+              else _host_memory_per_rank())
+    new = dataclasses.replace(preset, name=f"{preset.name} (calibrated)", fp32_flops=rates["fp32"],
+                              tf32_flops=rates["tf32"], bf16_flops=rates["bf16"], fp16_flops=rates["fp16"],
+                              mem_bandwidth=mem_bw, memory_bytes=int(memory), matmul_efficiency=1.0,
+                              kernel_floor=dev["kernel"][1])
+    record = {"matmul": {k: {"n": dev[k][0], "seconds": dev[k][1], "flops_per_s": rates.get(k)}
+                         for k in ("fp32", "tf32", "bf16", "fp16") if k in dev},
+              "copy": {"bytes": copy_bytes, "seconds": copy_t, "bytes_per_s": mem_bw},
+              "kernel_floor_s": dev["kernel"][1], "memory_bytes": int(memory),
+              "note": "peaks are measured achieved rates, so matmul_efficiency is 1.0"}
+    return new, record

@@ -1,0 +1,138 @@
+"""Real gloo processes: calibrate() on a 2x2 mesh and resharding on live process groups.
+
+All real-process checks of the mesh, cost and resharding tests share ONE launch of 4 processes
+(module fixture); the tests below assert on what the ranks wrote back.
+"""
+import itertools
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from autopar.calibrate import fit_alpha_beta, ring_terms
+from autopar.mesh import Link, Mesh
+
+WORLD, MESH_SHAPE, SHAPE = 4, (2, 2), (4, 8, 4)
+# Covers every step kind on both axes: gathers, reduce-scatters on dims 0 and 2, all-to-alls,
+# slices, zero_partial and nested S(1)S(1).
+PAIRS_OF = ["RR", "PP", "S(0)S(1)", "S(1)S(1)", "S(2)R", "RS(0)", "PS(2)", "S(1)P"]
+
+
+def _worker(rank: int, tmp: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from autopar.calibrate import calibrate
+    from autopar.placement import parse
+    from autopar.runtime import reshard_local
+    from test_reshard import assemble, coords, grad_placements, shard_of
+
+    if dist.is_initialized():  # a group inherited through fork belongs to the parent
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
+    out = {"rank": rank}
+    try:
+        dm = Mesh(MESH_SHAPE, cluster="cpu").device_mesh()
+        out["from_device_mesh"] = Mesh.from_device_mesh(dm).to_dict()
+        try:
+            Mesh((2, 4), cluster="cpu").device_mesh()
+        except RuntimeError as e:
+            out["size_error"] = str(e)
+        mesh = calibrate(dm)
+        out["mesh"] = mesh.to_dict()
+        out["failures"] = _reshard_pairs(dm, rank, dist, parse, reshard_local, assemble, coords,
+                                         grad_placements, shard_of)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def _reshard_pairs(dm, rank, dist, parse, reshard_local, assemble, coords, grad_placements, shard_of):
+    x_global = torch.randint(-5, 6, SHAPE, generator=torch.Generator().manual_seed(0)).float()
+    g_global = torch.randint(-5, 6, SHAPE, generator=torch.Generator().manual_seed(1)).float()
+    mesh, c, results = Mesh(MESH_SHAPE, cluster="cpu"), coords(rank, MESH_SHAPE), []
+    pairs = list(itertools.product(PAIRS_OF, PAIRS_OF))
+    for s, d in pairs:
+        src, dst = parse(s), parse(d)
+        x = shard_of(x_global, src, MESH_SHAPE, c, seed=1).requires_grad_()
+        y = reshard_local(x, src, dst, dm, SHAPE, mesh=mesh)
+        (gx,) = torch.autograd.grad(y, x, shard_of(g_global, grad_placements(dst), MESH_SHAPE, c, seed=2))
+        results.append((y.detach(), gx))
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, results)  # one collective for all pairs: rank 0 checks them
+    failures = []
+    for i, (s, d) in enumerate(pairs) if rank == 0 else ():
+        ys = {r: everyone[r][i][0] for r in range(WORLD)}
+        gs = {r: everyone[r][i][1] for r in range(WORLD)}
+        if not torch.equal(assemble(ys, parse(d), MESH_SHAPE, SHAPE), x_global):
+            failures.append(f"forward {s} -> {d}")
+        if not torch.equal(assemble(gs, grad_placements(parse(s)), MESH_SHAPE, SHAPE), g_global):
+            failures.append(f"backward {s} -> {d}")
+    return failures
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("gloo"))
+    # Functional collectives import torch._dynamo lazily; import it once here, before forking,
+    # rather than in 4 children at once.
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+    # fork: the children reuse this process' imports (spawning 4 fresh interpreters costs ~15 s on
+    # 2 cores); safe because tests run with one intra-op thread (tests/conftest.py).
+    mp.start_processes(_worker, args=(tmp,), nprocs=WORLD, join=True, start_method="fork")
+    outs = []
+    for r in range(WORLD):
+        with open(os.path.join(tmp, f"rank{r}.json")) as f:
+            outs.append(json.load(f))
+    return outs
+
+
+def test_calibrate_on_gloo(ranks):
+    meshes = [Mesh.from_dict(o["mesh"]) for o in ranks]
+    m = meshes[0]
+    assert all(x == m for x in meshes), "every rank must derive the same figures"
+    assert m.shape == MESH_SHAPE and m.axis_names == ("dp", "tp")
+    json.dumps(m.to_dict())  # the calibration record is JSON-safe
+    for name, link in zip(m.axis_names, m.links):
+        assert math.isfinite(link.alpha) and link.alpha > 0
+        assert math.isfinite(link.beta) and link.beta > 0
+        rec = m.calibration["axes"][name]
+        assert rec["alpha"] == link.alpha and rec["beta"] == link.beta
+        assert math.isfinite(rec["residual"]) and rec["residual"] >= 0
+        assert len(rec["points"]) == 2 * len(m.calibration["sizes"])
+        assert all(p["seconds"] > 0 for p in rec["points"])
+    d = m.device
+    assert d.fp32_flops > 0 and d.mem_bandwidth > 0 and d.kernel_floor > 0 and d.memory_bytes > 0
+    assert m.calibration["device"]["matmul"]["fp32"]["seconds"] > 0
+
+
+def test_device_mesh_on_gloo(ranks):
+    for o in ranks:
+        assert Mesh.from_dict(o["from_device_mesh"]) == Mesh(MESH_SHAPE, cluster="cpu")
+        assert "world size 4" in o["size_error"] and "(2, 4)" in o["size_error"]
+
+
+def test_reshard_on_gloo(ranks):
+    assert ranks[0]["failures"] == []
+
+
+def test_fit_recovers_known_link():
+    # Synthetic points from a known link are fitted exactly.
+    alpha, beta, n = 40e-6, 3e9, 4
+    pts = [{"kind": k, "nbytes": s,
+            "seconds": alpha * ring_terms(k, n)[0] + s * ring_terms(k, n)[1] / beta}
+           for k in ("all_reduce", "all_gather") for s in (1 << 10, 1 << 16, 1 << 22)]
+    fit = fit_alpha_beta(pts, n)
+    assert fit["alpha"] == pytest.approx(alpha, rel=1e-9) and fit["beta"] == pytest.approx(beta, rel=1e-9)
+    assert fit["residual"] < 1e-9
+    Link(fit["alpha"], fit["beta"])
+    # Pure latency (no size dependence): still a positive, finite beta.
+    flat = [dict(p, seconds=1e-3) for p in pts]
+    fit = fit_alpha_beta(flat, n)
+    assert fit["alpha"] > 0 and math.isfinite(fit["beta"]) and fit["beta"] > 0
