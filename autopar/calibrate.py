@@ -15,7 +15,6 @@ the pace and all ranks derive identical figures.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import statistics
 import time
@@ -61,7 +60,7 @@ def _time_collective(kind: str, nbytes: int, dm, axis: int, device, repeats: int
     else:  # all_gather: nbytes is the gathered output
         inp = torch.ones(max(1, numel // n), device=device)
         out = torch.empty(inp.numel() * n, device=device)
-        fn = lambda: dist.all_gather_into_tensor(out, inp, group=group)  # noqa: E731
+        fn = lambda: dist.all_gather_single(out, inp, group=group)  # noqa: E731
     return _median_time(fn, device, repeats, warmup, barrier=True)
 
 

@@ -1,0 +1,130 @@
+"""autopar.Mesh: presets and the link rule, overrides, validation, JSON, DeviceMesh round trips."""
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from autopar.mesh import CLUSTERS, Device, Link, Mesh, dtype_key
+
+NVLINK3, NVLINK4, HDR, NDR = Link(1e-6, 300e9), Link(1e-6, 450e9), Link(5e-6, 25e9), Link(5e-6, 50e9)
+
+
+def test_defaults():
+    m = Mesh((2, 4), cluster="a100")
+    assert m.axis_names == ("dp", "tp") and m.ndim == 2 and m.size == 8
+    assert Mesh(8, cluster="a100").axis_names == ("dp",)
+    assert Mesh((4,), cluster="a100").shape == (4,)
+    assert m.axis("tp") == 1 and m.axis(-1) == 1 and m.link("tp") is m.links[1]
+
+
+@pytest.mark.parametrize("cluster,intra,inter", [("a100", NVLINK3, HDR), ("h100", NVLINK4, NDR),
+                                                 ("h200", NVLINK4, NDR)])
+def test_inner_axis_nvlink_outer_infiniband(cluster, intra, inter):
+    # (nodes, gpus_per_node): the inner axis stays in a node, the outer crosses nodes.
+    assert Mesh((2, 8), cluster=cluster).links == (inter, intra)
+    assert Mesh((4, 8), cluster=cluster).links == (inter, intra)
+    # One node holds the whole 2x4 mesh: both axes on NVLink.
+    assert Mesh((2, 4), cluster=cluster).links == (intra, intra)
+    # 4x4 on 8-GPU nodes: the outer axis' ring crosses nodes.
+    assert Mesh((4, 4), cluster=cluster).links == (inter, intra)
+    # An axis wider than a node is priced at the inter-node link.
+    assert Mesh((2, 16), cluster=cluster).links == (inter, inter)
+    assert Mesh((16,), cluster=cluster).links == (inter,)
+    assert Mesh((8,), cluster=cluster).links == (intra,)
+
+
+def test_preset_figures():
+    h100 = CLUSTERS["h100"].device
+    assert h100.bf16_flops == 989.5e12 and h100.fp32_flops == 67e12 and h100.mem_bandwidth == 3.35e12
+    assert CLUSTERS["a100"].device.bf16_flops == 312e12 and CLUSTERS["a100"].device.mem_bandwidth == 2.039e12
+    assert CLUSTERS["h200"].device.memory_bytes == 141e9 and CLUSTERS["h200"].device.mem_bandwidth == 4.8e12
+    assert Mesh((2, 8), cluster="pcie").links[1].beta == 25e9
+    cpu = Mesh((2, 4), cluster="cpu")
+    assert cpu.links[0] == cpu.links[1] and cpu.gpus_per_node is None
+    assert h100.peak_flops(torch.bfloat16) == h100.peak_flops("bf16") == h100.bf16_flops
+    assert h100.peak_flops(torch.float32) == h100.fp32_flops and h100.peak_flops("tf32") == h100.tf32_flops
+    assert dtype_key(torch.int64) == "fp32" and dtype_key("half") == "fp16"
+    with pytest.raises(ValueError, match="unknown dtype"):
+        dtype_key("fp7")
+
+
+def test_overrides():
+    m = Mesh((2, 4), cluster="h100", tp_beta=123e9, dp_alpha=7e-6)
+    assert m.links == (Link(7e-6, 450e9), Link(1e-6, 123e9))
+    m = Mesh((2, 4), cluster="h100", links=[Link(1e-5, 1e9), Link(2e-5, 2e9)])
+    assert m.links == (Link(1e-5, 1e9), Link(2e-5, 2e9))
+    m = Mesh((2, 4), ("data", "model"), cluster="a100", model_beta=1e9)
+    assert m.link("model").beta == 1e9
+    assert Mesh((2, 4), cluster="a100", device="h200").device == CLUSTERS["h200"].device
+    # Four GPUs per node: the outer axis of a 2x4 mesh now crosses nodes.
+    assert Mesh((2, 4), cluster="a100", gpus_per_node=4).links == (HDR, NVLINK3)
+    dev = dataclasses.replace(CLUSTERS["a100"].device, memory_bytes=40 * 2**30)
+    assert Mesh((2, 4), cluster="a100", device=dev).device.memory_bytes == 40 * 2**30
+
+
+def test_validation_errors():
+    with pytest.raises(ValueError, match="positive ints"):
+        Mesh((2, 0), cluster="a100")
+    with pytest.raises(ValueError, match="positive ints"):
+        Mesh((-1,), cluster="a100")
+    with pytest.raises(ValueError, match="1 or 2 axes"):
+        Mesh((2, 2, 2), cluster="a100")
+    with pytest.raises(ValueError, match="one name per axis"):
+        Mesh((2, 4), ("dp",), cluster="a100")
+    with pytest.raises(ValueError, match="distinct"):
+        Mesh((2, 4), ("x", "x"), cluster="a100")
+    with pytest.raises(ValueError, match="valid names: a100, h100, h200, pcie, cpu"):
+        Mesh((2, 4), cluster="tpu")
+    with pytest.raises(TypeError, match="valid: dp_alpha, dp_beta, tp_alpha, tp_beta"):
+        Mesh((2, 4), cluster="a100", pp_beta=1e9)
+    with pytest.raises(ValueError, match="one per mesh axis"):
+        Mesh((2, 4), cluster="a100", links=[Link(1e-6, 1e9)])
+    with pytest.raises(ValueError, match="beta must be"):
+        Link(1e-6, 0)
+    with pytest.raises(ValueError, match="alpha must be"):
+        Mesh((2, 4), cluster="a100", tp_alpha=-1.0)
+    with pytest.raises(AttributeError, match="immutable"):
+        Mesh((2, 4), cluster="a100").shape = (4, 2)
+    with pytest.raises(ValueError, match="no mesh axis named"):
+        Mesh((2, 4), cluster="a100").axis("pp")
+    with pytest.raises(ValueError, match="lacks"):
+        Mesh.from_dict({"shape": [2]})
+
+
+def test_json_round_trip_and_equality():
+    for m in (Mesh((2, 8), cluster="h100", tp_beta=1.0 / 3 * 1e12), Mesh((3,), ("x",), cluster="cpu"),
+              Mesh((2, 4), cluster="a100").replace(calibration={"axes": {"dp": {"alpha": 0.1}}})):
+        back = Mesh.from_dict(json.loads(json.dumps(m.to_dict())))
+        assert back == m and hash(back) == hash(m)
+        assert back.links == m.links and back.device == m.device and back.calibration == m.calibration
+    assert Mesh((2, 4), cluster="a100") != Mesh((2, 4), cluster="h100")
+    assert Mesh((2, 4), cluster="a100") != Mesh((4, 2), cluster="a100")
+    r = repr(Mesh((2, 8), cluster="h100"))
+    assert "dp=2" in r and "tp=8" in r and "h100" in r and "450GB/s" in r
+
+
+def test_device_mesh_on_fake_process_group():
+    with pytest.raises(RuntimeError, match="no process group"):
+        Mesh((2, 2), cluster="cpu").device_mesh()
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        dm = Mesh((2, 2), ("a", "b"), cluster="cpu").device_mesh("cpu")
+        assert tuple(dm.mesh.shape) == (2, 2) and dm.mesh_dim_names == ("a", "b")
+        back = Mesh.from_device_mesh(dm)
+        assert back.shape == (2, 2) and back.axis_names == ("a", "b") and back.cluster == "cpu"
+        assert Mesh.from_device_mesh(dm, cluster="h100").device == CLUSTERS["h100"].device
+        with pytest.raises(RuntimeError, match="world size 4"):
+            Mesh((2, 4), cluster="cpu").device_mesh()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_device_validation():
+    with pytest.raises(ValueError, match="matmul_efficiency"):
+        dataclasses.replace(CLUSTERS["a100"].device, matmul_efficiency=1.5)
+    with pytest.raises(ValueError, match="fp32_flops"):
+        Device(name="x", fp32_flops=float("nan"), tf32_flops=1, bf16_flops=1, fp16_flops=1,
+               mem_bandwidth=1, memory_bytes=1)
