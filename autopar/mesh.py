@@ -162,11 +162,14 @@ def _cluster(name: str) -> Cluster:
 
 def _default_axis_names(ndim: int) -> tuple[str, ...]:
     # The outer axis carries data parallelism (slow links), the inner one tensor parallelism.
-    return {1: ("dp",), 2: ("dp", "tp")}[ndim]
+    # 0-D: one device, no axis (the per-stage mesh of a pipeline over a 1-D mesh).
+    return {0: (), 1: ("dp",), 2: ("dp", "tp")}[ndim]
 
 
 class Mesh:
     """A 1D or 2D logical device mesh with its link per axis and its device spec (immutable).
+    (A 0-D mesh, shape ``()``, is one device: what remains of a 1-D mesh once a pipeline takes
+    its axis.)
 
     ``Mesh(shape, axis_names=None, cluster=None, **overrides)``: ``axis_names`` default to
     ``("dp",)`` (1D) and ``("dp", "tp")`` (2D); ``cluster`` is a preset name from
@@ -175,7 +178,8 @@ class Mesh:
     ``device=Device(...)`` or a preset name, ``gpus_per_node=``.
     """
 
-    __slots__ = ("shape", "axis_names", "links", "device", "cluster", "gpus_per_node", "calibration", "_key")
+    __slots__ = ("shape", "axis_names", "links", "device", "cluster", "gpus_per_node", "calibration", "_key",
+                 "_hash")
 
     def __init__(self, shape: Sequence[int] | int, axis_names: Sequence[str] | None = None,
                  cluster: str | None = None, **overrides: Any):
@@ -200,6 +204,7 @@ class Mesh:
                          gpus_per_node=gpn, calibration=calibration).items():
             object.__setattr__(self, k, v)
         object.__setattr__(self, "_key", (shape, names, tuple(links), device, cluster, gpn))
+        object.__setattr__(self, "_hash", hash(self._key))  # meshes key the resharding caches
 
     def __setattr__(self, name, value):
         raise AttributeError(f"Mesh is immutable; use Mesh.replace(...) to change {name!r}")
@@ -248,7 +253,7 @@ class Mesh:
         return isinstance(other, Mesh) and self._key == other._key
 
     def __hash__(self):
-        return hash(self._key)
+        return self._hash
 
     def __repr__(self):
         axes = ", ".join(f"{n}={s}: alpha={lk.alpha:.3g}s beta={lk.beta / GB:.4g}GB/s"
@@ -313,7 +318,7 @@ class Mesh:
 
 def _check_shape(shape) -> tuple[int, ...]:
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    if len(shape) not in (1, 2):
+    if len(shape) > 2:
         raise ValueError(f"mesh shape {shape} must have 1 or 2 axes")
     if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in shape):
         raise ValueError(f"mesh sizes must be positive ints, got {shape}")

@@ -21,8 +21,8 @@ dim d only when no axis after it also shards d (it acts on the innermost split);
 leave a strided layout that no placement tuple describes. Every pair stays connected: gather
 inner to outer down to all-R, then slice outer to inner and zero the partial axes.
 
-Dijkstra runs once per (source, shape, itemsize, mesh) over at most (2 + ndim) ** mesh.ndim
-states, independent of the number of devices, and its result is cached.
+The priced graph is built once per (shape, itemsize, mesh) and Dijkstra runs once per source over
+its at most (2 + ndim) ** mesh.ndim states, independent of the number of devices; both are cached.
 """
 from __future__ import annotations
 
@@ -208,20 +208,36 @@ def neighbors(state: Placements, shape: tuple[int, ...], itemsize: int, mesh: Me
             yield step, nxt, step_cost(step, state, shape, itemsize, mesh)
 
 
+@functools.lru_cache(maxsize=1024)
+def _graph(shape: tuple[int, ...], itemsize: int, mesh: Mesh) -> dict:
+    # Every valid state with its priced out-edges, built once per (shape, itemsize, mesh) by a
+    # walk from all-Replicate (which reaches every valid state, see the module docstring).
+    start = (_R,) * mesh.ndim
+    graph, todo = {}, [start]
+    while todo:
+        state = todo.pop()
+        if state in graph:
+            continue
+        graph[state] = tuple(neighbors(state, shape, itemsize, mesh))
+        todo.extend(nxt for _, nxt, _ in graph[state] if nxt not in graph)
+    return graph
+
+
 @functools.lru_cache(maxsize=4096)
 def _search(src: Placements, shape: tuple[int, ...], itemsize: int, mesh: Mesh) -> dict:
-    # Dijkstra from src; ties broken by fewer steps. best[state] = (cost, nsteps, prev, step).
-    best = {src: (0.0, 0, None, None)}
+    # Dijkstra from src; ties broken by fewer steps. best[state] = (cost, nsteps, prev, step, step_cost).
+    graph = _graph(shape, itemsize, mesh)
+    best = {src: (0.0, 0, None, None, 0.0)}
     heap, seq, done = [(0.0, 0, 0, src)], 1, set()
     while heap:
         cost, nsteps, _, state = heapq.heappop(heap)
         if state in done:
             continue
         done.add(state)
-        for step, nxt, c in neighbors(state, shape, itemsize, mesh):
+        for step, nxt, c in graph[state]:
             key = (cost + c, nsteps + 1)
             if nxt not in best or key < best[nxt][:2]:
-                best[nxt] = (*key, state, step)
+                best[nxt] = (*key, state, step, c)
                 heapq.heappush(heap, (*key, seq, nxt))
                 seq += 1
     return best
@@ -232,16 +248,17 @@ def _reshard(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize:
     best = _search(src, shape, itemsize, mesh)
     if dst not in best:  # cannot happen for valid tuples (see module docstring); kept as a guard
         raise ValueError(f"no resharding from {fmt(src)} to {fmt(dst)} for shape {shape} on mesh {mesh.shape}")
-    states, steps, s = [dst], [], dst
+    states, steps, costs, s = [dst], [], [], dst
     while s != src:
-        _, _, prev, step = best[s]
+        _, _, prev, step, c = best[s]
         states.append(prev)
         steps.append(step)
+        costs.append(c)
         s = prev
     states.reverse()
     steps.reverse()
-    costs = tuple(step_cost(st, s, shape, itemsize, mesh) for st, s in zip(steps, states))
-    return ReshardPlan(src=src, dst=dst, steps=tuple(steps), step_costs=costs, states=tuple(states),
+    costs.reverse()
+    return ReshardPlan(src=src, dst=dst, steps=tuple(steps), step_costs=tuple(costs), states=tuple(states),
                        cost=sum(costs))
 
 
@@ -250,6 +267,14 @@ def reshard(src: str | Sequence[Placement], dst: str | Sequence[Placement], shap
     """The cheapest :class:`ReshardPlan` turning a tensor of global ``shape`` (elements of
     ``itemsize`` bytes) placed as ``src`` into ``dst`` on ``mesh``. Placements are tuples of
     Replicate/Shard/Partial or strings like ``"S(0)R"``. Identical tuples cost 0."""
+    src = tuple(src) if isinstance(src, list) else src
+    dst = tuple(dst) if isinstance(dst, list) else dst
+    return _reshard_checked(src, dst, tuple(shape), itemsize, mesh)
+
+
+@functools.lru_cache(maxsize=65536)
+def _reshard_checked(src, dst, shape: tuple, itemsize: int, mesh: Mesh) -> ReshardPlan:
+    # Keyed on the caller's own arguments, so a repeated query skips parsing and validation.
     shape = tuple(int(s) for s in shape)
     if any(s < 0 for s in shape):
         raise ValueError(f"shape {shape} has a negative size")
