@@ -109,14 +109,15 @@ class Cluster:
     """Devices per node; ``None`` means the whole mesh is on one host."""
 
 
-# Figures: NVIDIA datasheets (dense, i.e. without structured sparsity); bandwidth per direction is
-# half the bidirectional figure NVIDIA quotes. See docs/cost_model.md for the table and sources.
+# Figures: NVIDIA datasheets (dense, i.e. without structured sparsity: half the starred figures);
+# bandwidth per direction is half the bidirectional figure NVIDIA quotes; memory sizes are binary
+# (an "80GB" A100 reports 80 GiB). See docs/cost_model.md for the table and sources.
 _A100 = Device(name="A100 SXM4 80GB", fp32_flops=19.5e12, tf32_flops=156e12, bf16_flops=312e12,
                fp16_flops=312e12, mem_bandwidth=2039 * GB, memory_bytes=80 * GiB)
 _H100 = Device(name="H100 SXM5 80GB", fp32_flops=67e12, tf32_flops=494.5e12, bf16_flops=989.5e12,
                fp16_flops=989.5e12, mem_bandwidth=3350 * GB, memory_bytes=80 * GiB)
 _H200 = Device(name="H200 SXM 141GB", fp32_flops=67e12, tf32_flops=494.5e12, bf16_flops=989.5e12,
-               fp16_flops=989.5e12, mem_bandwidth=4800 * GB, memory_bytes=141 * GB)
+               fp16_flops=989.5e12, mem_bandwidth=4800 * GB, memory_bytes=141 * GiB)
 _A100_PCIE = Device(name="A100 PCIe 80GB", fp32_flops=19.5e12, tf32_flops=156e12, bf16_flops=312e12,
                     fp16_flops=312e12, mem_bandwidth=1935 * GB, memory_bytes=80 * GiB)
 # One CPU process of a gloo job: a few AVX2/AVX-512 cores' worth; calibrate() measures the real ones.

@@ -40,7 +40,7 @@ def test_preset_figures():
     h100 = CLUSTERS["h100"].device
     assert h100.bf16_flops == 989.5e12 and h100.fp32_flops == 67e12 and h100.mem_bandwidth == 3.35e12
     assert CLUSTERS["a100"].device.bf16_flops == 312e12 and CLUSTERS["a100"].device.mem_bandwidth == 2.039e12
-    assert CLUSTERS["h200"].device.memory_bytes == 141e9 and CLUSTERS["h200"].device.mem_bandwidth == 4.8e12
+    assert CLUSTERS["h200"].device.memory_bytes == 141 * 2**30 and CLUSTERS["h200"].device.mem_bandwidth == 4.8e12
     assert Mesh((2, 8), cluster="pcie").links[1].beta == 25e9
     cpu = Mesh((2, 4), cluster="cpu")
     assert cpu.links[0] == cpu.links[1] and cpu.gpus_per_node is None
