@@ -1,0 +1,145 @@
+"""The op registry: ``@register`` binds rules to aten ops; ``strategies_for`` and ``run_local``.
+
+A rule is a function ``rule(info: OpInfo) -> list[Entry]`` giving the ways the op splits along
+ONE mesh axis; the framework combines axes (``autopar.strategies.combine``). A rule registered
+with ``full=True`` returns whole-mesh combinations instead (``list[list[Entry]]``, one entry per
+axis), for ops whose axes interact (the view family). ``local=`` names the function that runs
+the node on local shards when calling the aten op as is would be wrong (shape arguments,
+rank offsets, in-op collectives); its signature is ``local(node, strategy, args, kwargs, ctx)``.
+
+Lookup order for a node: our own rules (family modules imported at the bottom of this file),
+then PyTorch DTensor's single-dim rules for the long tail (``autopar.strategies.dtensor``), then
+the replicate-only strategy with one warning naming the op.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable
+
+import torch.fx as fx
+
+from autopar.strategies import combine
+from autopar.strategies.base import OpInfo, Strategy
+
+#: Keys for the rules of non-call_function nodes.
+PLACEHOLDER, OUTPUT, GET_ATTR = "placeholder", "output", "get_attr"
+
+
+class NoRuleWarning(UserWarning):
+    """An op has no sharding rule and runs replicated."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """What ``@register`` stores for one op."""
+
+    fn: Callable[[OpInfo], list]
+    """Single-axis entries (or whole-mesh combinations when ``full``)."""
+    local: Callable[..., Any] | None = None
+    """Local implementation; None runs the aten op on the local shards as is."""
+    full: bool = False
+    """``fn`` returns whole-mesh combinations."""
+    simulate: bool = False
+    """``local`` has rank-dependent code (offsets from the mesh coordinate) or collectives: the
+    sweep checks it under LocalTensorMode rather than in a per-rank loop."""
+    source: str = "autopar"
+    """Where the rule comes from: ``"autopar"`` or ``"dtensor"``."""
+
+
+_RULES: dict[Any, Rule] = {}
+_WARNED: set[str] = set()
+
+
+def register(*ops, local: Callable[..., Any] | None = None, full: bool = False, simulate: bool = False):
+    """Decorator: ``@register(aten.mm.default, aten.bmm.default, local=fn)`` binds a rule.
+
+    ``full=True``: the rule returns whole-mesh combinations; ``simulate=True``: ``local`` uses
+    the mesh coordinate or collectives (see :class:`Rule`)."""
+    def deco(fn):
+        for op in ops:
+            if op in _RULES:
+                raise ValueError(f"{op} already has a sharding rule ({_RULES[op].fn.__module__}."
+                                 f"{_RULES[op].fn.__name__}); an op gets one rule")
+            _RULES[op] = Rule(fn=fn, local=local, full=full, simulate=simulate)
+        return fn
+    return deco
+
+
+def registered_ops() -> list:
+    """Every op with a rule of our own (the sweep test runs them all)."""
+    return [op for op in _RULES if op not in (PLACEHOLDER, OUTPUT, GET_ATTR)]
+
+
+def rule_for(node: fx.Node) -> Rule | None:
+    """The rule that decides ``node``'s strategies, or None (replicate-only fallback)."""
+    if node.op != "call_function":
+        return _RULES.get(node.op)
+    rule = _RULES.get(node.target)
+    if rule is None:
+        from autopar.strategies import dtensor
+
+        rule = dtensor.rule_for(node.target)
+    return rule
+
+
+def _warn_once(target) -> None:
+    name = str(target)
+    if name in _WARNED:
+        return
+    _WARNED.add(name)
+    warnings.warn(f"autopar has no sharding rule for {name}: nodes of this op run replicated on every rank. "
+                  f"Add a rule in autopar/strategies (see docs/strategies.md, 'How to add an op rule').",
+                  NoRuleWarning, stacklevel=3)
+
+
+def strategies_for(node: fx.Node, mesh_shape) -> list[Strategy]:
+    """The sharding strategies of one node of an exported training-IR graph on a mesh.
+
+    Placeholders get their storage choices (parameters and buffers: Replicate or Shard on any
+    dim that divides, per axis; user inputs likewise); the output node takes the loss R or P.
+    Only strategies whose shards divide evenly are listed, in a deterministic order, and
+    strategy 0 is the all-replicated one. An op without a rule gets only that strategy (and one
+    warning naming the op)."""
+    info = OpInfo(node, mesh_shape)
+    rule = rule_for(node)
+    if rule is None:
+        _warn_once(node.target)
+        return combine.strategies(info, [])
+    raw = rule.fn(info)
+    combos = raw if rule.full else combine.product(info, raw)
+    return combine.strategies(info, combos)
+
+
+def run_local(node: fx.Node, strategy: Strategy, args: tuple, kwargs: dict, ctx) -> Any:
+    """Run ``node`` on this rank's LOCAL shards under ``strategy``.
+
+    ``args``/``kwargs`` are ``node.args``/``node.kwargs`` with every input node replaced by its
+    local value (placed as ``strategy.inputs`` says). Returns the local output(s), placed as
+    ``strategy.outputs`` says. ``ctx`` offers ``shape`` (the mesh shape), ``device_mesh`` (for
+    collectives over ``(device_mesh, axis)``) and ``coordinate(axis)``."""
+    if node.op != "call_function":
+        raise ValueError(f"run_local runs call_function nodes; {node.name} is a {node.op} node "
+                         f"(placeholders are loaded as stored, outputs are returned as they are)")
+    rule = rule_for(node)
+    if rule is not None and rule.local is not None:
+        return rule.local(node, strategy, args, kwargs, ctx)
+    return node.target(*args, **kwargs)
+
+
+# The family modules register their rules on import; this is the one place that imports them.
+from autopar.strategies import (  # noqa: E402,F401
+    attention,
+    conv,
+    embedding,
+    factory,
+    indexing,
+    loss,
+    matmul,
+    norm,
+    placeholder,
+    pointwise,
+    pool,
+    reduction,
+    view,
+)
