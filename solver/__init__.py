@@ -6,9 +6,9 @@ The ILP is stated as math in ``solver.ilp``; the exact reductions in ``solver.re
 """
 from .brute import brute_force
 from .evaluate import Evaluation, evaluate, memory_terms
-from .ilp import solve
+from .ilp import ilp_size, solve
 from .model import Edge, Infeasible, Node, Problem, Segment, Solution, SolverError, fmt_bytes
 from . import pipeline
 
-__all__ = ["Node", "Edge", "Segment", "Problem", "Solution", "Infeasible", "SolverError", "solve",
+__all__ = ["Node", "Edge", "Segment", "Problem", "Solution", "Infeasible", "SolverError", "solve", "ilp_size",
            "brute_force", "evaluate", "Evaluation", "memory_terms", "fmt_bytes", "pipeline"]

@@ -58,7 +58,7 @@ from .families import decompose
 from .model import Infeasible, Problem, Solution, SolverError, fmt_bytes
 from .reduce import Compact, reduce_problem
 
-__all__ = ["solve"]
+__all__ = ["solve", "ilp_size", "infeasible_error"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,13 +80,17 @@ class _Formulation:
         self.rows: dict[str, pulp.LpConstraint] = {}
         self.pulp_names: set[str] = set()
         cls = cp.classes.values()
-        # Scales: seconds and bytes divided by their rough totals so coefficients are O(1).
-        self.T = max(sum(float(np.abs(t.time[t.alive]).max()) for t in cls)
-                     + sum(float(np.abs(m).max()) for m in cp.edges.values()), 1e-30)
-        self.B = max(budget or 0.0, cp.const_static + cp.work_lb
-                     + sum(float((t.static + t.cov + t.work)[t.alive].max()) for t in cls), 1.0)
+        # Scales: seconds divided by the largest time coefficient and bytes by the largest byte
+        # coefficient, so the matrix and costs span O(1) (HiGHS warns on tiny costs otherwise).
+        recs = [r for g in cp.groups for r in g.rec.values()]
+        byts = [b for g in cp.groups for d in (g.act, g.keep) for b in d.values()]
+        self.T = max([float(np.abs(t.time[t.alive]).max()) for t in cls]
+                     + [float(np.abs(m).max()) for m in cp.edges.values()]
+                     + [float(r.max()) for r in recs] + [1e-30])
+        self.B = max([float((t.static + t.cov)[t.alive].max()) for t in cls]
+                     + [float(t.work[t.alive].max()) for t in cls] + [float(b.max()) for b in byts] + [1.0])
         self.x: dict[int, dict[int, pulp.LpVariable]] = {}
-        self.y: dict[tuple[int, int], dict[tuple[int, int], pulp.LpVariable]] = {}
+        self.y: dict[tuple[int, int], tuple[dict[tuple[int, int], pulp.LpVariable], np.ndarray]] = {}
         self.k: dict[int, pulp.LpVariable] = {}
         self.w: dict[tuple[int, int], dict[int, pulp.LpVariable]] = {}
         self.z: dict[int, pulp.LpVariable] = {}
@@ -117,19 +121,23 @@ class _Formulation:
             self.row(f"onehot[{self.cp.names[c]}]", {v: 1.0 for v in self.x[c].values()}, pulp.LpConstraintEQ, 1.0)
 
     def add_edges(self) -> None:
-        """y[e,s,t] and the transportation rows edge_src[e,s], edge_dst[e,t]."""
-        for j, ((a, b), m) in enumerate(self.cp.edges.items()):
-            ya = {(s, t): self.var(f"y_{j:06d}_{s:04d}_{t:04d}", 0.0, 1.0) for s in self.x[a] for t in self.x[b]}
-            self.y[(a, b)] = ya
+        """y[e,i,j] over the row groups I_i / column groups J_j of each edge's cost (strategies with
+        identical cost rows / columns) and the transportation rows edge_src[e,i], edge_dst[e,j]."""
+        for e, ((a, b), m) in enumerate(self.cp.edges.items()):
+            sa, sb = sorted(self.x[a]), sorted(self.x[b])
+            rows, cols, cost = _groups(m[np.ix_(sa, sb)])
+            ye = {(i, j): self.var(f"y_{e:06d}_{i:04d}_{j:04d}", 0.0, 1.0)
+                  for i in range(len(rows)) for j in range(len(cols))}
+            self.y[(a, b)] = (ye, cost)
             tag = f"{self.cp.names[a]}->{self.cp.names[b]}"
-            for s, xs in self.x[a].items():
-                terms = {ya[(s, t)]: 1.0 for t in self.x[b]}
-                terms[xs] = -1.0
-                self.row(f"edge_src[{tag},{s}]", terms, pulp.LpConstraintEQ, 0.0)
-            for t, xt in self.x[b].items():
-                terms = {ya[(s, t)]: 1.0 for s in self.x[a]}
-                terms[xt] = -1.0
-                self.row(f"edge_dst[{tag},{t}]", terms, pulp.LpConstraintEQ, 0.0)
+            for i, group in enumerate(rows):  # named by the group's first strategy
+                terms = {ye[(i, j)]: 1.0 for j in range(len(cols))}
+                terms.update({self.x[a][sa[s]]: -1.0 for s in group})
+                self.row(f"edge_src[{tag},{sa[group[0]]}]", terms, pulp.LpConstraintEQ, 0.0)
+            for j, group in enumerate(cols):
+                terms = {ye[(i, j)]: 1.0 for i in range(len(rows))}
+                terms.update({self.x[b][sb[t]]: -1.0 for t in group})
+                self.row(f"edge_dst[{tag},{sb[group[0]]}]", terms, pulp.LpConstraintEQ, 0.0)
 
     def add_checkpoints(self) -> None:
         """k[G], w[G,C,s], z[G] with ck_count, ck_link, ck_any and ck_once."""
@@ -199,10 +207,9 @@ class _Formulation:
         for c, t in cp.classes.items():
             for s, v in self.x[c].items():
                 terms[v] = float(t.time[s]) / T
-        for key, ys in self.y.items():
-            m = cp.edges[key]
-            for (s, t), v in ys.items():
-                terms[v] = float(m[s, t]) / T
+        for ys, cost in self.y.values():
+            for (i, j), v in ys.items():
+                terms[v] = float(cost[i, j]) / T
         for (g, c), ws in self.w.items():
             rec = cp.groups[g].rec.get(c)
             for s, v in ws.items():
@@ -216,8 +223,9 @@ class _Formulation:
 
     def run(self, time_limit: float, mip_gap: float) -> _Result:
         """Solve; status is "optimal", "time_limit" or "infeasible" (SolverError otherwise)."""
-        if not self.cp.classes:  # everything was folded into constants
-            return _Result(status="optimal", picks={}, counts={}, gap=0.0, seconds=0.0)
+        if not self.cp.classes:  # everything was folded into constants: only the budget to check
+            fits = self.peak or not self.memory or self.cp.const_static + self.cp.work_lb <= self.budget
+            return _Result(status="optimal" if fits else "infeasible", picks={}, counts={}, gap=0.0, seconds=0.0)
         solver = make_solver(time_limit, mip_gap)
         t0 = _time.perf_counter()
         self.lp.solve(solver)
@@ -242,6 +250,20 @@ class _Formulation:
         for fam in self.cp.fams:
             segs += decompose(fam, {g: res.counts.get(g, 0) for g in fam.groups})
         return choice, tuple(problem.segments[g].id for g in sorted(segs))
+
+
+def _groups(m: np.ndarray) -> tuple[list[list[int]], list[list[int]], np.ndarray]:
+    """Row groups and column groups of identical entries of ``m`` (k_a, k_b), in first-seen order,
+    and the (rows, cols) matrix of their common costs. Resharding costs depend on the producer's
+    output placement and the consumer's wanted input, so 10 strategies often make 3-4 groups."""
+    def split(mat: np.ndarray) -> list[list[int]]:
+        seen: dict[bytes, list[int]] = {}
+        for i, r in enumerate(mat):
+            seen.setdefault(r.tobytes(), []).append(i)
+        return list(seen.values())
+
+    rows, cols = split(m), split(m.T)
+    return rows, cols, m[np.ix_([g[0] for g in rows], [g[0] for g in cols])]
 
 
 def _status(lp: pulp.LpProblem, solver) -> tuple[str, float]:
@@ -287,6 +309,14 @@ def solve(problem: Problem) -> Solution:
                     solve_seconds=res.seconds, build_seconds=build, stats=dict(cp.stats))
 
 
+def ilp_size(problem: Problem) -> dict[str, int]:
+    """The ILP's size after the exact reductions, without solving: ``variables``, ``constraints``
+    and the reduction figures of ``Solution.stats``."""
+    cp = reduce_problem(problem)
+    form = _Formulation(cp, problem.memory_budget, name=problem.name)
+    return {"variables": form.num_variables, "constraints": len(form.rows), **cp.stats}
+
+
 def infeasible_error(problem: Problem, cp: Compact | None = None) -> Infeasible:
     """The ``Infeasible`` for ``problem``: a second ILP minimises the peak to find ``min_budget``."""
     cp = cp or reduce_problem(problem)
@@ -298,7 +328,7 @@ def infeasible_error(problem: Problem, cp: Compact | None = None) -> Infeasible:
     bound = "" if res.status == "optimal" else " (an upper bound: the peak ILP hit its time limit)"
     msg = (f"problem {problem.name!r}: no choice fits memory_budget={fmt_bytes(problem.memory_budget)} "
            f"(row 'mem_peak' cannot hold); the smallest feasible budget is {fmt_bytes(least)} "
-           f"({least:.0f} bytes){bound}, dominated by: {'; '.join(dominant) or 'nothing'}. "
-           f"Raise memory_budget to at least {least:.0f} bytes, or offer strategies that shard these "
+           f"({math.ceil(least)} bytes){bound}, dominated by: {'; '.join(dominant) or 'nothing'}. "
+           f"Raise memory_budget to at least {math.ceil(least)} bytes, or offer strategies that shard these "
            f"terms further (more devices, parameter sharding, checkpoint segments).")
     return Infeasible(msg, min_budget=least, dominant=dominant)

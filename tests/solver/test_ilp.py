@@ -148,3 +148,12 @@ def test_time_limit_returns_best_found_with_gap():
 def test_disjoint_subsets_respect_nesting():
     problem = _chain(5, None)
     assert disjoint_subsets(problem) == [(), (0,), (1,)]
+
+
+def test_fully_folded_problem_still_checks_the_budget():
+    """Single-strategy nodes fold into constants; the budget must still be enforced."""
+    nodes = tuple(Node(id=f"n{i}", labels=("only",), time=[1.0], mem=[3 * MiB]) for i in range(3))
+    assert solver.solve(Problem(nodes=nodes, memory_budget=9.5 * MiB)).peak_bytes == 9 * MiB
+    with pytest.raises(Infeasible) as err:
+        solver.solve(Problem(nodes=nodes, memory_budget=8.5 * MiB))
+    assert err.value.min_budget == 9 * MiB

@@ -1,0 +1,50 @@
+"""Problem validation: bad input raises ValueError naming the problem and the fix."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import solver
+from solver import Edge, Node, Problem, Segment
+
+
+def _n(nid, s=2, **kw):
+    return Node(id=nid, labels=tuple(f"s{i}" for i in range(s)), time=np.ones(s), **kw)
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: _n("a", mem=[1.0]), "mem has 1 entries but there are 2 strategies"),
+    (lambda: _n("a", act=[1.0, -1.0]), "act must be finite and >= 0"),
+    (lambda: _n("a", work=[1.0, np.inf]), "infinite"),
+    (lambda: _n("a", comm=[2.0, 0.0]), "comm is the communication part of time"),
+    (lambda: Node(id="a", labels=(), time=[]), "no strategy labels"),
+    (lambda: Problem(nodes=(_n("a"), _n("a"))), "duplicate node id 'a'"),
+    (lambda: Problem(nodes=(_n("a"),), edges=(Edge(src="a", dst="b", cost=np.zeros((2, 2))),)), "unknown node 'b'"),
+    (lambda: Problem(nodes=(_n("a"), _n("b", 3)), edges=(Edge(src="a", dst="b", cost=np.zeros((2, 2))),)),
+     r"give a \(S_src, S_dst\) matrix"),
+    (lambda: Problem(nodes=(_n("a"), _n("b", 3)), ties=(("a", "b"),)), "same count"),
+    (lambda: Problem(nodes=(_n("a"),), segments=(Segment(id="g", nodes=("z",)),)), "unknown node 'z'"),
+    (lambda: Segment(id="g", nodes=("a",), keep=("b",)), "one \\(S_keep,\\) array per keep node"),
+    (lambda: Problem(nodes=(_n("a"),), memory_budget=0), "memory_budget must be a positive"),
+    (lambda: Problem(nodes=(_n("a"), _n("b")), edges=(Edge(src="a", dst="a", cost=np.zeros((2, 2))),)), "self-loop"),
+])
+def test_bad_input_is_named(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_evaluate_rejects_overlapping_checkpoints():
+    p = Problem(nodes=(_n("a"), _n("b")), segments=(Segment(id="x", nodes=("a", "b")), Segment(id="y", nodes=("b",))))
+    with pytest.raises(ValueError, match="both contain 'b'"):
+        solver.evaluate(p, {"a": 0, "b": 0}, ("x", "y"))
+
+
+def test_arrays_are_read_only_copies():
+    t = np.array([1.0, 2.0])
+    node = Node(id="a", labels=("x", "y"), time=t)
+    t[0] = 9.0
+    assert node.time[0] == 1.0 and not node.time.flags.writeable
+
+
+def test_fmt_bytes():
+    assert solver.fmt_bytes(4.4e9) == "4.10 GiB" and solver.fmt_bytes(512) == "512 B"
