@@ -107,8 +107,10 @@ def _matmul_time(n: int, dtype, device, repeats, warmup) -> float | None:
 
 def _device_times(device: torch.device, repeats: int, warmup: int) -> dict:
     """Raw device timings (seconds), in a fixed order so ranks can max-reduce them."""
-    n = 512 if device.type == "cpu" else 4096
-    n_low = 256 if device.type == "cpu" else 4096  # CPU half precision can be slow: keep it short
+    # Big enough that one product runs well past launch overhead (GPU: ~1 TFLOP, a few ms);
+    # CPU half precision can be slow, so its product is kept short.
+    n = 512 if device.type == "cpu" else 8192
+    n_low = 256 if device.type == "cpu" else 8192
     out = {"fp32": (n, _matmul_time(n, torch.float32, device, repeats, warmup))}
     if device.type == "cuda":
         old = torch.backends.cuda.matmul.allow_tf32
@@ -117,11 +119,16 @@ def _device_times(device: torch.device, repeats: int, warmup: int) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = old
     for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         out[name] = (n_low, _matmul_time(n_low, dt, device, repeats, warmup))
-    numel = (4 << 20) if device.type == "cpu" else (64 << 20)  # fp32 elements: 16 MiB / 256 MiB
+    numel = (4 << 20) if device.type == "cpu" else (256 << 20)  # fp32 elements: 16 MiB / 1 GiB
     src, dst = torch.ones(numel, device=device), torch.empty(numel, device=device)
     out["copy"] = (numel * 4, _median_time(lambda: dst.copy_(src), device, repeats, warmup, barrier=False))
-    tiny = torch.zeros(1, device=device)
-    out["kernel"] = (1, _median_time(lambda: tiny.add_(1), device, max(repeats, 21), warmup, barrier=False))
+    tiny, k = torch.zeros(1, device=device), 50
+
+    def tiny_ops():  # back to back, as a training step issues them: launch cost, not sync cost
+        for _ in range(k):
+            tiny.add_(1)
+
+    out["kernel"] = (k, _median_time(tiny_ops, device, repeats, warmup, barrier=False))
     return out
 
 
@@ -201,10 +208,10 @@ def _device_from_times(preset: Device, dev: dict, device: torch.device) -> tuple
     new = dataclasses.replace(preset, name=f"{preset.name} (calibrated)", fp32_flops=rates["fp32"],
                               tf32_flops=rates["tf32"], bf16_flops=rates["bf16"], fp16_flops=rates["fp16"],
                               mem_bandwidth=mem_bw, memory_bytes=int(memory), matmul_efficiency=1.0,
-                              kernel_floor=dev["kernel"][1])
+                              kernel_floor=dev["kernel"][1] / dev["kernel"][0])
     record = {"matmul": {k: {"n": dev[k][0], "seconds": dev[k][1], "flops_per_s": rates.get(k)}
                          for k in ("fp32", "tf32", "bf16", "fp16") if k in dev},
               "copy": {"bytes": copy_bytes, "seconds": copy_t, "bytes_per_s": mem_bw},
-              "kernel_floor_s": dev["kernel"][1], "memory_bytes": int(memory),
+              "kernel_floor_s": dev["kernel"][1] / dev["kernel"][0], "memory_bytes": int(memory),
               "note": "peaks are measured achieved rates, so matmul_efficiency is 1.0"}
     return new, record
