@@ -88,14 +88,38 @@ def dag(draw):
         same = [f"n{i}" for i in range(n) if sizes[i] == k]
         if len(same) > 1 and draw(st.booleans()):
             ties.append(tuple(draw(st.lists(st.sampled_from(same), min_size=2, max_size=len(same), unique=True))))
+    if draw(st.integers(0, 3)) == 0:  # a duplicated strategy: dominance must keep exactly one
+        i = draw(st.integers(0, n - 1))
+        nd = nodes[i]
+        nodes[i] = Node(id=nd.id, labels=nd.labels + ("dup",), time=np.append(nd.time, nd.time[0]),
+                        comm=np.append(nd.comm, nd.comm[0]), mem=np.append(nd.mem, nd.mem[0]),
+                        act=np.append(nd.act, nd.act[0]), work=np.append(nd.work, nd.work[0]),
+                        recompute=np.append(nd.recompute, nd.recompute[0]))
+        sizes[i] += 1
+        edges = [Edge(src=e.src, dst=e.dst, cost=_dup(e, nd.id)) for e in edges]
+        ties = [t for t in ties if nd.id not in t]
     segs = []
     for g in range(draw(st.integers(0, 4))):
-        lo = draw(st.integers(1, n - 1))
-        hi = draw(st.integers(lo + 1, n))
-        keep = (f"n{lo - 1}",)
-        segs.append(Segment(id=f"g{g}", nodes=tuple(f"n{i}" for i in range(lo, hi)), keep=keep,
-                            keep_bytes=(_vec(draw, sizes[lo - 1], 10, MiB),)))
+        if draw(st.integers(0, 3)) == 0:  # any subset: crossing families are solved unaggregated
+            inside = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
+        else:
+            lo = draw(st.integers(1, n - 1))
+            inside = list(range(lo, draw(st.integers(lo + 1, n))))
+        outside = [i for i in range(n) if i not in inside]
+        keep = draw(st.lists(st.sampled_from(outside), max_size=2, unique=True)) if outside else []
+        segs.append(Segment(id=f"g{g}", nodes=tuple(f"n{i}" for i in inside), keep=tuple(f"n{k}" for k in keep),
+                            keep_bytes=tuple(_vec(draw, sizes[k], 10, MiB) for k in keep)))
     return nodes, edges, tuple(ties), segs
+
+
+def _dup(edge: Edge, nid: str) -> np.ndarray:
+    """The edge cost with node ``nid``'s strategy 0 duplicated as a last strategy."""
+    cost = edge.cost
+    if edge.src == nid:
+        cost = np.vstack([cost, cost[:1]])
+    if edge.dst == nid:
+        cost = np.hstack([cost, cost[:, :1]])
+    return cost
 
 
 @st.composite
