@@ -165,17 +165,27 @@ def test_invalid_inputs_give_clear_errors():
 
 
 # ---- execution under LocalTensorMode -----------------------------------------------------------
-def _check_pair(lm, dm, mesh, mesh_shape, src, dst, x_global, g_global, grad_dst=None):
-    x = _local_map(lm, x_global, src, mesh_shape, seed=1).requires_grad_()
-    y = reshard_local(x, src, dst, dm, SHAPE, grad_dst=grad_dst, mesh=mesh)
-    where = f"{fmt(src)} -> {fmt(dst)}"
-    with lm.disable():  # checks on the plain per-rank tensors: no dispatch through the mode
-        assert torch.equal(assemble(y._local_tensors, dst, mesh_shape, SHAPE), x_global), where
+def _run_pair(lm, dm, mesh, mesh_shape, src, dst, x_global, g_global, grad_dst=None, cache=None):
+    """Reshard forward and backward under ``lm``; returns what :func:`_check` compares."""
+    cache = {} if cache is None else cache  # per-rank inputs reused (autograd.grad leaves x untouched)
     gdst = grad_placements(dst) if grad_dst is None else grad_dst
+    if ("x", src) not in cache:
+        cache["x", src] = _local_map(lm, x_global, src, mesh_shape, seed=1).requires_grad_()
+    if ("g", gdst) not in cache:
+        cache["g", gdst] = _local_map(lm, g_global, gdst, mesh_shape, seed=2)
+    x = cache["x", src]
+    y = reshard_local(x, src, dst, dm, SHAPE, grad_dst=grad_dst, mesh=mesh)
     # autograd.grad rather than backward(): no accumulation into .grad, a dispatch less per pair
-    (gx,) = torch.autograd.grad(y, x, _local_map(lm, g_global, gdst, mesh_shape, seed=2))
-    with lm.disable():
-        got = assemble(gx._local_tensors, grad_placements(src), mesh_shape, SHAPE)
+    (gx,) = torch.autograd.grad(y, x, cache["g", gdst])
+    return src, dst, gdst, y.detach()._local_tensors, gx._local_tensors
+
+
+def _check(results, mesh_shape, x_global, g_global):
+    # Outside LocalTensorMode: the per-rank tensors are plain, and ops skip the mode's dispatch.
+    for src, dst, gdst, ys, gs in results:
+        where = f"{fmt(src)} -> {fmt(dst)}"
+        assert torch.equal(assemble(ys, dst, mesh_shape, SHAPE), x_global), where
+        got = assemble(gs, grad_placements(src), mesh_shape, SHAPE)
         assert torch.equal(got, g_global), f"backward of {where} (grad {fmt(gdst)})"
 
 
@@ -186,8 +196,10 @@ def test_every_pair_forward_and_backward(sim):
     x_global = torch.randint(-5, 6, SHAPE).float()
     g_global = torch.randint(-5, 6, SHAPE).float()
     with LocalTensorMode(math.prod(mesh_shape)) as lm:
-        for src, dst in itertools.product(pls, pls):
-            _check_pair(lm, dm, mesh, mesh_shape, src, dst, x_global, g_global)
+        cache = {}
+        results = [_run_pair(lm, dm, mesh, mesh_shape, src, dst, x_global, g_global, cache=cache)
+                   for src, dst in itertools.product(pls, pls)]
+    _check(results, mesh_shape, x_global, g_global)
 
 
 def test_gradient_arriving_partial(sim):
@@ -198,8 +210,9 @@ def test_gradient_arriving_partial(sim):
     g_global = torch.randint(-5, 6, SHAPE).float()
     cases = [("S(0)R", "RR", "PP"), ("RS(1)", "RR", "RP"), ("RR", "RR", "PR"), ("S(1)S(2)", "S(1)R", "S(1)P")]
     with LocalTensorMode(math.prod(mesh_shape)) as lm:
-        for src, dst, gdst in cases:
-            _check_pair(lm, dm, mesh, mesh_shape, parse(src), parse(dst), x_global, g_global, parse(gdst))
+        results = [_run_pair(lm, dm, mesh, mesh_shape, parse(s), parse(d), x_global, g_global, parse(g))
+                   for s, d, g in cases]
+    _check(results, mesh_shape, x_global, g_global)
 
 
 def test_apply_steps_and_function_directly(sim):
