@@ -86,16 +86,7 @@ def shape_only(info: OpInfo) -> list[Entry]:
     return []
 
 
-def _hops() -> list:
-    hops = []
-    for name in ("wrap_with_set_grad_enabled", "wrap_with_autocast"):
-        op = getattr(torch.ops.higher_order, name, None)
-        if op is not None:
-            hops.append(op)
-    return hops
-
-
-@register(*_hops())
+@register(torch.ops.higher_order.wrap_with_set_grad_enabled)
 def wrapped_region(info: OpInfo) -> list[Entry]:
-    # A region exported under no_grad/autocast (e.g. rotary tables): computed whole on every rank.
+    # A region exported under no_grad (e.g. rotary tables): computed whole on every rank.
     return []

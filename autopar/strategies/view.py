@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.strategies.base import P, R, S, Entry, OpInfo
-from autopar.strategies.local import local_out_shape
+from autopar.strategies.local import in_val, local_out_shape
 from autopar.strategies.registry import register
 
 aten = torch.ops.aten
@@ -197,7 +197,21 @@ def movedim(info: OpInfo) -> list[Entry]:
     return dim_map_entries(info, {d: order.index(d) for d in range(nd)})
 
 
-@register(aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _squeeze_local(node, st, args, kwargs, ctx):
+    # squeeze drops the dims of size 1 it sees: name the globally size-1 ones, as a shard may
+    # be of size 1 where the whole tensor is not.
+    if node.target is aten.unsqueeze.default:
+        return node.target(*args, **kwargs)
+    shape = in_val(node, 0).shape
+    nd = len(shape)
+    if node.target is aten.squeeze.default:
+        dims = range(nd)
+    else:
+        dims = [args[1]] if node.target is aten.squeeze.dim else list(args[1])
+    return aten.squeeze.dims(args[0], [d % nd for d in dims if shape[d % nd] == 1])
+
+
+@register(aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, local=_squeeze_local)
 def squeeze(info: OpInfo) -> list[Entry]:
     # Only size-1 dims come and go: the other dims keep their order.
     src = [d for d, n in enumerate(info.shape(0)) if n != 1]
