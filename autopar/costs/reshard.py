@@ -119,6 +119,8 @@ def normalize(placements: str | Sequence[Placement], shape: Sequence[int], mesh:
     out = []
     for p in pl:
         if isinstance(p, Shard):
+            if type(p) is not Shard:
+                raise ValueError(f"{p!r} (a strided shard) is not supported; use Shard, Replicate or Partial")
             if not -len(shape) <= p.dim < len(shape):
                 raise ValueError(f"{fmt(pl)} shards dim {p.dim} of a {len(shape)}-D tensor of shape {tuple(shape)}")
             p = Shard(p.dim % len(shape))
@@ -145,6 +147,8 @@ def _sharded_after(state: Placements, axis: int, dim: int) -> bool:
 
 def apply_step(state: Placements, step: Step) -> Placements:
     """The placement tuple after ``step``; raises ``ValueError`` if the step does not apply."""
+    if not 0 <= step.axis < len(state):
+        raise ValueError(f"step {step} names axis {step.axis} but placements {fmt(state)} have {len(state)} axes")
     p, a = state[step.axis], step.axis
     k, ok = step.kind, True
     if k == "noop":
