@@ -60,9 +60,11 @@ class Captured:
     buffers: dict[str, str]
     """Buffer placeholder name -> FQN in the model."""
     param_aliases: dict[str, tuple[str, ...]]
-    """Tied parameters: placeholder name -> every FQN of that one tensor (GPT-2 ``wte``/``lm_head``)."""
+    """Tied parameters: the placeholder the graph reads -> every FQN of that one tensor (GPT-2
+    ``wte``/``lm_head``). Export also lifts a placeholder for each other FQN; those have no users."""
     user_inputs: list[str]
-    """User-input placeholder names in call order: flattened args, then kwargs, then the target."""
+    """User-input placeholder names in call order: flattened args, then kwargs, then the target
+    (a placeholder whose value is None when no target is given)."""
     loss_node: torch.fx.Node
     """The node computing the scalar loss (the graph's user output)."""
     mutated_buffers: dict[str, str]
@@ -72,6 +74,14 @@ class Captured:
     def graph(self) -> torch.fx.Graph:
         """The fx graph (``gm.graph``)."""
         return self.gm.graph
+
+    def tied_duplicates(self) -> set[str]:
+        """Parameter placeholders that repeat a tied parameter another placeholder already holds."""
+        out = set()
+        fqn_to_ph = {fqn: ph for ph, fqn in self.params.items()}
+        for primary, fqns in self.param_aliases.items():
+            out.update(fqn_to_ph[f] for f in fqns if f in fqn_to_ph and fqn_to_ph[f] != primary)
+        return out
 
     def module_path(self, node: torch.fx.Node) -> str:
         """Innermost module path of ``node`` in the model's own names (``"transformer.h.3.attn"``)."""
@@ -293,7 +303,7 @@ def _build_captured(ep: torch.export.ExportedProgram, model: nn.Module) -> Captu
     sig = ep.graph_signature
     params = {ph: _strip(fqn) for ph, fqn in sig.inputs_to_parameters.items()}
     buffers = {ph: _strip(fqn) for ph, fqn in sig.inputs_to_buffers.items()}
-    aliases = _param_aliases(model, params)
+    aliases = _param_aliases(model, params, ep.graph)
     user_outputs = list(sig.user_outputs)
     if len(user_outputs) != 1:
         raise CaptureError(f"expected one scalar loss output, the graph returns {len(user_outputs)} values")
@@ -302,7 +312,9 @@ def _build_captured(ep: torch.export.ExportedProgram, model: nn.Module) -> Captu
     mutated = {fqn_to_ph[_strip(fqn)]: out for out, fqn in sig.buffers_to_mutate.items()
                if _strip(fqn) in fqn_to_ph}
     mutated.update({b: n for b, n in _inplace_buffer_writes(ep.graph, buffers).items() if b not in mutated})
-    user_inputs = [name for name in sig.user_inputs if name is not None]  # None: a None input
+    # The graph's last placeholders, in call order; a None input (no target) keeps its placeholder.
+    placeholders = [n.name for n in ep.graph.nodes if n.op == "placeholder"]
+    user_inputs = placeholders[len(placeholders) - len(sig.user_inputs):]
     return Captured(ep=ep, gm=ep.graph_module, params=params, buffers=buffers, param_aliases=aliases,
                     user_inputs=user_inputs, loss_node=nodes[user_outputs[0]], mutated_buffers=mutated)
 
@@ -336,17 +348,22 @@ def _inplace_buffer_writes(graph: torch.fx.Graph, buffers: dict[str, str]) -> di
     return writes
 
 
-def _param_aliases(model: nn.Module, params: dict[str, str]) -> dict[str, tuple[str, ...]]:
+def _param_aliases(model: nn.Module, params: dict[str, str], graph: torch.fx.Graph) -> dict[str, tuple[str, ...]]:
+    """Tied parameters: the placeholder the graph reads -> every FQN of that tensor.
+
+    Export lifts one placeholder per FQN and reads only one of them; the others have no users.
+    """
     by_id: dict[int, list[str]] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(fqn)
     fqn_to_ph = {fqn: ph for ph, fqn in params.items()}
+    used = {n.name for n in graph.nodes if n.op == "placeholder" and n.users}
     out = {}
     for fqns in by_id.values():
-        if len(fqns) > 1:
-            ph = next((fqn_to_ph[f] for f in fqns if f in fqn_to_ph), None)
-            if ph is not None:
-                out[ph] = tuple(fqns)
+        phs = [fqn_to_ph[f] for f in fqns if f in fqn_to_ph]
+        if len(fqns) > 1 and phs:
+            primary = next((ph for ph in phs if ph in used), phs[0])
+            out[primary] = tuple(fqns)
     return out
 
 

@@ -1,0 +1,257 @@
+"""Peak memory of one training step on one device, by liveness over the measured graph.
+
+The step is the steady state of ``loss = f(x); loss.backward(); opt.step(); opt.zero_grad()``:
+
+- always resident: parameters, buffers, the inputs, the optimizer state;
+- forward, node by node: every storage the node's ops allocate is live while it runs (outputs,
+  saved internals, temporaries); afterwards temporaries are gone and an output lives until its
+  last reader ran, or until backward when autograd saved it;
+- backward, in reverse: a node's backward allocates its measured bytes; the gradient of an
+  activation lives from its first producer (the last reader in forward) to the backward of the
+  node that made the activation; a view whose backward allocates nothing passes the gradient
+  through; parameter gradients appear at their first backward and stay; a saved storage is
+  freed after the backward of the earliest node that saved it;
+- optimizer step: the transient of ``torch.optim``'s update (AdamW: one parameter-sized
+  ``sqrt`` buffer for all parameters with ``foreach``, two for the largest parameter without).
+
+Precision: ``torch.float32`` uses the traced sizes; ``torch.bfloat16``/``torch.float16`` halve
+every float storage; ``"bf16-mixed"`` keeps fp32 parameters, gradients and optimizer state and
+adds 16-bit compute copies of the parameters (alive from forward to the end of backward) while
+activations are 16-bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import torch
+
+Key = tuple[str, int]
+
+#: Optimizer state per trainable parameter byte (fp32 master state, same dtype as the parameter).
+OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed")
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepNode:
+    """One graph node, as the simulation needs it."""
+
+    name: str
+    storages: dict[Key, int]
+    """Storages the node creates -> bytes (outputs and internals)."""
+    float_size: dict[Key, int]
+    """Element size of the floating-point storages."""
+    out_keys: list[Key]
+    saved: list[Key]
+    fwd_alloc: int
+    bwd_alloc: int
+    in_backward: bool
+    inputs: list[str]
+    """Names of the nodes (and placeholders) the node reads."""
+    users: list[str]
+    grad_bytes: int
+    """Bytes of the node's outputs that require grad: the size of their gradient."""
+    grad_float_size: int
+    """Element size of those outputs (4 for fp32)."""
+    is_alias: bool
+    """The node creates no storage (a view, or an in-place op)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Placeholder:
+    """A parameter, buffer or user input."""
+
+    nbytes: int
+    float_size: int
+    """Element size when floating point, else 0."""
+    kind: str
+    """``"param"`` (trainable), ``"frozen"``, ``"buffer"`` or ``"input"``."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class MemoryEstimate:
+    """The predicted peak and what is resident at that moment (bytes)."""
+
+    peak: int
+    """Peak bytes live on the device during the step."""
+    phase: str
+    """``"forward"``, ``"backward"`` or ``"optimizer"``: where the peak happens."""
+    node: str
+    """The node running at the peak (``"optimizer.step"`` during the update)."""
+    params: int
+    buffers: int
+    inputs: int
+    grads: int
+    """Parameter gradients live at the peak."""
+    optimizer_state: int
+    compute_copies: int
+    """16-bit parameter copies of mixed precision."""
+    activations: int
+    """Activation storages (and activation gradients) live at the peak, transients included."""
+    activations_end_of_forward: int
+    """Activation bytes live when forward ends (what autograd keeps, plus the loss)."""
+
+
+def normalize_precision(dtype) -> str:
+    """``torch.float32``/``"fp32"``, ``torch.bfloat16``/``"bf16"``, ``torch.float16``/``"fp16"``, ``"bf16-mixed"``."""
+    aliases = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", "float32": "fp32",
+               "bfloat16": "bf16", "float16": "fp16"}
+    p = aliases.get(dtype, dtype)
+    if p not in PRECISIONS:
+        raise ValueError(f"unknown precision {dtype!r}: use torch.float32, torch.bfloat16, torch.float16 "
+                         f"or 'bf16-mixed'")
+    return p
+
+
+class _Sizer:
+    """Bytes of a storage under a precision."""
+
+    def __init__(self, precision: str):
+        self.act16 = precision != "fp32"
+        self.weight16 = precision in ("bf16", "fp16")
+
+    @staticmethod
+    def _half(nbytes: int, float_size: int) -> int:
+        return nbytes * 2 // float_size if float_size > 2 else nbytes
+
+    def act(self, nbytes: int, float_size: int) -> int:
+        return self._half(nbytes, float_size) if self.act16 else nbytes
+
+    def weight(self, nbytes: int, float_size: int) -> int:
+        return self._half(nbytes, float_size) if self.weight16 else nbytes
+
+    def alloc(self, nbytes: int) -> int:  # op allocations are (nearly all) float
+        return nbytes // 2 if self.act16 else nbytes
+
+
+def simulate(nodes: list[StepNode], placeholders: dict[str, Placeholder], loss: str, *,
+             optimizer: str = "adamw", precision: str = "fp32", foreach: bool = True) -> MemoryEstimate:
+    """Walk forward, backward and the optimizer step; return the peak and its breakdown."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}: use one of {sorted(OPTIMIZER_STATES)}")
+    size = _Sizer(normalize_precision(precision))
+    static = _static_bytes(placeholders, size, optimizer)
+    state = _State(static=static)
+    acts = _forward(nodes, placeholders, loss, size, state)
+    _backward(nodes, placeholders, size, state)
+    transient = _optimizer_transient(placeholders, size, optimizer, foreach)
+    state.observe("optimizer", "optimizer.step", transient, copies=False)
+    best = state.best
+    return MemoryEstimate(peak=best["total"], phase=best["phase"], node=best["node"], params=static["params"],
+                          buffers=static["buffers"], inputs=static["inputs"], grads=best["grads"],
+                          optimizer_state=static["optimizer"], compute_copies=best["copies"],
+                          activations=best["acts"], activations_end_of_forward=acts)
+
+
+def _static_bytes(placeholders: dict[str, Placeholder], size: _Sizer, optimizer: str) -> dict[str, int]:
+    out = defaultdict(int)
+    for ph in placeholders.values():
+        if ph.kind in ("param", "frozen"):
+            out["params"] += size.weight(ph.nbytes, ph.float_size)
+        elif ph.kind == "buffer":
+            out["buffers"] += size.weight(ph.nbytes, ph.float_size)
+        else:
+            out["inputs"] += ph.nbytes
+        if ph.kind == "param":
+            out["optimizer"] += OPTIMIZER_STATES[optimizer] * size.weight(ph.nbytes, ph.float_size)
+            if size.act16 and not size.weight16:
+                out["copies"] += size.act(ph.nbytes, ph.float_size)
+    return out
+
+
+@dataclasses.dataclass
+class _State:
+    static: dict[str, int]
+    live: dict[Key, int] = dataclasses.field(default_factory=dict)
+    live_bytes: int = 0
+    grads: int = 0
+    act_grads: int = 0
+    best: dict = dataclasses.field(default_factory=lambda: {"total": -1})
+
+    def add(self, key: Key, nbytes: int) -> None:
+        if key not in self.live:
+            self.live[key] = nbytes
+            self.live_bytes += nbytes
+
+    def free(self, key: Key) -> None:
+        self.live_bytes -= self.live.pop(key, 0)
+
+    def observe(self, phase: str, node: str, transient: int, copies: bool = True) -> None:
+        s = self.static
+        copy_bytes = s["copies"] if copies else 0
+        acts = self.live_bytes + self.act_grads + transient
+        total = s["params"] + s["buffers"] + s["inputs"] + s["optimizer"] + copy_bytes + self.grads + acts
+        if total > self.best["total"]:
+            self.best = {"total": total, "phase": phase, "node": node, "grads": self.grads,
+                         "copies": copy_bytes, "acts": acts}
+
+
+def _forward(nodes: list[StepNode], placeholders, loss: str, size: _Sizer, state: _State) -> int:
+    position = {n.name: i for i, n in enumerate(nodes)}
+    saved = {k for n in nodes for k in n.saved if k[0] not in placeholders}
+    last_use: dict[Key, int] = {}
+    for i, n in enumerate(nodes):
+        end = max([i] + [position[u] for u in n.users if u in position])
+        for k in list(n.storages) + n.out_keys:
+            if k[0] not in placeholders:
+                last_use[k] = max(last_use.get(k, i), end)
+    keep = {k for n in nodes if n.name == loss for k in n.out_keys}
+    free_at: dict[int, list[Key]] = defaultdict(list)
+    for k, i in last_use.items():
+        if k not in saved and k not in keep:
+            free_at[i].append(k)
+    for i, n in enumerate(nodes):
+        state.observe("forward", n.name, size.alloc(n.fwd_alloc))
+        for k, b in n.storages.items():
+            state.add(k, size.act(b, n.float_size.get(k, 0)))
+        for k in free_at.get(i, ()):
+            state.free(k)
+    return state.live_bytes
+
+
+def _backward(nodes: list[StepNode], placeholders, size: _Sizer, state: _State) -> None:
+    # A storage saved by several nodes is released with the earliest of them (the last to run backward).
+    release: dict[str, list[Key]] = defaultdict(list)
+    first_saver: dict[Key, str] = {}
+    for n in nodes:
+        for k in n.saved:
+            if k[0] not in placeholders and k not in first_saver:
+                first_saver[k] = n.name
+    for k, name in first_saver.items():
+        release[name].append(k)
+    grad_of: dict[str, int] = {}  # activation gradients waiting for their producer's backward
+    grad_bytes = {n.name: (n.grad_bytes, n.grad_float_size) for n in nodes}
+    param_done: set[str] = set()
+    for n in reversed(nodes):
+        if not n.in_backward:
+            continue
+        state.observe("backward", n.name, size.alloc(n.bwd_alloc))
+        incoming = grad_of.pop(n.name, 0)
+        state.act_grads -= incoming
+        passthrough = n.is_alias and n.bwd_alloc == 0
+        for a in n.inputs:
+            ph = placeholders.get(a)
+            if ph is not None:
+                if ph.kind == "param" and a not in param_done:
+                    param_done.add(a)
+                    state.grads += size.weight(ph.nbytes, ph.float_size)
+                continue
+            if a in grad_of or not grad_bytes.get(a, (0, 0))[0]:
+                continue  # accumulates into an existing gradient, or needs none
+            nbytes = incoming if passthrough else size.act(*grad_bytes[a])
+            grad_of[a] = nbytes
+            state.act_grads += nbytes
+        for k in release.get(n.name, ()):
+            state.free(k)
+
+
+def _optimizer_transient(placeholders, size: _Sizer, optimizer: str, foreach: bool) -> int:
+    if optimizer not in ("adam", "adamw"):
+        return 0  # SGD updates in place (momentum buffers are state)
+    sizes = [size.weight(p.nbytes, p.float_size) for p in placeholders.values() if p.kind == "param"]
+    if not sizes:
+        return 0
+    # foreach: exp_avg_sq.sqrt() for every parameter at once; single-tensor: sqrt(v) and sqrt(v)/c
+    # coexist for one parameter at a time.
+    return sum(sizes) if foreach else 2 * max(sizes)
