@@ -16,7 +16,8 @@ micro-batch's forward + backward on stage ``j`` and ``t = max_j t_j``.
   chunk forwards (capped at ``v m``), one more is in flight in steady state, and a chunk holds
   ``1 / v`` of the device's activations: in flight ``min(v m, 2 (p - j - 1) + (v - 1) p + 1) / v``
   device micro-batches; on stage 0 that is ``p + (p - 1) / v``, the factor ``1 + (p - 1) / (p v)``
-  over 1F1B's ``p`` of Korthikanti et al. (2022). With ``v = 1`` it is 1F1B.
+  over 1F1B's ``p`` of Korthikanti et al. (2022). With ``m = p`` Megatron runs every forward as
+  warm-up (in flight ``m``); with ``v = 1`` it is 1F1B.
 
 Stage memory is ``sum(layer_mem) + in_flight_j * sum(layer_act)`` over the stage's layers
 (``layer_act``: activation bytes of one micro-batch).
@@ -85,6 +86,8 @@ def in_flight(kind: str, n_stages: int, n_micro: int, virtual_stages: int = 1) -
         return tuple(float(m) for _ in range(p))
     if kind == "1f1b" or v == 1:
         return tuple(float(min(p - j, m)) for j in range(p))
+    if m == p:  # Megatron runs the whole step as warm-up then: every chunk forward is in flight
+        return tuple(float(m) for _ in range(p))
     return tuple(min(v * m, 2 * (p - j - 1) + (v - 1) * p + 1) / v for j in range(p))
 
 

@@ -68,6 +68,8 @@ def test_schedule_formulas_hand_computed():
     assert i.in_flight == (5.5, 4.5, 3.5, 2.5) and i.in_flight[0] == 4 * (1 + 3 / 8)
     # few micro-batches cap the warm-up at v m chunks
     assert in_flight("interleaved-1f1b", 4, 1, 2) == (1.0, 1.0, 1.0, 1.0)
+    # m = p: all forwards are warm-up (Megatron), so every stage holds m
+    assert in_flight("interleaved-1f1b", 4, 4, 2) == (4.0, 4.0, 4.0, 4.0)
     # v = 1 is plain 1F1B
     assert schedule_cost("interleaved-1f1b", [1, 2, 1, 1], 8).step_time == f.step_time
 
