@@ -23,6 +23,11 @@ def S(dim: int) -> Shard:
 
 
 def fmt_one(p: Placement) -> str:
+    t = type(p)  # exact-type checks first: isinstance on placements is slow when it misses
+    if t is Replicate:
+        return "R"
+    if t is Shard:
+        return f"S({p.dim})"
     if isinstance(p, Shard):
         return f"S({p.dim})"
     if isinstance(p, Replicate):
@@ -83,14 +88,19 @@ def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shap
 
 
 def fits(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:
-    """True when ``placements`` shard ``shape`` evenly on ``mesh_shape``."""
+    """True when ``placements`` shard ``shape`` evenly on ``mesh_shape`` (no exception path: this
+    is called for every candidate placement of every tensor)."""
     if len(placements) != len(mesh_shape):
         return False
-    for p in placements:
-        if isinstance(p, Shard) and not (-len(shape) <= p.dim < len(shape)):
-            return False
-    try:
-        local_shape(shape, placements, mesh_shape)
-    except ValueError:
-        return False
+    out = list(shape)
+    nd = len(out)
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            d = p.dim
+            if not -nd <= d < nd:
+                return False
+            d %= nd
+            if out[d] % n:
+                return False
+            out[d] //= n
     return True

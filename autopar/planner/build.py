@@ -32,7 +32,7 @@ import solver
 from autopar import placement as pl
 from autopar.costs.collectives import collective_time
 from autopar.costs.compute import compute_time
-from autopar.costs.reshard import reshard_cost
+from autopar.costs.reshard import _search as search_from  # Dijkstra from one source, cached
 from autopar.mesh import Mesh
 from autopar.strategies import Strategy, strategies_for
 
@@ -140,6 +140,8 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config) -> tuple[
     mesh, shape = cfg.mesh, cfg.mesh.shape
     outs = _vals(node)
     act_scale = 0.5 if cfg.dtype == "bf16-mixed" else 1.0
+    if not outs or not strat.outputs:
+        return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     if node.op == "placeholder":
         t = outs[0]
         local = _local_bytes(t, strat.outputs[0], shape)
@@ -181,11 +183,26 @@ def _input_vals(node) -> list:
 
 
 def _allowed(strats: list[Strategy], node, kind, pred) -> list[Strategy]:
-    if pred is None or kind not in ("param", "input"):
+    if pred is None or kind not in ("param", "input") or not _vals(node):
         return strats
     t = _vals(node)[0]
     keep = [s for s in strats if pred(kind, s.outputs[0], tuple(t.shape))]
     return keep
+
+
+def _signature(node, kind) -> tuple:
+    """Nodes with equal signatures (twins in repeated layers) have the same strategy list."""
+    def sig(a):
+        if isinstance(a, torch.fx.Node):
+            v = _vals(a)
+            return ("node", tuple((tuple(t.shape), t.dtype) for t in v))
+        if isinstance(a, (list, tuple)):
+            return tuple(sig(x) for x in a)
+        if isinstance(a, dict):
+            return tuple((k, sig(v)) for k, v in sorted(a.items()))
+        return repr(a)
+    outs = tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in _vals(node))
+    return (node.op, str(node.target), kind, sig(node.args), sig(node.kwargs), outs, len(node.users) > 0)
 
 
 def node_options(gm, gp, cfg: Config) -> tuple[dict[str, Option], list[str]]:
@@ -195,11 +212,20 @@ def node_options(gm, gp, cfg: Config) -> tuple[dict[str, Option], list[str]]:
     kinds = _kinds(gp.captured)
     pred = predicate(cfg.family, cfg.mesh.ndim) if cfg.family else None
     options, order = {}, []
+    memo: dict[tuple, list[Strategy]] = {}
     for node in gm.graph.nodes:
         if node.op in ("output", "get_attr"):
             continue
-        strats = strategies_for(node, cfg.mesh.shape)
         kind = kinds.get(node.name)
+        try:
+            key = _signature(node, kind)
+            strats = memo.get(key)
+        except Exception:  # an unhashable argument: no memo for this node
+            key, strats = None, None
+        if strats is None:
+            strats = strategies_for(node, cfg.mesh.shape)
+            if key is not None:
+                memo[key] = strats
         allowed = _allowed(strats, node, kind, pred)
         if not allowed:
             t = _vals(node)[0]
@@ -261,45 +287,72 @@ def merge_followers(gm, options: dict[str, Option], enabled: bool):
 
 # ---------------------------------------------------------------------------------- 3. edges
 class _EdgePricer:
-    """Resharding matrices, cached by (output placements, input placements, grads, shape)."""
+    """Resharding matrices. Placements are keyed by their printed form (hashing torch placement
+    objects is slow); each distinct (output, input, gradient) triple is priced once per shape."""
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
         self.cache: dict[Any, np.ndarray] = {}
         self.pair: dict[Any, float] = {}
+        self.text: dict[int, str | None] = {}
 
-    def one(self, src, dst, shape, itemsize) -> float:
+    def key(self, pls) -> str | None:
+        if pls is None:
+            return None
+        k = self.text.get(id(pls))
+        if k is None:
+            k = pl.fmt(pls)
+            self.text[id(pls)] = k
+            self._keep = getattr(self, "_keep", [])
+            self._keep.append(pls)  # keep ids stable while cached
+        return k
+
+    def one(self, src: str | None, dst: str | None, shape, itemsize) -> float:
         if src is None or dst is None or src == dst:
             return 0.0
-        key = (src, dst, shape, itemsize)
-        c = self.pair.get(key)
-        if c is None:
+        key = (src, shape, itemsize)
+        table = self.pair.get(key)
+        if table is None:
+            # One shortest-path search from src prices every destination at once.
             try:
-                c = float(reshard_cost(src, dst, shape, itemsize, self.mesh))
-            except (ValueError, KeyError):
-                c = FORBIDDEN
-            if not math.isfinite(c):
-                c = FORBIDDEN
-            self.pair[key] = c
-        return c
+                found = search_from(pl.parse(src), shape, itemsize, self.mesh)
+                table = {pl.fmt(state): float(v[0]) for state, v in found.items()}
+            except ValueError:
+                table = {}
+            self.pair[key] = table
+        c = table.get(dst, FORBIDDEN)
+        return c if math.isfinite(c) else FORBIDDEN
 
     def matrix(self, outs: list, ins: list, grads: list, t: torch.Tensor) -> np.ndarray:
         """``outs[s]``: producer output placement per producer choice; ``ins[u]``/``grads[u]``:
         consumer input placement and input-gradient placement per consumer choice."""
         shape, itemsize = tuple(t.shape), t.element_size()
         diff = _differentiable(t)
-        key = (tuple(outs), tuple(ins), tuple(grads) if diff else None, shape, itemsize)
+        o_keys = [self.key(o) for o in outs]
+        i_keys = [(self.key(x), self.key(g) if diff else None) for x, g in zip(ins, grads)]
+        key = (tuple(o_keys), tuple(i_keys), shape, itemsize)
         m = self.cache.get(key)
         if m is None:
-            m = np.zeros((len(outs), len(ins)))
-            for i, o in enumerate(outs):
-                for j, (x, g) in enumerate(zip(ins, grads)):
+            uo = list(dict.fromkeys(o_keys))
+            ui = list(dict.fromkeys(i_keys))
+            small = np.zeros((len(uo), len(ui)))
+            for a, o in enumerate(uo):
+                go = None if o is None else _grad_text(o)
+                for b, (x, g) in enumerate(ui):
                     c = self.one(o, x, shape, itemsize)
-                    if diff and g is not None and o is not None:
-                        c += self.one(g, grad_of(o), shape, itemsize)
-                    m[i, j] = c
+                    if g is not None and o is not None:
+                        c += self.one(g, go, shape, itemsize)
+                    small[a, b] = c
+            io = np.array([uo.index(k) for k in o_keys])
+            ii = np.array([ui.index(k) for k in i_keys])
+            m = small[io][:, ii]
             self.cache[key] = m
         return m
+
+
+def _grad_text(pls: str) -> str:
+    """``grad_of`` on the printed form: Partial's gradient is Replicate."""
+    return pls.replace("P", "R")
 
 
 def _in_pl(strat: Strategy, j: int):
@@ -351,9 +404,9 @@ def sink_costs(gm, options, leader, follow, pricer: _EdgePricer) -> dict[str, np
             continue
         popt, ls, fs = options[prod.name], leader[prod.name], follow[prod.name]
         t = _vals(prod)[0]
-        rep = tuple(Replicate() for _ in pricer.mesh.shape)
+        rep = "R" * len(pricer.mesh.shape)
         extra[ls] = extra[ls] + np.array(
-            [pricer.one(_out_pl(popt, s, 0), rep, tuple(t.shape), t.element_size()) for s in fs])
+            [pricer.one(pricer.key(_out_pl(popt, s, 0)), rep, tuple(t.shape), t.element_size()) for s in fs])
     return extra
 
 
