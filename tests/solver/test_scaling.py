@@ -28,7 +28,7 @@ def test_5000_node_problem_collapses_to_a_few_hundred_classes():
 
 
 def test_synthetic_problem_solves_under_a_budget():
-    problem = synthetic_problem(layers=32, nodes_per_layer=10)
+    problem = synthetic_problem(layers=16, nodes_per_layer=8)
     free = solver.solve(problem)
     tight = dataclasses.replace(problem, memory_budget=0.6 * free.peak_bytes)
     sol = solver.solve(tight)
