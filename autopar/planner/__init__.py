@@ -133,10 +133,14 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
                                time=float(opt.time[pick[name]]), comm=float(opt.comm[pick[name]]))
     cap = gp.captured
     params = {}
+    n_axes = len(sharding_axes)
     for ph, fqn in cap.params.items():
-        params[fqn] = nodes[ph].outputs[0]
-        for alias in (getattr(cap, "param_aliases", {}) or {}).get(ph, []):
+        if ph not in nodes:
+            continue
+        for alias in (fqn, *(getattr(cap, "param_aliases", {}) or {}).get(ph, ())):
             params[alias] = nodes[ph].outputs[0]
+    for fqn in cap.params.values():  # parameters the graph never reads stay replicated
+        params.setdefault(fqn, "R" * n_axes)
     mem = _memory_split(built, pick, gp)
     bd = {"compute": float(sol.split.get("compute", 0.0)), "comm": float(sol.split.get("comm", 0.0)),
           "reshard": float(sol.split.get("reshard", 0.0)), "recompute": float(sol.split.get("recompute", 0.0))}
@@ -202,17 +206,32 @@ def _memory_split(built: Built, pick, gp) -> dict[str, float]:
     return {"params": params, "activations": act, "transient": work, "inputs_buffers": other}
 
 
+def _row_key(gp, name: str, path: str) -> str:
+    """The summary row of a node: its repeated layer (``transformer.h.3``), else its module path
+    cut to two levels (``transformer.wte``), else ``(top)``."""
+    where = gp.layer_of(name) if hasattr(gp, "layer_of") else None
+    if where is not None:
+        g, k = where
+        paths = getattr(gp.layers[g], "module_paths", None)
+        if paths and k < len(paths) and paths[k]:
+            return paths[k]
+    return ".".join(path.split(".")[:2]) if path else "(top)"
+
+
 def _layer_rows(gp, plan: Plan, built: Built, pick) -> list[dict]:
-    """One row per module at the depth of the repeated layers (or top-level modules)."""
-    depth = _layer_depth(gp)
+    """One row per repeated layer and per other top-level module, in graph order."""
     rows: dict[str, dict] = {}
-    fqn_of = {**gp.captured.params}
+    fqn_of = {ph: (gp.captured.param_aliases or {}).get(ph, (fqn,))[0] for ph, fqn in gp.captured.params.items()}
+    first_user = {}
+    for node in gp.captured.gm.graph.nodes:
+        for inp in node.all_input_nodes:
+            first_user.setdefault(inp.name, node.name)
     for name in built.order:
         prof = gp.nodes.get(name)
         path = getattr(prof, "module_path", "") or ""
         if name in fqn_of:
             path = fqn_of[name].rsplit(".", 1)[0]
-        key = ".".join(path.split(".")[:depth]) if path else "(top)"
+        key = _row_key(gp, first_user.get(name, name) if name in fqn_of else name, path)
         r = rows.setdefault(key, {"name": key, "placements": {}, "recompute": False, "time": 0.0, "comm": 0.0,
                                   "memory": 0.0, "nodes": 0})
         np_ = plan.nodes[name]
@@ -231,20 +250,3 @@ def _layer_rows(gp, plan: Plan, built: Built, pick) -> list[dict]:
         r["placements"] = ", ".join(f"{k} {v}" for k, v in list(pls.items())[:4]) + (" ..." if len(pls) > 4 else "")
         out.append(r)
     return out
-
-
-def _layer_depth(gp) -> int:
-    groups = getattr(gp, "layers", None) or []
-    for g in groups:
-        if g.layers and g.layers[0]:
-            prof = gp.nodes.get(g.layers[0][0])
-            path = getattr(prof, "module_path", "") or ""
-            if path:
-                return len(path.split(".")) - (1 if len(g.layers) > 1 and _differs_last(gp, g) else 0) or 1
-    return 1
-
-
-def _differs_last(gp, g) -> bool:
-    a = getattr(gp.nodes.get(g.layers[0][0]), "module_path", "")
-    b = getattr(gp.nodes.get(g.layers[1][0]), "module_path", "")
-    return a.split(".")[:-1] == b.split(".")[:-1]

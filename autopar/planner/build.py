@@ -216,6 +216,8 @@ def node_options(gm, gp, cfg: Config) -> tuple[dict[str, Option], list[str]]:
     for node in gm.graph.nodes:
         if node.op in ("output", "get_attr"):
             continue
+        if node.op == "placeholder" and not node.users:
+            continue  # e.g. the unused twin of a tied weight: the graph reads it through its alias
         kind = kinds.get(node.name)
         try:
             key = _signature(node, kind)
