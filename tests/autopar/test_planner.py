@@ -10,6 +10,7 @@ import profiler
 from autopar import zoo
 from autopar.mesh import Link, Mesh
 from autopar.plan import Plan
+from autopar.placement import parse
 from autopar.planner import plan_profile
 
 
@@ -33,7 +34,7 @@ def test_plans_on_every_mesh_round_trip(name):
         assert p.step_time > 0 and p.peak_bytes > 0
         s = p.summary()
         assert "predicted step time" in s and "x".join(map(str, shape)) in s
-        assert all(len(pl) == len(shape) for n in p.nodes.values() for pl in n.outputs if pl)
+        assert all(len(parse(x)) == len(shape) for n in p.nodes.values() for x in n.outputs if x)
 
 
 def test_single_device_plan_is_all_replicated():

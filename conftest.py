@@ -1,3 +1,5 @@
+"""Shared pytest set-up. It lives at the repository root so that pytest puts the root on sys.path
+and `import profiler` / `import solver` find the packages, not the test folders of the same names."""
 import os
 
 # Tests run many small torch ops on 2 cores: one intra-op thread avoids oversubscription.
