@@ -14,13 +14,15 @@ the replicate-only strategy with one warning naming the op.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import warnings
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 
 from autopar.strategies import combine
-from autopar.strategies.base import OpInfo, Strategy
+from autopar.strategies.base import OpInfo, Strategy, requires_grad
 
 #: Keys for the rules of non-call_function nodes.
 PLACEHOLDER, OUTPUT, GET_ATTR = "placeholder", "output", "get_attr"
@@ -101,14 +103,61 @@ def strategies_for(node: fx.Node, mesh_shape) -> list[Strategy]:
     Only strategies whose shards divide evenly are listed, in a deterministic order, and
     strategy 0 is the all-replicated one. An op without a rule gets only that strategy (and one
     warning naming the op)."""
+    key = _key(node, tuple(int(n) for n in mesh_shape))
+    hit = _CACHE.get(key) if key is not None else None
+    if hit is not None:
+        return list(hit)
     info = OpInfo(node, mesh_shape)
     rule = rule_for(node)
     if rule is None:
         _warn_once(node.target)
-        return combine.strategies(info, [])
-    raw = rule.fn(info)
-    combos = raw if rule.full else combine.product(info, raw)
-    return combine.strategies(info, combos)
+        out = combine.strategies(info, [])
+    else:
+        raw = rule.fn(info)
+        combos = raw if rule.full else combine.product(info, raw)
+        out = combine.strategies(info, combos)
+    if key is not None:
+        if len(_CACHE) > _CACHE_SIZE:
+            _CACHE.clear()
+        _CACHE[key] = tuple(out)
+    return out
+
+
+# Repeated layers give thousands of nodes with identical arguments: strategies are cached by
+# everything a rule may read (op, argument structure, tensor metadata, which input node each
+# argument is, whether it requires grad, the outputs, the mesh). Strategies hold placements only.
+_CACHE: dict = {}
+_CACHE_SIZE = 100_000
+
+
+def _meta_key(v):
+    if isinstance(v, torch.Tensor):
+        return ("T", tuple(int(s) for s in v.shape), str(v.dtype))
+    if isinstance(v, (list, tuple)):
+        return tuple(_meta_key(x) for x in v)
+    return ("V", repr(v))
+
+
+def _key(node: fx.Node, mesh: tuple[int, ...]):
+    if node.op not in ("call_function", "placeholder", "output"):
+        return None
+    index = {n: i for i, n in enumerate(node.all_input_nodes)}
+
+    def arg(a):
+        if isinstance(a, fx.Node):
+            src = _key(a, mesh) if node.target is operator.getitem else None
+            return ("N", index[a], requires_grad(a), _meta_key(a.meta.get("val")), src)
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(arg(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, arg(v)) for k, v in a.items()))
+        return repr(a)
+
+    try:
+        return (node.op, node.target if node.op == "call_function" else None, arg(tuple(node.args)),
+                arg(dict(node.kwargs)), _meta_key(node.meta.get("val")), requires_grad(node), mesh)
+    except TypeError:  # an unhashable target
+        return None
 
 
 def run_local(node: fx.Node, strategy: Strategy, args: tuple, kwargs: dict, ctx) -> Any:
