@@ -9,6 +9,7 @@
 from autopar.strategies.base import Comm, CommSpec, Entry, OpInfo, RunContext, Strategy
 from autopar.strategies.registry import (
     NoRuleWarning,
+    RuleFailedWarning,
     register,
     registered_ops,
     rule_for,
@@ -22,6 +23,7 @@ __all__ = [
     "Entry",
     "NoRuleWarning",
     "OpInfo",
+    "RuleFailedWarning",
     "RunContext",
     "Strategy",
     "register",

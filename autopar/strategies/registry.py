@@ -32,6 +32,10 @@ class NoRuleWarning(UserWarning):
     """An op has no sharding rule and runs replicated."""
 
 
+class RuleFailedWarning(UserWarning):
+    """An op's rule raised on a node; the node runs replicated."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """What ``@register`` stores for one op."""
@@ -85,14 +89,19 @@ def rule_for(node: fx.Node) -> Rule | None:
     return rule
 
 
-def _warn_once(target) -> None:
+def _warn_once(target, failed: str | None = None) -> None:
     name = str(target)
     if name in _WARNED:
         return
     _WARNED.add(name)
-    warnings.warn(f"autopar has no sharding rule for {name}: nodes of this op run replicated on every rank. "
-                  f"Add a rule in autopar/strategies (see docs/strategies.md, 'How to add an op rule').",
-                  NoRuleWarning, stacklevel=3)
+    if failed is None:
+        warnings.warn(f"autopar has no sharding rule for {name}: nodes of this op run replicated on every "
+                      f"rank. Add a rule in autopar/strategies (see docs/strategies.md, 'How to add an op "
+                      f"rule').", NoRuleWarning, stacklevel=3)
+    else:
+        warnings.warn(f"the sharding rule for {name} failed ({failed}): nodes of this op run replicated. "
+                      f"This is a bug in autopar/strategies; please report it with the model.",
+                      RuleFailedWarning, stacklevel=3)
 
 
 def strategies_for(node: fx.Node, mesh_shape) -> list[Strategy]:
@@ -113,9 +122,13 @@ def strategies_for(node: fx.Node, mesh_shape) -> list[Strategy]:
         _warn_once(node.target)
         out = combine.strategies(info, [])
     else:
-        raw = rule.fn(info)
-        combos = raw if rule.full else combine.product(info, raw)
-        out = combine.strategies(info, combos)
+        try:
+            raw = rule.fn(info)
+            combos = raw if rule.full else combine.product(info, raw)
+            out = combine.strategies(info, combos)
+        except Exception as e:  # a rule that cannot read this node must not stop the planner
+            _warn_once(node.target, failed=f"{type(e).__name__}: {e}")
+            out = combine.strategies(OpInfo(node, mesh_shape), [])
     if key is not None:
         if len(_CACHE) > _CACHE_SIZE:
             _CACHE.clear()

@@ -127,7 +127,15 @@ def _shapes(info: OpInfo) -> tuple[list[int], list[int]]:
 
 
 def _reshape_local(node, st, args, kwargs, ctx):
-    return node.target(args[0], local_out_shape(node, st, ctx))
+    shape = local_out_shape(node, st, ctx)
+    try:
+        return node.target(args[0], shape)
+    except RuntimeError:
+        # A view of the whole tensor may not be a view of a strided shard (a slice handed over
+        # by a resharding step): copy then.
+        if node.target is not aten.view.default:
+            raise
+        return aten.reshape.default(args[0], shape)
 
 
 @register(aten.view.default, aten.reshape.default, aten._unsafe_view.default, full=True, local=_reshape_local)

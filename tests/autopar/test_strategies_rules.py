@@ -44,6 +44,8 @@ def by_axes(strats, *names):
 
 # ------------------------------------------------------------------------------ every node
 @pytest.mark.parametrize("name", ["llama", "resnet"])
+@pytest.mark.filterwarnings("error::autopar.strategies.RuleFailedWarning")
+@pytest.mark.filterwarnings("error::autopar.strategies.NoRuleWarning")
 def test_strategy_zero_replicated_shards_even_and_order_deterministic(name):
     g = graph(name, batch=4)
     mesh = (2, 2)
@@ -235,6 +237,19 @@ def test_long_tail_from_dtensor_without_warning():
 def test_run_local_refuses_placeholders_with_a_clear_error():
     with pytest.raises(ValueError, match="placeholder"):
         run_local(_placeholder((4,)), None, (), {}, RunContext())
+
+
+def test_a_failing_rule_degrades_to_replicate_with_a_warning(monkeypatch):
+    def broken(info):
+        raise KeyError("surprise")
+
+    monkeypatch.setattr(registry, "_WARNED", set())
+    monkeypatch.setitem(registry._RULES, aten.atan2.default, registry.Rule(fn=broken))
+    node = _one_op_node(aten.atan2.default, torch.randn(4, 6), torch.randn(6))
+    registry._CACHE.clear()
+    with pytest.warns(registry.RuleFailedWarning, match="aten.atan2.default failed .KeyError"):
+        assert [s.name for s in strategies_for(node, (2, 2))] == ["replicate"]
+    registry._CACHE.clear()
 
 
 def test_registering_an_op_twice_is_an_error():
