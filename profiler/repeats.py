@@ -253,7 +253,7 @@ def _tandem_repeats(nodes: list[torch.fx.Node], sigs: _Signatures):
     """Runs of k >= 2 back-to-back blocks of p >= MIN_PERIOD nodes with equal signatures.
 
     Twins must sit in the same module (one module applied again, or a loop in one forward).
-    Greedy: the run covering most nodes first (longer period on ties), then the rest of the
+    Greedy: the run covering most nodes first (shorter period on ties), then the rest of the
     sequence on either side. O(n^2) vectorised comparisons.
     """
     if len(nodes) < 2 * MIN_PERIOD:
@@ -279,6 +279,6 @@ def _best_tandem(sig: np.ndarray) -> tuple[int, int, int] | None:
         edges = np.flatnonzero(np.diff(eq.astype(np.int8)))
         for s, e in zip(edges[::2], edges[1::2]):  # run of equal pairs: i in [s, e)
             count = (e - s) // p + 1
-            if count >= 2 and count * p > best_cover:
+            if count >= 2 and count * p >= best_cover:  # ties: the shorter period (more layers)
                 best, best_cover = (int(s), p, int(count)), count * p
     return best
