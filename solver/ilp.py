@@ -78,6 +78,7 @@ class _Formulation:
         self.memory = budget is not None
         self.lp = pulp.LpProblem(name or "autopar", pulp.LpMinimize)
         self.rows: dict[str, pulp.LpConstraint] = {}
+        self.columns: list[pulp.LpVariable] = []  # creation order = HiGHS column order
         self.pulp_names: set[str] = set()
         cls = cp.classes.values()
         # Scales: seconds divided by the largest time coefficient and bytes by the largest byte
@@ -102,7 +103,9 @@ class _Formulation:
         self.set_objective()
 
     def var(self, name: str, low: float | None = 0.0, up: float | None = None, cat=pulp.LpContinuous):
-        return self.lp.add_variable(name, low, up, cat)
+        v = self.lp.add_variable(name, low, up, cat)
+        self.columns.append(v)
+        return v
 
     def row(self, name: str, terms: dict, sense: int, rhs: float) -> None:
         """Add ``sum terms (sense) rhs`` under the stable ``name`` (kept verbatim in ``self.rows``)."""
@@ -219,14 +222,14 @@ class _Formulation:
 
     @property
     def num_variables(self) -> int:
-        return len(self.lp.variables())
+        return len(self.columns)
 
     def run(self, time_limit: float, mip_gap: float) -> _Result:
         """Solve; status is "optimal", "time_limit" or "infeasible" (SolverError otherwise)."""
         if not self.cp.classes:  # everything was folded into constants: only the budget to check
             fits = self.peak or not self.memory or self.cp.const_static + self.cp.work_lb <= self.budget
             return _Result(status="optimal" if fits else "infeasible", picks={}, counts={}, gap=0.0, seconds=0.0)
-        solver = make_solver(time_limit, mip_gap)
+        solver = make_solver(time_limit, mip_gap, self.columns)
         t0 = _time.perf_counter()
         self.lp.solve(solver)
         seconds = _time.perf_counter() - t0

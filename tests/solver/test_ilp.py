@@ -157,3 +157,18 @@ def test_fully_folded_problem_still_checks_the_budget():
     with pytest.raises(Infeasible) as err:
         solver.solve(Problem(nodes=nodes, memory_budget=8.5 * MiB))
     assert err.value.min_budget == 9 * MiB
+
+
+def test_cbc_fallback_gives_the_same_optimum(monkeypatch):
+    """Without highspy, PuLP's bundled CBC solves the same model."""
+    from solver import compat
+
+    monkeypatch.setattr(compat, "solver_name", lambda: "PULP_CBC_CMD")
+    problem = _two_layers(36 * MiB)
+    sol = solver.solve(problem)
+    assert sol.checkpointed == ("s1", "s2") and sol.objective == pytest.approx(5.4)
+    with pytest.raises(Infeasible) as err:
+        solver.solve(_two_layers(8 * MiB))
+    with pytest.raises(Infeasible) as ref:
+        solver.brute_force(_two_layers(8 * MiB))
+    assert err.value.min_budget == ref.value.min_budget == 10 * MiB  # all S, both layers recomputed
