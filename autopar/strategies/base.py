@@ -128,7 +128,12 @@ def differentiable(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.dtype.is_floating_point or t.dtype.is_complex)
 
 
-_NO_GRAD_OPS = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh_copy.default}
+_aten = torch.ops.aten
+# Floating results that carry no gradient to their inputs.
+_NO_GRAD_OPS = {_aten.detach.default, _aten.lift_fresh_copy.default, _aten.zeros_like.default,
+                _aten.ones_like.default, _aten.full_like.default, _aten.empty_like.default,
+                _aten.rand_like.default, _aten.randn_like.default, _aten.new_ones.default,
+                _aten.new_zeros.default, _aten.new_full.default, _aten.new_empty.default}
 _GRAD_MAPS: "weakref.WeakKeyDictionary[fx.Graph, tuple[int, dict]]" = weakref.WeakKeyDictionary()
 
 

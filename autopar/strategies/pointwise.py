@@ -33,6 +33,8 @@ LINEAR = {
     aten.mul_.Tensor: ("one", "in-place mul: as mul"),
     aten.div.Tensor: ("first", "partials over a replicated divisor: sum(a_i) / b = sum(a_i / b)"),
     aten.div_.Tensor: ("first", "in-place div: as div"),
+    aten.mul.Scalar: ("one", "scaling a partial sum scales each summand"),
+    aten.div.Scalar: ("first", "as mul by the reciprocal"),
     aten.where.self: ("where", "a replicated mask selects between partial sums elementwise"),
 }
 
@@ -55,7 +57,7 @@ NONLINEAR = (
     aten.bitwise_not.default, aten.logical_and.default, aten.logical_or.default, aten.logical_not.default,
     aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.maximum.default,
     aten.minimum.default, aten.isnan.default, aten.isinf.default, aten.nan_to_num.default,
-    aten.rsub.Scalar, aten.rsub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar,
+    aten.rsub.Scalar, aten.rsub.Tensor, aten.add.Scalar, aten.sub.Scalar,
     aten.div.Tensor_mode, aten.remainder.Scalar, aten.fmod.Scalar, aten.copy_.default, aten.fill_.Scalar,
 )
 

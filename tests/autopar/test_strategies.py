@@ -178,9 +178,9 @@ def pointwise_case(op) -> Case:
     return make_case(f"hand:{op}", op, tuple(args))
 
 
-def hand_cases() -> dict[str, list[Case]]:
-    x3, x4 = rnd(4, 6, 8), rnd(4, 6, 4, 4)
-    c = [
+def _pointwise_examples(x3, x4) -> list:
+    """Pointwise ops whose arguments the schema alone does not give."""
+    return [
         # pointwise with special arguments
         (aten.masked_fill.Scalar, (rnd(4, 6), mask(6), -1.0)),
         (aten.masked_fill.Tensor, (rnd(4, 6), mask(4, 1), torch.tensor(2.0))),
@@ -201,6 +201,11 @@ def hand_cases() -> dict[str, list[Case]]:
         (aten.softmax.int, (x3, 1)), (aten._softmax.default, (x3, -1, False)),
         (aten.log_softmax.int, (x3, 2)), (aten._log_softmax.default, (x3, 1, False)),
         (aten._safe_softmax.default, (x3, -1)),
+    ]
+
+def _reduction_view_examples(x3, x4) -> list:
+    """Reductions, scans and views of a (4, 6, 8) tensor."""
+    return [
         # reductions
         (aten.sum.default, (x3,)), (aten.sum.dim_IntList, (x3, [1], False)), (aten.mean.default, (x3,)),
         (aten.mean.dim, (x3, [0, 2], True)), (aten.amax.default, (x3, [1])), (aten.amin.default, (x3, [2], True)),
@@ -218,6 +223,11 @@ def hand_cases() -> dict[str, list[Case]]:
         (aten.squeeze.dim, (rnd(4, 1, 8), 1)), (aten.squeeze.dims, (rnd(4, 1, 8), [1])),
         (aten.squeeze.default, (rnd(4, 1, 8),)), (aten.expand.default, (rnd(4, 1, 8), [4, 6, 8])),
         (aten.expand.default, (rnd(6, 8), [4, 6, 8])),
+    ]
+
+def _index_matmul_examples(x3, x4) -> list:
+    """Slicing, joining, indexing and matrix products."""
+    return [
         # slicing, joining, indexing
         (aten.slice.Tensor, (x3, 1, 0, 3)), (aten.narrow.default, (x3, 2, 1, 4)), (aten.split.Tensor, (x3, 2, 1)),
         (aten.split_with_sizes.default, (x3, [2, 4], 1)), (aten.chunk.default, (x3, 2, 2)), (aten.select.int, (x3, 1, 2)),
@@ -233,6 +243,11 @@ def hand_cases() -> dict[str, list[Case]]:
         (aten.bmm.default, (x3, rnd(4, 8, 2))), (aten.baddbmm.default, (rnd(4, 6, 2), x3, rnd(4, 8, 2))),
         (aten.matmul.default, (x3, rnd(8, 4))), (aten.matmul.default, (rnd(8), rnd(4, 8, 6))),
         (aten.matmul.default, (rnd(2, 1, 6, 8), rnd(2, 4, 8, 4))), (aten.einsum.default, ("bik,bkj->bij", [x3, rnd(4, 8, 2)])),
+    ]
+
+def _nn_examples(x3, x4) -> list:
+    """Norms, convolutions, pooling, embedding, attention and losses."""
+    return [
         # norms, convolutions, pooling
         (aten.layer_norm.default, (x3, [8], rnd(8), rnd(8), 1e-5)), (aten.layer_norm.default, (x3, [6, 8])),
         (aten.rms_norm.default, (x3, [8], rnd(8), 1e-6)), (aten.group_norm.default, (x4, 2, rnd(6), rnd(6))),
@@ -256,6 +271,11 @@ def hand_cases() -> dict[str, list[Case]]:
         (aten.cross_entropy_loss.default, (rnd(8, 6), ints(6, 8), None, 0, -100, 0.1)),
         (aten.cross_entropy_loss.default, (rnd(4, 6, 4), ints(6, 4, 4), rnd(6, low=0.5)), {}, (2,)),
         (aten.mse_loss.default, (x3, rnd(4, 6, 8))), (aten.mse_loss.default, (x3, rnd(4, 6, 8), 2)),
+    ]
+
+def _factory_examples(x3, x4) -> list:
+    """Factories and graph plumbing."""
+    return [
         # factories
         (aten.arange.default, (8,)), (aten.arange.start, (2, 10)), (aten.arange.start_step, (0.5, 4.5, 0.5)),
         (aten.ones.default, ([4, 6],)), (aten.zeros.default, ([4, 6],)), (aten.full.default, ([4, 6], 2.0)),
@@ -271,8 +291,16 @@ def hand_cases() -> dict[str, list[Case]]:
         (aten._assert_scalar.default, (True, "ok")), (aten.sym_constrain_range_for_size.default, (3,)),
         (aten.sym_size.int, (x3, 1)), (aten.sym_numel.default, (x3,)), (aten._assert_async.msg, (torch.tensor(True), "ok")),
     ]
+
+def hand_cases() -> dict[str, list[Case]]:
+    """``(op, args[, kwargs[, nograd]])`` examples, then generic ones for the pointwise tables."""
+    x3, x4 = rnd(4, 6, 8), rnd(4, 6, 4, 4)
+    examples = []
+    for part in (_pointwise_examples, _reduction_view_examples, _index_matmul_examples, _nn_examples,
+                 _factory_examples):
+        examples += part(x3, x4)
     out: dict[str, list[Case]] = collections.defaultdict(list)
-    for k, item in enumerate(c):
+    for k, item in enumerate(examples):
         op, args = item[0], item[1]
         kwargs = item[2] if len(item) > 2 else {}
         nograd = item[3] if len(item) > 3 else ()
