@@ -229,6 +229,10 @@ def node_options(gm, gp, cfg: Config) -> tuple[dict[str, Option], list[str]]:
             if key is not None:
                 memo[key] = strats
         allowed = _allowed(strats, node, kind, pred)
+        if cfg.family in ("dp", "zero3") and node.op == "call_function":
+            # Data parallelism splits every op's work over the whole mesh where the op allows it.
+            full = [s for s in allowed if s.divisor == cfg.mesh.size]
+            allowed = full or allowed
         if not allowed:
             t = _vals(node)[0]
             raise ValueError(

@@ -1,7 +1,8 @@
 """Plan families a user (or a test, or a benchmark) can force.
 
-A family constrains only the *placeholders* (where parameters are stored and how the user's
-inputs are split); the ILP still chooses every op's strategy and every resharding in between, so a
+A family constrains the *placeholders* (where parameters are stored and how the user's inputs are
+split) and, for ``dp`` and ``zero3``, asks every op that can to split its work over the whole
+mesh; the ILP still chooses every other op's strategy and every resharding in between, so a
 forced family is the best plan of that family under the same cost model. That is what makes the
 baselines of ``benchmarks/plan_quality.py`` fair: each one is optimal within its family.
 
@@ -34,13 +35,14 @@ def _is(p, kind) -> bool:
 
 
 def _batch_split_on(axes: Sequence[int]) -> Predicate:
-    """User inputs: Shard(0) on ``axes`` (when the batch divides), Replicate elsewhere."""
+    """User inputs: the batch (dim 0) split on ``axes``, Replicate elsewhere (0-d inputs stay
+    replicated). A batch that does not divide leaves no strategy: the planner then says so."""
     def ok(kind, pls, shape):
         if kind != "input":
             return True
         for a, p in enumerate(pls):
             want_shard = a in axes and len(shape) > 0
-            if want_shard and not (_is(p, Shard) and p.dim == 0) and not _is(p, Replicate):
+            if want_shard and not (_is(p, Shard) and p.dim == 0):
                 return False
             if not want_shard and not _is(p, Replicate):
                 return False
