@@ -37,7 +37,7 @@ def feature_norm_entries(info: OpInfo, k: int, affine: list[int | None]) -> list
     """Entries of a norm over the last ``k`` dims with affine slots ``affine`` (shape = those dims)."""
     x = info.ins[0]
     lead = x.dim() - k
-    entries = [info.entry("dp" if d == 0 else f"S({d})", {0: S(d)}, [S(d)] + [S(d)] * (len(info.outs) - 1))
+    entries = [info.entry("dp" if d == 0 else f"S({d})", {0: S(d)}, [S(d)] * len(info.outs))
                for d in range(lead) if int(x.shape[d]) > 1]
     nbytes = _rows(info, lead) * x.element_size()
     for d in range(lead, x.dim()):
@@ -76,6 +76,12 @@ def _layer_norm_local(node, st, args, kwargs, ctx):
     return y
 
 
+@register(aten.layer_norm.default, local=_layer_norm_local)
+def layer_norm(info: OpInfo) -> list[Entry]:
+    k = len(info.arg("normalized_shape"))
+    return feature_norm_entries(info, k, [info.slot("weight"), info.slot("bias")])
+
+
 def _rms_norm_local(node, st, args, kwargs, ctx):
     a = bound(node, args, kwargs)
     x = a["input"]
@@ -91,6 +97,15 @@ def _rms_norm_local(node, st, args, kwargs, ctx):
     ms = all_reduce((x * x).sum(dims, keepdim=True), ctx, axes, grad="sum") / n
     y = x * torch.rsqrt(ms + eps)
     return y * a["weight"] if a.get("weight") is not None else y
+
+
+@register(aten.rms_norm.default, local=_rms_norm_local)
+def rms_norm(info: OpInfo) -> list[Entry]:
+    k = len(info.arg("normalized_shape"))
+    entries = feature_norm_entries(info, k, [info.slot("weight")])
+    # One statistic (the mean square): half the messages.
+    return [e if not e.comm else Entry(name=e.name, inputs=e.inputs, outputs=e.outputs, comm=e.comm[::2])
+            for e in entries]
 
 
 # ------------------------------------------------------------------------------ batch / group norm
@@ -122,23 +137,6 @@ def _batch_norm_local(node, st, args, kwargs, ctx):
     return y
 
 
-@register(aten.layer_norm.default, local=_layer_norm_local)
-def layer_norm(info: OpInfo) -> list[Entry]:
-    if len(info.outs) != 1:
-        return []
-    k = len(info.arg("normalized_shape"))
-    return feature_norm_entries(info, k, [info.slot("weight"), info.slot("bias")])
-
-
-@register(aten.rms_norm.default, local=_rms_norm_local)
-def rms_norm(info: OpInfo) -> list[Entry]:
-    k = len(info.arg("normalized_shape"))
-    entries = feature_norm_entries(info, k, [info.slot("weight")])
-    # One statistic (the mean square): half the messages.
-    return [e if not e.comm else Entry(name=e.name, inputs=e.inputs, outputs=e.outputs, comm=e.comm[::2])
-            for e in entries]
-
-
 @register(aten.batch_norm.default, local=_batch_norm_local)
 def batch_norm(info: OpInfo) -> list[Entry]:
     # input (N, C, *spatial); weight, bias, running_mean, running_var: (C,)
@@ -164,4 +162,3 @@ def group_norm(info: OpInfo) -> list[Entry]:
     # Statistics per (sample, group): only the batch dim is free.
     x = info.ins[0]
     return [info.entry("dp", {0: S(0)}, [S(0)])] if int(x.shape[0]) > 1 else []
-

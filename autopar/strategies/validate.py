@@ -1,13 +1,18 @@
 """Check a strategy against the unsharded op on simulated ranks (the ground truth of the rules).
 
-``check(node, strategy, values, ctx, lm)`` splits the full input values into the ranks' local
-shards by the strategy's input placements (a Partial input becomes random per-rank summands),
-runs :func:`autopar.strategies.run_local` once under ``LocalTensorMode`` (every rank at once),
-assembles the local outputs by the output placements and compares them with the op on the full
-tensors. Then it feeds a random output gradient, placed as the output's gradient placement,
-and compares the input gradients, assembled by ``input_grads``, with ``torch.autograd`` on the
-full tensors; arguments the op writes into (batch norm's running statistics) are compared too.
-Ranks are numbered row-major over the mesh (rank = c0 * n1 + c1 on a 2D mesh).
+``check(node, strategy, values, ref, ctx, lm, gen)`` splits the full input values into the ranks'
+local shards by the strategy's input placements (a Partial input becomes random per-rank
+summands; replicated copies are identical), runs :func:`autopar.strategies.run_local` for every
+rank, assembles the local outputs by the output placements (asserting that replicated copies
+agree) and compares them with the op on the full tensors (``reference``). Then it feeds a random
+output gradient, placed as the output's gradient placement, and compares the input gradients,
+assembled by ``input_grads``, with ``torch.autograd`` on the full tensors; arguments the op
+writes into (batch norm's running statistics) are compared too.
+
+The ranks run under ``LocalTensorMode`` with the fake process group (every rank at once,
+collectives simulated) or, with ``loop=True``, one after the other on plain tensors, which is
+exact for strategies without collectives (see :func:`needs_simulation`). Ranks are numbered
+row-major over the mesh (rank = c0 * n1 + c1 on a 2D mesh).
 """
 from __future__ import annotations
 
