@@ -112,7 +112,8 @@ def strategies_for(node: fx.Node, mesh_shape) -> list[Strategy]:
     Only strategies whose shards divide evenly are listed, in a deterministic order, and
     strategy 0 is the all-replicated one. An op without a rule gets only that strategy (and one
     warning naming the op)."""
-    key = _key(node, tuple(int(n) for n in mesh_shape))
+    mesh_shape = _check_mesh(mesh_shape)
+    key = _key(node, mesh_shape)
     hit = _CACHE.get(key) if key is not None else None
     if hit is not None:
         return list(hit)
@@ -173,6 +174,16 @@ def _key(node: fx.Node, mesh: tuple[int, ...]):
         return None
 
 
+def _check_mesh(mesh_shape) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(n) for n in mesh_shape)
+    except TypeError:
+        raise ValueError(f"mesh_shape must be a sequence of axis sizes such as (2, 4), not {mesh_shape!r}") from None
+    if not shape or any(n < 1 for n in shape):
+        raise ValueError(f"mesh_shape {tuple(mesh_shape)!r} needs at least one axis and every axis size >= 1")
+    return shape
+
+
 def run_local(node: fx.Node, strategy: Strategy, args: tuple, kwargs: dict, ctx) -> Any:
     """Run ``node`` on this rank's LOCAL shards under ``strategy``.
 
@@ -183,6 +194,10 @@ def run_local(node: fx.Node, strategy: Strategy, args: tuple, kwargs: dict, ctx)
     if node.op != "call_function":
         raise ValueError(f"run_local runs call_function nodes; {node.name} is a {node.op} node "
                          f"(placeholders are loaded as stored, outputs are returned as they are)")
+    if len(strategy.inputs) != len(node.all_input_nodes):
+        raise ValueError(f"strategy {strategy.name!r} has {len(strategy.inputs)} input placements but node "
+                         f"{node.name} has {len(node.all_input_nodes)} inputs: pass one of "
+                         f"strategies_for({node.name}, mesh_shape)")
     rule = rule_for(node)
     if rule is not None and rule.local is not None:
         return rule.local(node, strategy, args, kwargs, ctx)

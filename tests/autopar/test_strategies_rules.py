@@ -252,6 +252,17 @@ def test_a_failing_rule_degrades_to_replicate_with_a_warning(monkeypatch):
     registry._CACHE.clear()
 
 
+def test_bad_mesh_and_mismatched_strategy_are_named():
+    node = _one_op_node(aten.atan2.default, torch.randn(4, 6), torch.randn(6))
+    with pytest.raises(ValueError, match="every axis size >= 1"):
+        strategies_for(node, (2, 0))
+    with pytest.raises(ValueError, match="sequence of axis sizes"):
+        strategies_for(node, 4)
+    other = strategies_for(_placeholder((4,)), (2, 2))[0]
+    with pytest.raises(ValueError, match="has 0 input placements but node"):
+        run_local(node, other, (torch.randn(4, 6), torch.randn(6)), {}, RunContext())
+
+
 def test_registering_an_op_twice_is_an_error():
     with pytest.raises(ValueError, match="already has a sharding rule"):
         registry.register(aten.mm.default)(lambda info: [])
