@@ -39,6 +39,9 @@ from autopar.strategies import Strategy, strategies_for
 #: Resharding that no collective sequence achieves is priced at this many seconds (never chosen).
 FORBIDDEN = 1.0e4
 
+#: Seconds charged per mesh axis a parameter is stored sharded on (a tie-break, not a cost model).
+SHARD_TIE_BREAK = 1e-7
+
 _OPT_STATE = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
 
 
@@ -150,7 +153,10 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config) -> tuple[
             mem = local * (2 + _OPT_STATE.get(cfg.optimizer, 2))
             if cfg.dtype == "bf16-mixed":
                 mem += local / 2  # bf16 compute copy of the weight
-            return 0.0, 0.0, mem, 0.0, 0.0, 0.0
+            # Storing a parameter sharded adds a gather/scatter pair around its use: when that is
+            # all it changes (no time saved), keep it replicated, as a person would.
+            sharded_axes = sum(1 for p in strat.outputs[0] if not isinstance(p, Replicate))
+            return SHARD_TIE_BREAK * sharded_axes, 0.0, mem, 0.0, 0.0, 0.0
         return 0.0, 0.0, local, 0.0, 0.0, 0.0
     div = max(1, strat.divisor)
     dt = "bf16" if cfg.dtype == "bf16-mixed" else (outs[0].dtype if outs else "fp32")
