@@ -117,7 +117,7 @@ def verify_same_plan(plan: Plan, device) -> None:
 
 def compile(model, mesh=None, example_inputs=(), *, example_kwargs=None, loss_fn=None, target=None,  # noqa: A001
             memory_budget=None, optimizer: str = "adamw", plan: Plan | str | None = None,
-            cache_dir: str | None = DEFAULT_CACHE, backend: str | None = None, debug: bool = False,
+            cache_dir: str | None = DEFAULT_CACHE, backend: str = "eager", debug: bool = False,
             quiet: bool = False, **options):
     """Plan ``model`` for the job's mesh and return this rank's ``ParallelModule``.
 
