@@ -4,7 +4,7 @@
 
 The problem (``solver.synthetic``): ``layers`` layers cycling through 8 layer types of
 ``nodes-per-layer`` ops each, 10 sharding-like strategies per op, tied by layer type, one checkpoint
-segment per layer with a nested half. It is solved without a budget and then under budgets at a
+segment per layer with a nested half (``--flat``: without). It is solved without a budget and then under budgets at a
 fraction of the unconstrained peak. Prints the sizes before and after the exact reductions, the
 build and solve seconds, the objective relative to the unconstrained one and the number of
 checkpointed layers; the target is "seconds": the ratio printed is 10 s / (build + solve).
@@ -32,10 +32,12 @@ def main() -> None:
     ap.add_argument("--nodes-per-layer", type=int, default=40)
     ap.add_argument("--strategies", type=int, default=10)
     ap.add_argument("--fractions", default="0.8,0.6,0.4", help="budgets as fractions of the unconstrained peak")
+    ap.add_argument("--flat", action="store_true", help="one segment per layer (no nested half-layer segments)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     problem = synthetic_problem(layers=args.layers, layer_types=args.layer_types,
-                                nodes_per_layer=args.nodes_per_layer, strategies=args.strategies)
+                                nodes_per_layer=args.nodes_per_layer, strategies=args.strategies,
+                                nested=not args.flat)
     print(f"generated {len(problem.nodes)} nodes x {args.strategies} strategies, {len(problem.edges)} edges, "
           f"{len(problem.segments)} segments in {time.perf_counter() - t0:.2f} s")
     free = solver.solve(problem)

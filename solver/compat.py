@@ -45,7 +45,7 @@ class BulkHiGHS(pulp.HiGHS):
         empty_i, empty_f = np.zeros(0, dtype=np.int32), np.zeros(0)
         lp.solverModel.addCols(len(cols), cost, low, up, 0, empty_i, empty_i, empty_f)
         ints = np.array([v.index for v in cols if v.cat == pulp.LpInteger], dtype=np.int32)
-        if ints.size:
+        if ints.size and self.mip:
             kinds = np.full(ints.size, int(highspy.HighsVarType.kInteger), dtype=np.uint8)
             lp.solverModel.changeColsIntegrality(ints.size, ints, kinds)
         starts, index, value, lows, ups = [], [], [], [], []

@@ -6,7 +6,7 @@ priced like sharding on a 2D mesh: strategy ``s`` divides compute, parameters an
 shard factor, pays in-op communication that grows with the factor, and produces an output
 placement; resharding between ops costs nothing when the producer's placement is what the
 consumer wants and a per-byte price otherwise. Positions of the same layer type are tied and
-every layer is a checkpoint segment (with its second half as a nested one).
+every layer is a checkpoint segment (by default with its second half as a nested one).
 """
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def _op_costs(rng, strategies: int) -> dict:
 
 def synthetic_problem(*, layers: int = 125, layer_types: int = 8, nodes_per_layer: int = 40,
                       strategies: int = 10, placements: int = 4, memory_budget: float | None = None,
-                      seed: int = 0) -> Problem:
-    """The problem of the module docstring: ``layers * nodes_per_layer + 2`` nodes."""
+                      nested: bool = True, seed: int = 0) -> Problem:
+    """The problem of the module docstring: ``layers * nodes_per_layer + 2`` nodes; ``nested=False``
+    leaves out the half-layer segments."""
     rng = np.random.default_rng(seed)
     ops = [[_op_costs(rng, strategies) for _ in range(nodes_per_layer)] for _ in range(layer_types)]
     out_pl = [[rng.integers(0, placements, strategies) for _ in range(nodes_per_layer)] for _ in range(layer_types)]
@@ -62,7 +63,8 @@ def synthetic_problem(*, layers: int = 125, layer_types: int = 8, nodes_per_laye
         keep = (np.full(strategies, 4 * MiB),)
         segs.append(Segment(id=f"layer{i}", nodes=tuple(ids), keep=(prev,), keep_bytes=keep))
         half = nodes_per_layer // 2
-        segs.append(Segment(id=f"layer{i}.b", nodes=tuple(ids[half:]), keep=(ids[half - 1],), keep_bytes=keep))
+        if nested:
+            segs.append(Segment(id=f"layer{i}.b", nodes=tuple(ids[half:]), keep=(ids[half - 1],), keep_bytes=keep))
         prev, prev_pl = ids[-1], out_pl[kind][-1]
     nodes.append(Node(id="head", labels=labels, time=np.full(strategies, 1e-4), mem=np.full(strategies, 64 * MiB)))
     edges.append(Edge(src=prev, dst="head", cost=reshard(prev_pl, rng.integers(0, placements, strategies), 16)))
