@@ -190,7 +190,10 @@ def _export_context(stack_traces: bool):
     traces saves a traceback per node. FakeTensor logs failing meta kernels at ERROR level: we
     report them ourselves.
     """
-    fx_config = torch.fx.config
+    try:
+        from torch.fx import config as fx_config
+    except ImportError:  # older torch: stack traces are always recorded
+        fx_config = None
     old = getattr(fx_config, "do_not_emit_stack_traces", None)
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     old_level = fake_log.level

@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .flops import FLOP_REGISTRY, op_flops
+from .mixed import AutocastPolicy
 
 Key = tuple[str, int]
 
@@ -63,6 +64,8 @@ class NodeRun:
     """Storage key of each tensor output (pytree order of the node's value)."""
     requires_grad: list[bool] = dataclasses.field(default_factory=list)
     """``requires_grad`` of each tensor output."""
+    out_sizes: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """(bytes, element size) of each tensor output (its gradient has the same size)."""
     saved: list[Key] = dataclasses.field(default_factory=list)
     """Keys of the storages this node's autograd nodes save, first-save order, no repeats."""
     storages: dict[Key, int] = dataclasses.field(default_factory=dict)
@@ -114,13 +117,16 @@ class Runner:
     """Executes ``gm`` on fake tensors, measuring nodes; ``twin_of`` enables copying layer twins.
 
     ``twin_of``: node name -> (layer-0 twin name, layer id); ``layer_names``: layer id -> map from
-    layer-0 node names to that layer's node names.
+    layer-0 node names to that layer's node names. ``autocast``: replay mixed precision
+    (:mod:`profiler.mixed`).
     """
 
     def __init__(self, gm: torch.fx.GraphModule, loss_node: torch.fx.Node,
                  twin_of: dict[str, tuple[str, Any]] | None = None,
-                 layer_names: dict[Any, dict[str, str]] | None = None):
+                 layer_names: dict[Any, dict[str, str]] | None = None,
+                 autocast: AutocastPolicy | None = None):
         self.gm = gm
+        self.autocast = autocast
         self.loss_node = loss_node
         self.twin_of = twin_of or {}
         self.layer_names = layer_names or {}
@@ -208,6 +214,7 @@ class Runner:
                 key = new
             rec.out_keys.append(key)
             rec.requires_grad.append(t.requires_grad)
+            rec.out_sizes.append((_nbytes(t), t.element_size()))
         rec.saved = list(dict.fromkeys(self.key_of[s] for s in self.pending_saved))
         self._claim_autograd_nodes(rec, leaves)
 
@@ -224,6 +231,10 @@ class Runner:
         if node.op != "call_function":
             raise NotImplementedError(f"profiler: unsupported fx node kind {node.op!r} ({node.name})")
         target = node.target
+        if self.autocast is not None:
+            if self.autocast.skip(target):
+                return None
+            args, kwargs = self.autocast.cast(target, args, kwargs)
         if target is wrap_with_set_grad_enabled:  # (enabled, subgraph, *operands)
             with torch.set_grad_enabled(args[0]):
                 return self._run_subgraph(args[1], args[2:])
@@ -394,8 +405,7 @@ class Runner:
             rec = dataclasses.replace(
                 ref, out_keys=[rename(k) for k in ref.out_keys], saved=[rename(k) for k in ref.saved],
                 storages={rename(k): v for k, v in ref.storages.items()}, copied_from=twin_name,
-                float_size={rename(k): v for k, v in ref.float_size.items()},
-                requires_grad=list(ref.requires_grad))
+                float_size={rename(k): v for k, v in ref.float_size.items()})
         except _NoMap:
             return False
         self.records[node.name] = rec

@@ -14,10 +14,10 @@ The step is the steady state of ``loss = f(x); loss.backward(); opt.step(); opt.
 - optimizer step: the transient of ``torch.optim``'s update (AdamW: one parameter-sized
   ``sqrt`` buffer for all parameters with ``foreach``, two for the largest parameter without).
 
-Precision: ``torch.float32`` uses the traced sizes; ``torch.bfloat16``/``torch.float16`` halve
-every float storage; ``"bf16-mixed"`` keeps fp32 parameters, gradients and optimizer state and
-adds 16-bit compute copies of the parameters (alive from forward to the end of backward) while
-activations are 16-bit.
+Precision: the sizes are those of the run the nodes come from (fp32 as traced, or the
+mixed-precision replay of :mod:`profiler.mixed`, whose 16-bit parameter copies are activations
+of the node that made them); ``"bf16"``/``"fp16"`` (a model converted to 16 bits) halve every
+fp32 storage, parameters, gradients and optimizer state included.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ Key = tuple[str, int]
 
 #: Optimizer state per trainable parameter byte (fp32 master state, same dtype as the parameter).
 OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
-PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed")
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -85,8 +85,6 @@ class MemoryEstimate:
     grads: int
     """Parameter gradients live at the peak."""
     optimizer_state: int
-    compute_copies: int
-    """16-bit parameter copies of mixed precision."""
     activations: int
     """Activation storages (and activation gradients) live at the peak, transients included."""
     activations_end_of_forward: int
@@ -94,13 +92,14 @@ class MemoryEstimate:
 
 
 def normalize_precision(dtype) -> str:
-    """``torch.float32``/``"fp32"``, ``torch.bfloat16``/``"bf16"``, ``torch.float16``/``"fp16"``, ``"bf16-mixed"``."""
+    """``torch.float32``/``"fp32"``, ``torch.bfloat16``/``"bf16"``, ``torch.float16``/``"fp16"``,
+    ``"bf16-mixed"`` or ``"fp16-mixed"``."""
     aliases = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", "float32": "fp32",
                "bfloat16": "bf16", "float16": "fp16"}
     p = aliases.get(dtype, dtype)
     if p not in PRECISIONS:
-        raise ValueError(f"unknown precision {dtype!r}: use torch.float32, torch.bfloat16, torch.float16 "
-                         f"or 'bf16-mixed'")
+        raise ValueError(f"unknown precision {dtype!r}: use torch.float32, torch.bfloat16, torch.float16, "
+                         f"'bf16-mixed' or 'fp16-mixed'")
     return p
 
 
@@ -108,8 +107,8 @@ class _Sizer:
     """Bytes of a storage under a precision."""
 
     def __init__(self, precision: str):
-        self.act16 = precision != "fp32"
-        self.weight16 = precision in ("bf16", "fp16")
+        # mixed precision is not resized: its nodes come from the mixed replay
+        self.act16 = self.weight16 = precision in ("bf16", "fp16")
 
     @staticmethod
     def _half(nbytes: int, float_size: int) -> int:
@@ -127,7 +126,11 @@ class _Sizer:
 
 def simulate(nodes: list[StepNode], placeholders: dict[str, Placeholder], loss: str, *,
              optimizer: str = "adamw", precision: str = "fp32", foreach: bool = True) -> MemoryEstimate:
-    """Walk forward, backward and the optimizer step; return the peak and its breakdown."""
+    """Walk forward, backward and the optimizer step; return the peak and its breakdown.
+
+    ``precision`` resizes the nodes' storages for ``"bf16"``/``"fp16"``; for mixed precision pass
+    the nodes of the mixed replay.
+    """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}: use one of {sorted(OPTIMIZER_STATES)}")
     size = _Sizer(normalize_precision(precision))
@@ -136,12 +139,12 @@ def simulate(nodes: list[StepNode], placeholders: dict[str, Placeholder], loss: 
     acts = _forward(nodes, placeholders, loss, size, state)
     _backward(nodes, placeholders, size, state)
     transient = _optimizer_transient(placeholders, size, optimizer, foreach)
-    state.observe("optimizer", "optimizer.step", transient, copies=False)
+    state.observe("optimizer", "optimizer.step", transient)
     best = state.best
     return MemoryEstimate(peak=best["total"], phase=best["phase"], node=best["node"], params=static["params"],
                           buffers=static["buffers"], inputs=static["inputs"], grads=best["grads"],
-                          optimizer_state=static["optimizer"], compute_copies=best["copies"],
-                          activations=best["acts"], activations_end_of_forward=acts)
+                          optimizer_state=static["optimizer"], activations=best["acts"],
+                          activations_end_of_forward=acts)
 
 
 def _static_bytes(placeholders: dict[str, Placeholder], size: _Sizer, optimizer: str) -> dict[str, int]:
@@ -155,8 +158,6 @@ def _static_bytes(placeholders: dict[str, Placeholder], size: _Sizer, optimizer:
             out["inputs"] += ph.nbytes
         if ph.kind == "param":
             out["optimizer"] += OPTIMIZER_STATES[optimizer] * size.weight(ph.nbytes, ph.float_size)
-            if size.act16 and not size.weight16:
-                out["copies"] += size.act(ph.nbytes, ph.float_size)
     return out
 
 
@@ -177,14 +178,12 @@ class _State:
     def free(self, key: Key) -> None:
         self.live_bytes -= self.live.pop(key, 0)
 
-    def observe(self, phase: str, node: str, transient: int, copies: bool = True) -> None:
+    def observe(self, phase: str, node: str, transient: int) -> None:
         s = self.static
-        copy_bytes = s["copies"] if copies else 0
         acts = self.live_bytes + self.act_grads + transient
-        total = s["params"] + s["buffers"] + s["inputs"] + s["optimizer"] + copy_bytes + self.grads + acts
+        total = s["params"] + s["buffers"] + s["inputs"] + s["optimizer"] + self.grads + acts
         if total > self.best["total"]:
-            self.best = {"total": total, "phase": phase, "node": node, "grads": self.grads,
-                         "copies": copy_bytes, "acts": acts}
+            self.best = {"total": total, "phase": phase, "node": node, "grads": self.grads, "acts": acts}
 
 
 def _forward(nodes: list[StepNode], placeholders, loss: str, size: _Sizer, state: _State) -> int:

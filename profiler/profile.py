@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from .capture import Captured, capture, module_path
 from .execute import NodeRun, Runner
 from .memory import OPTIMIZER_STATES, MemoryEstimate, Placeholder, StepNode, normalize_precision, simulate
+from .mixed import AutocastPolicy
 from .repeats import RepeatGroup, find_repeats
 
 
@@ -59,15 +60,16 @@ class GraphProfile:
     """Per-node profile of a captured training step, with totals and a memory model."""
 
     def __init__(self, captured: Captured, nodes: dict[str, NodeProfile], layers: list[RepeatGroup],
-                 step_nodes: list[StepNode], placeholders: dict[str, Placeholder]):
+                 step_nodes: list[StepNode], placeholders: dict[str, Placeholder], twins: tuple = ({}, {})):
         self.captured = captured
         """The capture this profile measured."""
         self.nodes = nodes
         """Node name -> :class:`NodeProfile`, in graph order."""
         self.layers = layers
         """Repeated layers (:class:`~profiler.repeats.RepeatGroup`), in graph order."""
-        self._step_nodes = step_nodes
+        self._steps = {"fp32": step_nodes}
         self._placeholders = placeholders
+        self._twins = twins
         self._memo: dict[tuple, MemoryEstimate] = {}
 
     # ------------------------------------------------------------ totals
@@ -122,16 +124,29 @@ class GraphProfile:
                foreach: bool = True) -> MemoryEstimate:
         """The predicted peak of one training step on one device, with its breakdown.
 
-        ``dtype``: ``torch.float32`` (as traced), ``torch.bfloat16``/``torch.float16`` (everything
-        16-bit) or ``"bf16-mixed"`` (fp32 parameters, gradients and optimizer state, 16-bit
-        activations and parameter copies). ``foreach``: the optimizer updates all parameters at
-        once (PyTorch's default on GPUs) rather than one by one (its default on CPUs).
+        ``dtype``: ``torch.float32`` (as traced); ``torch.bfloat16``/``torch.float16`` (the model
+        converted to 16 bits: every fp32 storage halves); ``"bf16-mixed"``/``"fp16-mixed"`` (CUDA
+        ``torch.autocast`` over fp32 parameters, gradients and optimizer state: the graph is run
+        again on fake tensors with autocast's casts, see :mod:`profiler.mixed`). ``foreach``: the
+        optimizer updates all parameters at once (PyTorch's default on GPUs) rather than one by one
+        (its default on CPUs).
         """
         key = (optimizer, normalize_precision(dtype), bool(foreach))
         if key not in self._memo:
-            self._memo[key] = simulate(self._step_nodes, self._placeholders, self.captured.loss_node.name,
-                                       optimizer=key[0], precision=key[1], foreach=key[2])
+            steps = self._step_nodes(key[1])
+            sizing = "fp32" if key[1].endswith("-mixed") else key[1]
+            self._memo[key] = simulate(steps, self._placeholders, self.captured.loss_node.name,
+                                       optimizer=key[0], precision=sizing, foreach=key[2])
         return self._memo[key]
+
+    def _step_nodes(self, precision: str) -> list[StepNode]:
+        """The simulation's nodes: the fp32 run, or (once, on demand) the mixed-precision replay."""
+        run = precision if precision.endswith("-mixed") else "fp32"
+        if run not in self._steps:
+            dtype = torch.bfloat16 if run == "bf16-mixed" else torch.float16
+            records = _run(self.captured, *self._twins, autocast=AutocastPolicy(dtype))
+            self._steps[run] = _step_nodes(self.captured.graph, records)
+        return self._steps[run]
 
     def peak_bytes(self, optimizer: str = "adamw", dtype: Any = torch.float32, *, foreach: bool = True) -> int:
         """Predicted peak bytes of one training step on one device (see :meth:`memory`)."""
@@ -171,15 +186,18 @@ def profile_captured(captured: Captured, *, copy_repeats: bool = True) -> GraphP
     """Profile an existing capture (see :func:`profile`)."""
     graph = captured.graph
     groups = find_repeats(graph)
-    twin_of, layer_names = _twins(graph, groups) if copy_repeats else ({}, {})
-    with torch.enable_grad():
-        records = Runner(captured.gm, captured.loss_node, twin_of, layer_names).run()
+    twins = _twins(graph, groups) if copy_repeats else ({}, {})
+    records = _run(captured, *twins)
     placeholders = _placeholders(captured)
     layer_of = {name: (g, k) for g, grp in enumerate(groups) for k, layer in enumerate(grp.layers)
                 for name in layer}
     nodes = _node_profiles(captured, records, placeholders, layer_of)
-    steps = _step_nodes(graph, records, placeholders)
-    return GraphProfile(captured, nodes, groups, steps, placeholders)
+    return GraphProfile(captured, nodes, groups, _step_nodes(graph, records), placeholders, twins)
+
+
+def _run(captured: Captured, twin_of, layer_names, autocast: AutocastPolicy | None = None) -> dict[str, NodeRun]:
+    with torch.enable_grad():
+        return Runner(captured.gm, captured.loss_node, twin_of, layer_names, autocast).run()
 
 
 def _twins(graph: torch.fx.Graph, groups: list[RepeatGroup]):
@@ -260,20 +278,18 @@ def _node_profiles(captured: Captured, records: dict[str, NodeRun], placeholders
     return nodes
 
 
-def _step_nodes(graph: torch.fx.Graph, records: dict[str, NodeRun],
-                placeholders: dict[str, Placeholder]) -> list[StepNode]:
+def _step_nodes(graph: torch.fx.Graph, records: dict[str, NodeRun]) -> list[StepNode]:
     steps = []
     for node in graph.nodes:
         rec = records.get(node.name)
         if rec is None:
             continue
-        outs = _tensors(node.meta.get("val"))
-        grad_outs = [t for t, rg in zip(outs, rec.requires_grad) if rg]
+        grad_outs = [size for size, rg in zip(rec.out_sizes, rec.requires_grad) if rg]
         steps.append(StepNode(
             name=node.name, storages=rec.storages, float_size=rec.float_size, out_keys=rec.out_keys,
             saved=rec.saved, fwd_alloc=rec.fwd_alloc, bwd_alloc=rec.bwd_alloc, in_backward=rec.in_backward,
             inputs=list(dict.fromkeys(a.name for a in node.all_input_nodes)),
             users=[u.name for u in node.users],
-            grad_bytes=sum(t.numel() * t.element_size() for t in grad_outs),
-            grad_float_size=grad_outs[0].element_size() if grad_outs else 4, is_alias=not rec.storages))
+            grad_bytes=sum(nbytes for nbytes, _ in grad_outs),
+            grad_float_size=grad_outs[0][1] if grad_outs else 4, is_alias=not rec.storages))
     return steps

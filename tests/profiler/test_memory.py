@@ -25,8 +25,7 @@ def test_breakdown_and_static_terms(zoo_profile):
     assert est.params == prof.param_bytes
     assert est.optimizer_state == prof.optimizer_bytes("adamw") == 2 * prof.grad_bytes
     assert prof.optimizer_bytes("sgd") == 0 and prof.optimizer_bytes("sgd-momentum") == prof.grad_bytes
-    assert est.peak == est.params + est.buffers + est.inputs + est.grads + est.optimizer_state \
-        + est.compute_copies + est.activations
+    assert est.peak == est.params + est.buffers + est.inputs + est.grads + est.optimizer_state + est.activations
     # autograd keeps the saved tensors (and the loss) alive when forward ends; saved inputs (token
     # ids) are inputs, not activations
     assert prof.saved_bytes - prof.input_bytes <= prof.activation_bytes <= prof.saved_bytes + 1024
@@ -40,10 +39,24 @@ def test_precisions(zoo_profile):
     pure = prof.memory("adamw", torch.bfloat16)
     mixed = prof.memory("adamw", "bf16-mixed")
     assert pure.params * 2 == fp32.params and pure.optimizer_state * 2 == fp32.optimizer_state
-    assert pure.activations_end_of_forward < fp32.activations_end_of_forward
+    assert pure.activations_end_of_forward * 2 == pytest.approx(fp32.activations_end_of_forward, rel=0.01)
     assert mixed.params == fp32.params and mixed.optimizer_state == fp32.optimizer_state
-    assert mixed.activations_end_of_forward == pure.activations_end_of_forward
-    assert pure.peak < mixed.peak <= fp32.peak + mixed.compute_copies
+    assert pure.peak < mixed.peak
+
+
+def test_mixed_precision_replays_autocast(zoo_profile):
+    _, _, prof = zoo_profile("gpt2")
+    steps = {s.name: s for s in prof._step_nodes("bf16-mixed")}
+    # (element size of the output): matmuls and attention in bf16, norms and the loss in fp32,
+    # a residual add of fp32 and bf16 promotes to fp32
+    assert steps["addmm"].grad_float_size == 2 and steps["scaled_dot_product_attention"].grad_float_size == 2
+    assert steps["layer_norm"].grad_float_size == 4 and steps["cross_entropy_loss"].grad_float_size == 4
+    assert steps["add_4"].grad_float_size == 4
+    # addmm (bias, input, weight) makes bf16 copies of all three; the weight's is kept for backward
+    addmm = steps["addmm"]
+    copies = {k: b for k, b in addmm.storages.items() if k[1] < 0}
+    assert sorted(copies.values()) == [192 * 2, 2 * 16 * 64 * 2, 64 * 192 * 2]
+    assert [b for k, b in copies.items() if k in addmm.saved] == [2 * 16 * 64 * 2, 64 * 192 * 2]
 
 
 def test_big_model_peak_is_activation_bound():
@@ -54,7 +67,7 @@ def test_big_model_peak_is_activation_bound():
     prof = profile(ex.model, ex.args, ex.kwargs)
     mixed = prof.memory("adamw", "bf16-mixed")
     assert mixed.phase in ("forward", "backward")
-    assert mixed.activations > prof.saved_bytes / 2 * 0.9
+    assert mixed.activations > prof.saved_bytes / 2
 
 
 def test_unknown_options_are_named():
