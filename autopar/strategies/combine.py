@@ -9,6 +9,7 @@ takes the product, keeps the combinations whose shards divide evenly, maps tenso
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Iterable, Sequence
@@ -128,7 +129,7 @@ def product(info: OpInfo, entries: Iterable[Entry]) -> list[list[Entry]]:
 def strategies(info: OpInfo, combos: Iterable[Sequence[Entry]]) -> list[Strategy]:
     """Finished, deduplicated strategies; strategy 0 is the all-replicated one."""
     rep = [replicate_entry(info)] * len(info.mesh_shape)
-    out, seen = [], set()
+    out, seen, names = [], set(), set()
     for combo in itertools.chain([rep], combos):
         s = finish(info, combo)
         if s is None:
@@ -137,8 +138,17 @@ def strategies(info: OpInfo, combos: Iterable[Sequence[Entry]]) -> list[Strategy
         if key in seen:
             continue
         seen.add(key)
+        if s.name in names:
+            # Names identify strategies in plans: make a repeated one unique by its placements.
+            s = dataclasses.replace(s, name=f"{s.name} [{_placements_text(s)}]")
+        names.add(s.name)
         out.append(s)
     return out
+
+
+def _placements_text(s: Strategy) -> str:
+    ins = ",".join("-" if p is None else pl.fmt(p) for p in s.inputs)
+    return f"{ins}->{','.join(pl.fmt(p) for p in s.outputs)}"
 
 
 def is_plain(p) -> bool:

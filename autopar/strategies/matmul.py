@@ -129,7 +129,7 @@ def matmul(info: OpInfo) -> list[Entry]:
     la = "k" if na == 1 else batch[len(batch) - (na - 2):] + "mk"
     lb = "k" if nb == 1 else batch[len(batch) - (nb - 2):] + "kn"
     out = batch + ("m" if na > 1 else "") + ("n" if nb > 1 else "")
-    names = {lab: "batch" if i else "dp" for i, lab in enumerate(batch)}
+    names = {lab: f"batch{i}" if i else "dp" for i, lab in enumerate(batch)}
     names.update(m="rows" if batch else "dp", n="colwise", k="rowwise")
     return einsum_entries(info, [(a, la), (b, lb)], out, names)
 

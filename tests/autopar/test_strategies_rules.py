@@ -55,6 +55,7 @@ def test_strategy_zero_replicated_shards_even_and_order_deterministic(name):
         first = strategies_for(node, mesh)
         registry._CACHE.clear()
         assert strategies_for(node, mesh) == first, node.name
+        assert len({s.name for s in first}) == len(first), node.name   # plans name strategies
         s0 = first[0]
         assert s0.name == "replicate" and s0.divisor == 1 and not s0.comm
         assert all(p is None or p == (R, R) for p in s0.inputs + s0.outputs), node.name
