@@ -307,7 +307,7 @@ def solve(problem: Problem) -> Solution:
     choice, ckpt = form.decode(problem, res)
     ev = evaluate(problem, choice, ckpt)
     return Solution(choice=choice, checkpointed=ckpt, objective=ev.objective, split=ev.split,
-                    peak_bytes=ev.peak_bytes, status=res.status, gap=0.0 if res.status == "optimal" else res.gap,
+                    peak_bytes=ev.peak_bytes, status=res.status, gap=res.gap,
                     num_variables=form.num_variables, num_constraints=len(form.rows),
                     solve_seconds=res.seconds, build_seconds=build, stats=dict(cp.stats))
 

@@ -261,7 +261,8 @@ class Solution:
     status: str
     """``"optimal"`` or ``"time_limit"`` (best found, see ``gap``)."""
     gap: float
-    """Relative optimality gap of ``objective`` proven by the solver (0 when optimal)."""
+    """Relative optimality gap proven by the solver: about 0 when optimal with ``mip_gap=0``, at most
+    ``mip_gap`` when optimal within it, larger after a time limit."""
     num_variables: int = 0
     """ILP columns after the exact reductions."""
     num_constraints: int = 0

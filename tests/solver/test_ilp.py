@@ -63,7 +63,7 @@ def test_ilp_matches_brute_force(case):
         assert got.value.dominant and "smallest feasible budget" in str(got.value)
         return
     sol = solver.solve(problem)
-    assert sol.status == "optimal" and sol.gap == 0.0
+    assert sol.status == "optimal" and sol.gap <= 1e-9
     assert sol.objective == pytest.approx(ref.objective, rel=1e-6, abs=1e-9)
     _check_solution(problem, sol)
 
@@ -127,13 +127,14 @@ def test_infeasible_names_min_budget_and_dominant_terms():
 
 def test_time_limit_returns_best_found_with_gap():
     """Random dense costs on a 60-node graph with skip edges (a frustrated MRF the LP relaxation
-    does not close; HiGHS needs ~20 s): a 1 s limit returns the incumbent with its gap."""
+    does not close; HiGHS needs ~20 s): a 1 s limit returns the incumbent with its gap, or an
+    answer within mip_gap."""
     rng = np.random.default_rng(3)
     n, s = 60, 6
     nodes = tuple(Node(id=f"n{i}", labels=tuple(map(str, range(s))), time=rng.random(s)) for i in range(n))
     edges = tuple(Edge(src=f"n{i}", dst=f"n{j}", cost=rng.random((s, s)))
                   for i in range(n) for j in (i + 1, i + 7) if j < n)
-    problem = Problem(nodes=nodes, edges=edges, time_limit=1.0)
+    problem = Problem(nodes=nodes, edges=edges, time_limit=1.0, mip_gap=0.2)
     try:
         sol = solver.solve(problem)
     except solver.SolverError as err:  # no incumbent within the limit is the other valid outcome
@@ -141,7 +142,9 @@ def test_time_limit_returns_best_found_with_gap():
         return
     assert sol.status in ("optimal", "time_limit")
     if sol.status == "time_limit":
-        assert 0 < sol.gap < 1
+        assert 0.2 < sol.gap < 1
+    else:
+        assert sol.gap <= 0.2
     assert sol.objective == pytest.approx(solver.evaluate(problem, sol.choice).objective)
 
 
