@@ -102,8 +102,14 @@ def _vals(node) -> list:
     return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
+_ITEMSIZE: dict = {}
+
+
 def _nbytes(shape, dtype) -> float:
-    return float(math.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return float(math.prod(shape)) * size
 
 
 def _local_bytes(t: torch.Tensor, pls, mesh_shape) -> float:
@@ -219,6 +225,7 @@ def node_options(gm, gp, cfg: Config) -> tuple[dict[str, Option], list[str]]:
     pred = predicate(cfg.family, cfg.mesh.ndim) if cfg.family else None
     options, order = {}, []
     memo: dict[tuple, list[Strategy]] = {}
+    priced_memo: dict[tuple, Option] = {}
     for node in gm.graph.nodes:
         if node.op in ("output", "get_attr"):
             continue
@@ -246,10 +253,23 @@ def node_options(gm, gp, cfg: Config) -> tuple[dict[str, Option], list[str]]:
                 f"{tuple(t.shape)} on mesh {cfg.mesh.shape}: no placement of that family divides it; "
                 f"choose another family or a batch size divisible by the mesh")
         prof = gp.nodes.get(node.name)
-        priced = np.array([_price(node, s, prof, kind, cfg) for s in allowed], dtype=float).reshape(-1, 6)
-        options[node.name] = Option(node.name, allowed, *[priced[:, i].copy() for i in range(6)])
+        pkey = None if key is None else (key, id(allowed[0]), len(allowed), _prof_key(prof))
+        opt = priced_memo.get(pkey) if pkey is not None else None
+        if opt is None:
+            priced = np.array([_price(node, s, prof, kind, cfg) for s in allowed], dtype=float).reshape(-1, 6)
+            opt = Option(node.name, allowed, *[priced[:, i].copy() for i in range(6)])
+            if pkey is not None:
+                priced_memo[pkey] = opt
+        # Twins share one Option (and so one strategy list): later passes memoise on its identity.
+        options[node.name] = opt
         order.append(node.name)
     return options, order
+
+
+def _prof_key(prof) -> tuple:
+    if prof is None:
+        return ()
+    return (prof.fwd_flops, prof.bwd_flops, prof.fwd_bytes, prof.bwd_bytes, prof.saved_bytes)
 
 
 def _fqn(gp, name):
@@ -272,7 +292,7 @@ def _out_pl(opt: Option, s: int, idx: int):
 
 def merge_followers(gm, options: dict[str, Option], enabled: bool):
     """Map each node to its leader and a leader-strategy -> own-strategy index map."""
-    leader, follow = {}, {}
+    leader, follow, memo = {}, {}, {}
     for node in gm.graph.nodes:
         if node.name not in options:
             continue
@@ -285,16 +305,31 @@ def merge_followers(gm, options: dict[str, Option], enabled: bool):
         lead, fmap = leader[prod.name], follow[prod.name]
         popt, opt = options[prod.name], options[name]
         idx = _out_index(prod, node)
-        mapped = []
-        for s in fmap:
-            want = _out_pl(popt, s, idx)
-            cands = [t for t, st in enumerate(opt.strategies) if st.inputs and st.inputs[0] == want]
-            if not cands:
-                break
-            mapped.append(min(cands, key=lambda t: (opt.time[t], opt.act[t], t)))
-        else:
-            leader[name], follow[name] = lead, np.array(mapped, dtype=int)
+        # Twins in repeated layers share option objects: map each (producer, follower) pair once.
+        key = (id(popt), id(opt), idx, fmap.tobytes())
+        mapped = memo.get(key)
+        if mapped is None:
+            mapped = memo[key] = _follow_map(popt, opt, fmap, idx)
+        if mapped is not None:
+            leader[name], follow[name] = lead, mapped
     return leader, follow
+
+
+def _follow_map(popt: Option, opt: Option, fmap: np.ndarray, idx: int) -> np.ndarray | None:
+    """For each leader choice, the follower's best strategy that takes the producer's output as
+    is; None when some producer placement has no such strategy."""
+    by_input: dict[str, list[int]] = {}
+    for t, st in enumerate(opt.strategies):
+        if st.inputs and st.inputs[0] is not None:
+            by_input.setdefault(pl.fmt(st.inputs[0]), []).append(t)
+    best = {k: min(v, key=lambda t: (opt.time[t], opt.act[t], t)) for k, v in by_input.items()}
+    mapped = []
+    for s in fmap:
+        t = best.get(pl.fmt(_out_pl(popt, s, idx)))
+        if t is None:
+            return None
+        mapped.append(t)
+    return np.array(mapped, dtype=int)
 
 
 # ---------------------------------------------------------------------------------- 3. edges
