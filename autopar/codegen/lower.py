@@ -1,0 +1,485 @@
+"""Lower a captured training graph and its plan to a per-rank fx graph on local shards.
+
+``build(captured, plan, device_mesh)`` walks the captured graph (parameters, buffers and user
+inputs lifted as placeholders, the scalar loss as output) and emits, node by node:
+
+1. the node's local implementation (:mod:`autopar.codegen.executors`): the same aten call when
+   everything is replicated, otherwise the strategy's ``run_local`` or the DTensor executor;
+2. before it, on every input edge where the producer's output placement differs from the
+   consumer's planned input placement, or the consumer's input-gradient placement differs from
+   the gradient placement the producer expects, a :class:`ReshardModule` that runs the priced
+   collective sequence (``autopar.costs.reshard``) forward and the gradient's sequence backward.
+   Its module name says what it runs, e.g. ``all_gather_dp__bwd_reduce_scatter_dp``.
+
+Gradient conventions (DTensor's): an activation placed ``p`` expects its gradient in ``p`` with
+P turned into R. A parameter is different: on a mesh axis where it is stored replicated but some
+use of it was split (a batch-sharded matmul), its gradient is left Partial on that axis and is
+reduced once, bucketed, by :mod:`autopar.runtime.grads` after backward; the placement every
+parameter's ``.grad`` has after backward is in :attr:`LocalSignature.param_grads`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar import placement as pl
+from autopar.codegen import executors as ex
+from autopar.codegen.context import MeshContext, mesh_context
+from autopar.costs.reshard import reshard as plan_reshard
+from autopar.runtime.reshard import Reshard
+
+Placements = ex.Placements
+_SKIP = {torch.ops.aten._assert_tensor_metadata.default}
+
+
+class CodegenError(ValueError):
+    """The plan does not fit the captured graph (missing node, wrong arity, bad placement)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Slot:
+    """One placeholder of the per-rank graph."""
+
+    kind: str
+    """``"param"``, ``"buffer"``, ``"input"``, ``"constant"`` or ``"none"`` (pass ``None``)."""
+    name: str
+    """Fully qualified name (params, buffers, constants) or placeholder name (user inputs)."""
+    placements: Placements
+    """Placement of the local tensor this rank passes in."""
+    shape: tuple[int, ...]
+    """Global shape."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class LocalSignature:
+    """What the caller of a per-rank graph feeds it and gets back (``gm.meta["autopar"]``)."""
+
+    slots: list[Slot]
+    """One per placeholder, in order."""
+    param_grads: dict[str, Placements]
+    """Placement of each parameter's local ``.grad`` after backward, keyed by fqn (every name of
+    a tied parameter)."""
+    ctx: MeshContext
+    """The sharding mesh."""
+    executors: dict[str, str]
+    """Per node: ``"plain"``, ``"strategy"``, ``"dtensor"`` (for reports and tests)."""
+    reshards: list[str]
+    """Labels of the inserted resharding modules, in graph order."""
+
+
+def _vals(node) -> list:
+    v = node.meta.get("val")
+    flat = v if isinstance(v, (list, tuple)) else [v]
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def _label(steps, names) -> str:
+    return "+".join(f"{s.kind}[{names[s.axis]}]" for s in steps if s.kind != "noop") or "-"
+
+
+class ReshardModule(nn.Module):
+    """One edge: forward ``src -> dst`` steps, backward ``grad_dst -> grad_src`` steps."""
+
+    def __init__(self, fwd, bwd, ctx: MeshContext, shape, what: str):
+        super().__init__()
+        self.fwd, self.bwd, self.ctx, self.shape = tuple(fwd), tuple(bwd), ctx, tuple(shape)
+        self.label = f"{_label(self.fwd, ctx.axis_names)} / bwd {_label(self.bwd, ctx.axis_names)}"
+        self.what = what
+
+    def extra_repr(self) -> str:
+        return f"{self.what}: {self.label}"
+
+    def forward(self, x):
+        return Reshard.apply(x, self.fwd, self.bwd, self.ctx.device_mesh, self.shape)
+
+
+def _attr_name(label: str, taken: set) -> str:
+    base = label.replace(" / bwd ", "__bwd_").replace("+", "_").replace("[", "_").replace("]", "").replace("-", "none")
+    name, k = base, 1
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    taken.add(name)
+    return name
+
+
+def check_local(name: str, expected: list, value):
+    """Debug check: each local tensor output has the shape its placement implies."""
+    got = [t for t in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(t, torch.Tensor)]
+    for k, (want, t) in enumerate(zip(expected, got)):
+        if want is not None and tuple(t.shape) != tuple(want):
+            raise RuntimeError(f"node {name!r} output {k}: local shape {tuple(t.shape)} but its placement "
+                               f"implies {tuple(want)}; the node's local implementation or the plan is wrong")
+    return value
+
+
+class _Lowering:
+    """State of one :func:`build` call (see module docstring)."""
+
+    def __init__(self, captured, plan, ctx: MeshContext, *, debug: bool, executor: str):
+        self.cap, self.plan, self.ctx, self.debug, self.mode = captured, plan, ctx, debug, executor
+        self.n = len(ctx.shape)
+        self.graph = fx.Graph()
+        self.root: dict[str, Any] = {}
+        self.env: dict[fx.Node, fx.Node | None] = {}
+        self.out_pl: dict[str, list[Placements]] = {}
+        self.kinds: dict[str, tuple[str, str]] = {}
+        self.edge_cache: dict[tuple, fx.Node] = {}
+        self.taken: set = set()
+        self.sig_slots: list[Slot] = []
+        self.executors: dict[str, str] = {}
+        self.reshards: list[str] = []
+        self.strategies = _strategies_module() if executor in ("auto", "strategy") else None
+        self._classify()
+
+    # ------------------------------------------------------------------ placements
+    def _classify(self):
+        self.canon = canonical_fqns(self.cap)
+        for ph, fqn in self.cap.params.items():
+            self.kinds[ph] = ("param", fqn)
+        for ph, fqn in self.cap.buffers.items():
+            self.kinds[ph] = ("buffer", fqn)
+        for ph in self.cap.user_inputs:
+            self.kinds[ph] = ("input", ph)
+        for node in self.cap.gm.graph.nodes:
+            if node.op == "placeholder" and not _vals(node):
+                self.kinds[node.name] = ("none", node.name)  # a None input (an absent target)
+
+    def _R(self) -> Placements:
+        return (Replicate(),) * self.n
+
+    def _parse(self, text, where) -> Placements | None:
+        if text is None:
+            return None
+        p = pl.parse(text)
+        if len(p) != self.n:
+            raise CodegenError(f"{where}: placement {text!r} has {len(p)} entries for {self.n} sharding axes")
+        return p
+
+    def node_plan(self, node):
+        np_ = self.plan.nodes.get(node.name)
+        if np_ is None and node.op not in ("placeholder", "get_attr", "output") and not ex.is_getitem(node) \
+                and _vals(node):
+            raise CodegenError(f"the plan has no entry for node {node.name!r} ({node.target}); it was made for "
+                               f"another graph: re-plan this model")
+        return np_
+
+    def placeholder_pl(self, node) -> Placements:
+        kind, name = self.kinds.get(node.name, ("constant", node.name))
+        np_ = self.plan.nodes.get(node.name)
+        if kind == "param":
+            name = self.canon.get(name, name)  # tied weights are stored once, as their first name
+            if name in self.plan.params:
+                return self._parse(self.plan.params[name], f"params.{name}")
+        if np_ is not None and np_.outputs:
+            return self._parse(np_.outputs[0], f"nodes.{node.name}.outputs[0]")
+        if kind == "param":
+            raise CodegenError(f"the plan stores no placement for parameter {name!r}; re-plan this model")
+        return self._R()
+
+    def outputs_of(self, node) -> list[Placements]:
+        if node.name in self.out_pl:
+            return self.out_pl[node.name]
+        vals = _vals(node)
+        if node.op == "placeholder":
+            res = [self.placeholder_pl(node)]
+        elif ex.is_getitem(node) and node.name not in self.plan.nodes:
+            src = node.args[0]
+            res = [self.outputs_of(src)[node.args[1]] if len(_vals(src)) > 1 else self.outputs_of(src)[0]]
+        else:
+            np_ = self.node_plan(node)
+            res = [] if np_ is None else [self._parse(o, f"nodes.{node.name}.outputs") for o in np_.outputs]
+            if len(res) < len(vals):
+                if res or vals:
+                    raise CodegenError(f"node {node.name!r} has {len(vals)} tensor outputs but the plan gives "
+                                       f"{len(res)} output placements")
+        self.out_pl[node.name] = res
+        return res
+
+    def _src_index(self, prod, node) -> int:
+        if ex.is_getitem(node) and len(_vals(prod)) > 1:
+            return int(node.args[1])
+        return 0
+
+    def inputs_of(self, node) -> tuple[list, list]:
+        """(input placements, input gradient placements) per input node; None: as produced."""
+        ins = node.all_input_nodes
+        np_ = self.plan.nodes.get(node.name)
+        if np_ is None:  # getitem not in the plan: takes its element as it is
+            return [None] * len(ins), [None] * len(ins)
+        tensor_ins = [i for i, n in enumerate(ins) if _vals(n)]
+        pls = [self._parse(p, f"nodes.{node.name}.inputs") for p in np_.inputs]
+        grads = [self._parse(p, f"nodes.{node.name}.input_grads") for p in np_.input_grads]
+        if len(pls) == len(ins):
+            return pls, grads
+        if len(pls) == len(tensor_ins):
+            full_p, full_g = [None] * len(ins), [None] * len(ins)
+            for k, i in enumerate(tensor_ins):
+                full_p[i], full_g[i] = pls[k], grads[k]
+            return full_p, full_g
+        raise CodegenError(f"node {node.name!r} has {len(ins)} inputs but the plan gives {len(pls)} input placements")
+
+    # ------------------------------------------------------------------ parameter gradients
+    def param_grads(self) -> dict[str, Placements]:
+        """Where each parameter's gradient accumulates (see module docstring), per placeholder;
+        tied placeholders share one answer (they accumulate into one ``.grad``)."""
+        partial: dict[str, list[bool]] = {}
+        stored: dict[str, Placements] = {}
+        phs: dict[str, list[str]] = {}
+        for node in self.cap.gm.graph.nodes:
+            if node.op != "placeholder" or self.kinds.get(node.name, ("",))[0] != "param":
+                continue
+            canon = self.canon.get(self.kinds[node.name][1], self.kinds[node.name][1])
+            stored[canon] = self.placeholder_pl(node)
+            phs.setdefault(canon, []).append(node.name)
+            flags = partial.setdefault(canon, [False] * self.n)
+            for user in node.users:
+                if user.op == "output" or user.target in _SKIP:
+                    continue
+                pls, grads = self.inputs_of(user)
+                i = user.all_input_nodes.index(node)
+                g = grads[i] if grads[i] is not None else ex.grad_of(pls[i] if pls[i] is not None else stored[canon])
+                for a, p in enumerate(g):
+                    flags[a] |= isinstance(p, Partial)
+        out = {}
+        for canon, sp in stored.items():
+            gp = tuple(Partial() if partial[canon][a] and isinstance(s, Replicate) else s for a, s in enumerate(sp))
+            for ph in phs[canon]:
+                out[ph] = gp
+        return out
+
+    # ------------------------------------------------------------------ edges
+    def edge(self, prod, value: fx.Node, node, src, dst, gsrc, gdst) -> fx.Node:
+        """``value`` (``prod``'s output, placed ``src``) as ``node`` wants it: ``dst`` forward,
+        gradient ``gdst -> gsrc`` backward."""
+        dst = src if dst is None else dst
+        gdst = ex.grad_of(dst) if gdst is None else gdst
+        if src == dst and gsrc == gdst:
+            return value
+        val = _vals(prod)[self._src_index(prod, node)]
+        shape, item = tuple(val.shape), val.element_size()
+        key = (prod.name, dst, gdst)
+        if prod.op == "placeholder" and key in self.edge_cache:
+            return self.edge_cache[key]
+        try:
+            fwd = plan_reshard(src, dst, shape, item, self.ctx.mesh).steps
+            bwd = plan_reshard(gdst, gsrc, shape, item, self.ctx.mesh).steps if _differentiable(val) else ()
+        except ValueError as err:
+            raise CodegenError(f"edge {prod.name} -> {node.name}: {err}") from None
+        if not fwd and not bwd:
+            return value
+        mod = ReshardModule(fwd, bwd, self.ctx, shape,
+                            f"{prod.name} -> {node.name} {pl.fmt(src)}->{pl.fmt(dst)}")
+        name = _attr_name(mod.label, self.taken)
+        self.root[name] = mod
+        self.reshards.append(f"{name}: {mod.what}, {mod.label}")
+        out = self.graph.call_module(name, (value,))
+        out.meta["val"] = val
+        out.meta["autopar_reshard"] = mod.label
+        if prod.op == "placeholder":
+            self.edge_cache[key] = out
+        return out
+
+    def grad_src(self, prod) -> Placements:
+        if prod.name in self.pgrads:
+            return self.pgrads[prod.name]
+        return ex.grad_of(self.outputs_of(prod)[0])
+
+    def inputs_for(self, node) -> list:
+        pls, grads = self.inputs_of(node)
+        vals = []
+        for i, prod in enumerate(node.all_input_nodes):
+            v = self.env[prod]
+            if not _vals(prod) or ex.is_getitem(node):
+                vals.append(v)
+                continue
+            idx = self._src_index(prod, node)
+            src = self.outputs_of(prod)[idx] if idx < len(self.outputs_of(prod)) else None
+            if src is None or len(_vals(prod)) > 1:
+                vals.append(v)  # a whole tuple passed on (no single placement): taken as is
+                continue
+            gsrc = self.grad_src(prod)
+            vals.append(self.edge(prod, v, node, src, pls[i], gsrc, grads[i]))
+        return vals
+
+    # ------------------------------------------------------------------ nodes
+    def run(self) -> fx.GraphModule:
+        self.pgrads = self.param_grads()
+        for node in self.cap.gm.graph.nodes:
+            getattr(self, f"_{node.op}")(node)
+        self.graph.lint()
+        gm = fx.GraphModule(self.root, self.graph)
+        return gm
+
+    def _placeholder(self, node):
+        new = self.graph.placeholder(node.name)
+        new.meta["val"] = node.meta.get("val")
+        self.env[node] = new
+        kind, name = self.kinds.get(node.name, ("constant", node.name))
+        vals = _vals(node)
+        self.sig_slots.append(Slot(kind=kind, name=name, placements=self.placeholder_pl(node),
+                                   shape=tuple(vals[0].shape) if vals else ()))
+
+    def _get_attr(self, node):
+        obj = self.cap.gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part)
+        name = node.target.replace(".", "_")
+        self.root[name] = obj
+        self.env[node] = self.graph.get_attr(name)
+
+    def _call_function(self, node):
+        if node.target in _SKIP:
+            self.env[node] = None
+            return
+        ins = self.inputs_for(node)
+        if ex.is_getitem(node):
+            new = self.graph.call_function(operator.getitem, (ins[0], node.args[1]))
+            new.meta["val"] = node.meta.get("val")
+            self.env[node] = self._after_getitem(node, new)
+            self.executors[node.name] = "plain"
+            return
+        new = self._emit(node, ins)
+        new.meta["val"] = node.meta.get("val")
+        if self.debug and _vals(node):
+            new = self._check(node, new)
+        self.env[node] = new
+
+    def _after_getitem(self, node, new):
+        # A getitem with its own plan entry may move the element to another placement.
+        np_ = self.plan.nodes.get(node.name)
+        if np_ is None or not _vals(node):
+            return new
+        src_node = node.args[0]
+        k = int(node.args[1]) if len(_vals(src_node)) > 1 else 0
+        src = self.outputs_of(src_node)[k]
+        dst = self.outputs_of(node)[0]
+        return self.edge(src_node, new, node, src, dst, ex.grad_of(src), None) if dst != src else new
+
+    def _emit(self, node, ins) -> fx.Node:
+        pls, grads = self.inputs_of(node)
+        outs = self.outputs_of(node)
+        args_t, kwargs_t = ex.template(node, self.ctx.device)
+        in_pls = [p if p is not None else (self.outputs_of(n)[0] if _vals(n) else None)
+                  for p, n in zip(pls, node.all_input_nodes)]
+        if self.mode != "dtensor" and ex.all_replicated(in_pls, outs, grads):
+            self.executors[node.name] = "plain"
+            return self.graph.call_function(node.target, ex.fill(args_t, ins), ex.fill(kwargs_t, ins))
+        mod, kind = self._executor(node, in_pls, grads, outs, args_t, kwargs_t)
+        name = node.name if node.name not in self.taken else _attr_name(node.name, self.taken)
+        self.taken.add(name)
+        self.root[name] = mod
+        self.executors[node.name] = kind
+        return self.graph.call_module(name, tuple(ins))
+
+    def _executor(self, node, in_pls, grads, outs, args_t, kwargs_t):
+        np_ = self.plan.nodes.get(node.name)
+        if self.strategies is not None and np_ is not None:
+            strat = _find_strategy(self.strategies, node, np_.strategy, self.ctx.shape)
+            if strat is not None:
+                return ex.StrategyExec(node.name, node, strat, self.strategies.run_local, self.ctx,
+                                       args_t, kwargs_t), "strategy"
+        if self.mode == "strategy":
+            raise CodegenError(f"node {node.name!r}: strategy {np_.strategy if np_ else None!r} has no local "
+                               f"implementation in autopar.strategies")
+        infos = []
+        for p, g, n in zip(in_pls, grads, node.all_input_nodes):
+            v = _vals(n)
+            if not v or p is None:
+                infos.append(None)
+                continue
+            k = self._src_index(n, node)
+            infos.append(ex.TensorInfo(v[k] if k < len(v) else v[0], p, g))
+        out_infos = [ex.TensorInfo(v, p, None) for v, p in zip(_vals(node), outs)]
+        mod = ex.DTensorExec(node.name, node.target, args_t, kwargs_t, infos, out_infos, self.ctx)
+        return mod, ("rule" if mod.rule is not None else "dtensor")
+
+    def _check(self, node, new):
+        expected = []
+        for v, p in zip(_vals(node), self.outputs_of(node)):
+            expected.append(pl.local_shape(tuple(v.shape), p, self.ctx.shape) if pl.fits(v.shape, p, self.ctx.shape)
+                            else None)
+        chk = self.graph.call_function(check_local, (node.name, expected, new))
+        chk.meta["val"] = node.meta.get("val")
+        return chk
+
+    def _output(self, node):
+        loss = self.cap.loss_node if getattr(self.cap, "loss_node", None) is not None else _first_output(node)
+        src = self.outputs_of(loss)[0]
+        v = self.env[loss]
+        if src != self._R():
+            v = self.edge(loss, v, node, src, self._R(), ex.grad_of(src), self._R())
+        self.graph.output(v)
+
+
+def canonical_fqns(captured) -> dict[str, str]:
+    """fqn -> the one name a tied parameter is stored under (its first name)."""
+    out = {}
+    for names in (getattr(captured, "param_aliases", {}) or {}).values():
+        names = list(names or [])
+        for n in names:
+            out[n] = names[0]
+    return out
+
+
+def _first_output(node):
+    out = node.args[0]
+    while isinstance(out, (list, tuple)):
+        out = out[0]
+    return out
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point or t.dtype.is_complex
+
+
+def _strategies_module():
+    try:
+        import autopar.strategies as S
+    except ImportError:
+        return None
+    if not hasattr(S, "run_local") or not hasattr(S, "strategies_for"):
+        return None
+    return S
+
+
+def _find_strategy(S, node, name: str, mesh_shape):
+    try:
+        for s in S.strategies_for(node, tuple(mesh_shape)):
+            if s.name == name:
+                return s
+    except Exception:  # noqa: BLE001 - no rule for this op: the DTensor executor runs it
+        return None
+    return None
+
+
+def build(captured, plan, device_mesh, *, debug: bool = False, executor: str = "auto") -> fx.GraphModule:
+    """The per-rank ``GraphModule`` of ``plan`` for ``captured`` on ``device_mesh``.
+
+    ``captured``: a ``profiler.capture.Captured`` (``.gm``, ``.params``, ``.buffers``,
+    ``.user_inputs``, ``.loss_node``); ``plan``: an :class:`autopar.plan.Plan` made for it;
+    ``device_mesh``: this rank's torch ``DeviceMesh`` of the plan's mesh shape, with axis names.
+    The module takes the local shards of every placeholder (parameters, buffers, user inputs, in
+    the captured order, see ``gm.meta["autopar"].slots``) and returns the replicated scalar loss.
+
+    ``debug=True`` checks after every node that each local output has the shape its placement
+    implies. ``executor``: ``"auto"`` (strategy implementations where they exist, else DTensor),
+    ``"strategy"`` (strategy implementations only) or ``"dtensor"`` (DTensor for every non-plain
+    node, and for plain ones too).
+    """
+    if executor not in ("auto", "strategy", "dtensor"):
+        raise ValueError(f"executor must be 'auto', 'strategy' or 'dtensor', got {executor!r}")
+    graph_hash = getattr(captured, "graph_hash", None)
+    if callable(graph_hash):
+        plan.check_fits(graph_hash())
+    ctx = mesh_context(device_mesh, plan.mesh, plan.sharding_axes)
+    low = _Lowering(captured, plan, ctx, debug=debug, executor=executor)
+    gm = low.run()
+    gm.meta["autopar"] = LocalSignature(slots=low.sig_slots, param_grads={low.kinds[k][1]: v for k, v in low.pgrads.items()},
+                                        ctx=ctx, executors=low.executors, reshards=low.reshards)
+    return gm

@@ -1,0 +1,321 @@
+"""``ParallelModule``: the per-rank module that trains with the numbers of the original model.
+
+It holds only this rank's shards of the parameters and buffers, registered under the original
+fully qualified names (``named_parameters()`` reads like the original model; tied weights are one
+``Parameter`` under both names), and runs the per-rank graph from :func:`autopar.codegen.build`.
+
+    pm = ParallelModule(model, captured, plan, device_mesh)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)   # steps on local shards
+    loss = pm.train_step(tokens, labels=tokens)          # forward + backward, gradients reduced
+    opt.step(); opt.zero_grad()
+
+Elementwise optimizers commute with sharding, so stepping on shards gives the single-device
+result. Inputs: every rank passes the same global batch and the module keeps its slice per the
+plan's input placements; with ``inputs_sharded=True`` each rank passes its own slice already.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
+from torch.distributed.tensor import Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from autopar import placement as pl
+from autopar.codegen import build
+from autopar.costs.reshard import reshard as plan_reshard
+from autopar.runtime.grads import GradSync
+from autopar.runtime.reshard import apply_steps
+
+
+def _as_rank_local(t: torch.Tensor) -> torch.Tensor:
+    # Under LocalTensorMode (simulated ranks) every rank needs its own copy of a plain tensor.
+    mode = local_tensor_mode()
+    if mode is None or isinstance(t, LocalTensor):
+        return t
+    return mode.rank_map(lambda r: t.detach().clone())
+
+
+def _R(n):
+    return (Replicate(),) * n
+
+
+class ParallelModule(nn.Module):
+    """Per-rank module of ``plan`` (see module docstring).
+
+    ``model`` provides the full initial weights (every rank must build it identically, e.g.
+    from the same seed); ``captured`` is ``profiler.capture.capture(model, ...)``; ``plan`` an
+    :class:`autopar.plan.Plan` for it; ``device_mesh`` a torch ``DeviceMesh`` of the plan's shape.
+    Options: ``debug`` (shape checks after every node), ``executor`` (see
+    :func:`autopar.codegen.build`), ``inputs_sharded``, ``bucket_bytes`` (gradient buckets),
+    ``backend`` (``"eager"`` or ``"inductor"``: hand the per-rank graph to ``torch.compile``).
+    """
+
+    def __init__(self, model: nn.Module, captured, plan, device_mesh, *, debug: bool = False,
+                 executor: str = "auto", inputs_sharded: bool = False, bucket_bytes: int = 25 * 2**20,
+                 backend: str = "eager"):
+        super().__init__()
+        if backend not in ("eager", "inductor"):
+            raise ValueError(f"backend must be 'eager' or 'inductor', got {backend!r}")
+        if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
+            raise NotImplementedError("use autopar.runtime.pipeline.PipelineModule for pipelined plans")
+        gm = build(captured, plan, device_mesh, debug=debug, executor=executor)
+        sig = gm.meta["autopar"]
+        object.__setattr__(self, "_sig", sig)
+        object.__setattr__(self, "plan", plan)
+        object.__setattr__(self, "_captured", captured)
+        object.__setattr__(self, "_inputs_sharded", inputs_sharded)
+        self._program = gm
+        object.__setattr__(self, "_run", torch.compile(gm, backend="inductor") if backend == "inductor" else gm)
+        self._install_state(model, captured, sig)
+        pairs, seen = [], set()
+        for s in sig.slots:
+            p = self.get_parameter(s.name) if s.kind == "param" else None
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                pairs.append((p, sig.param_grads[s.name]))
+        object.__setattr__(self, "_grad_sync", GradSync(pairs, sig.ctx.device_mesh, bucket_bytes=bucket_bytes))
+
+    # ------------------------------------------------------------------ state
+    def _install_state(self, model, captured, sig):
+        from autopar.codegen.lower import canonical_fqns
+
+        full = dict(model.named_parameters(remove_duplicate=False))
+        full.update(dict(model.named_buffers(remove_duplicate=False)))
+        canon = canonical_fqns(captured)
+        self._constants: list = []
+        for s in sig.slots:
+            if s.kind in ("param", "buffer"):
+                name = canon.get(s.name, s.name) if s.kind == "param" else s.name
+                if self._get(name, None) is not None:
+                    continue  # the other name of a tied weight, registered below with its first
+                t = full.get(s.name)
+                if t is None:
+                    raise KeyError(f"{s.kind} {s.name!r} of the captured graph is not in the model")
+                local = self._shard(t.detach(), s.placements)
+                if s.kind == "buffer":
+                    self._set(s.name, local, buffer=True)
+                    continue
+                p = nn.Parameter(local, requires_grad=t.requires_grad)
+                for alias in [n for n, c in canon.items() if c == name] or [name]:
+                    self._set(alias, p)  # tied weights: one Parameter under every name
+            elif s.kind == "constant":
+                self._constants.append(self._shard(_constant(captured, s.name), s.placements))
+
+    def _shard(self, t: torch.Tensor, placements) -> torch.Tensor:
+        """This rank's shard of a full tensor ``t`` (no communication: every rank holds ``t``)."""
+        ctx = self._sig.ctx
+        t = _as_rank_local(t.to(ctx.device).clone())
+        steps = plan_reshard(_R(len(ctx.shape)), placements, tuple(t.shape), t.element_size(), ctx.mesh).steps
+        return apply_steps(t, steps, ctx.device_mesh).contiguous()
+
+    def _set(self, fqn: str, value, buffer: bool = False):
+        *path, leaf = fqn.split(".")
+        mod = self
+        for part in path:
+            if part not in mod._modules:
+                if hasattr(type(mod), part) or part in mod.__dict__:
+                    raise ValueError(f"cannot register {fqn!r}: {part!r} clashes with a ParallelModule attribute")
+                mod.add_module(part, nn.Module())
+            mod = mod._modules[part]
+        if buffer:
+            mod.register_buffer(leaf, value)
+        else:
+            mod.register_parameter(leaf, value)
+
+    _MISSING = object()
+
+    def _get(self, fqn: str, default=_MISSING):
+        *path, leaf = fqn.split(".")
+        mod = self
+        for part in path:
+            if part not in mod._modules:
+                if default is ParallelModule._MISSING:
+                    raise KeyError(f"no parameter or buffer named {fqn!r}")
+                return default
+            mod = mod._modules[part]
+        if default is ParallelModule._MISSING:
+            return getattr(mod, leaf)
+        return getattr(mod, leaf, default)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        # The per-rank graph holds no parameters: skip it.
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            if not name.startswith("_program."):
+                yield name, p
+
+    # ------------------------------------------------------------------ inputs
+    def _flat_inputs(self, args, kwargs, target) -> list:
+        """The user inputs in the captured order: the leaves of ``((args, kwargs, target), {})``
+        with kwargs ordered as at capture."""
+        spec = self._captured.ep.call_spec.in_spec
+        order = _kwarg_order(spec)
+        if order is not None:
+            unknown = sorted(set(kwargs) - set(order))
+            missing = [k for k in order if k not in kwargs]
+            if unknown or missing:
+                raise TypeError(f"keyword inputs differ from the captured ones {order}: unknown {unknown}, "
+                                f"missing {missing}")
+            kwargs = {k: kwargs[k] for k in order}
+        leaves, got = pytree.tree_flatten(((tuple(args), kwargs, target), {}))
+        if got != spec:
+            raise TypeError(f"inputs do not have the structure of the example inputs the model was captured "
+                            f"with ({len(leaves)} leaves, expected {spec.num_leaves}); pass the same positional "
+                            f"and keyword inputs, and target= exactly when the model was captured with a loss_fn")
+        return leaves
+
+    def _local_inputs(self, args, kwargs, target) -> dict[str, torch.Tensor]:
+        ctx = self._sig.ctx
+        flat = self._flat_inputs(args, kwargs, target)
+        slots = {s.name: s for s in self._sig.slots if s.kind == "input"}
+        out = {}
+        for name, x in zip(self._captured.user_inputs, flat):
+            if name not in slots:
+                continue  # a None input: a constant of the graph
+            s = slots[name]
+            x = x.to(ctx.device)
+            if self._inputs_sharded:
+                want = pl.local_shape(s.shape, s.placements, ctx.shape)
+                if tuple(x.shape) != want:
+                    raise ValueError(f"input {name!r} has shape {tuple(x.shape)}; with inputs_sharded=True each "
+                                     f"rank passes its {pl.fmt(s.placements)} shard of {s.shape}, i.e. {want}")
+                out[name] = x
+            else:
+                if tuple(x.shape) != tuple(s.shape):
+                    raise ValueError(f"input {name!r} has shape {tuple(x.shape)} but the plan was made for "
+                                     f"{s.shape}; re-plan for this batch shape or pass inputs_sharded=True")
+                out[name] = self._shard(x, s.placements)
+        return out
+
+    def _graph_args(self, inputs: dict[str, torch.Tensor]) -> list:
+        consts = iter(self._constants)
+        out = []
+        for s in self._sig.slots:
+            if s.kind in ("param", "buffer"):
+                out.append(self._get(s.name))
+            elif s.kind == "input":
+                out.append(inputs[s.name])
+            elif s.kind == "none":
+                out.append(None)
+            else:
+                out.append(next(consts))
+        return out
+
+    # ------------------------------------------------------------------ running
+    def forward(self, *args, target=None, **kwargs) -> torch.Tensor:
+        """The replicated scalar loss, differentiable; ``loss.backward()`` also reduces the
+        gradients (bucketed, asynchronously, finished when backward ends)."""
+        return self._run(*self._graph_args(self._local_inputs(args, kwargs, target)))
+
+    def train_step(self, *args, target=None, **kwargs) -> torch.Tensor:
+        """Forward and backward of one global batch; gradients are accumulated into ``.grad``
+        (reduced as the plan says) and the replicated loss is returned as a plain tensor."""
+        loss = self.forward(*args, target=target, **kwargs)
+        loss.backward()
+        self._grad_sync.finish()
+        return loss.detach()
+
+    # ------------------------------------------------------------------ gradients and state
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by their TRUE global norm (as on one device) and return that norm.
+
+        Each parameter's squared local norm is summed over the mesh axes it is stored sharded
+        on; replicated copies are counted once."""
+        if norm_type != 2.0:
+            raise NotImplementedError("clip_grad_norm_ supports the 2-norm only (norm_type=2.0)")
+        total = global_grad_sq_norm(self)
+        norm = total.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) parameters and buffers under the original names, on every rank."""
+        return self._gather(lambda t: t, kinds=("param", "buffer"))
+
+    @torch.no_grad()
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) gradients under the original parameter names (after ``train_step``)."""
+        return self._gather(lambda t: t.grad, kinds=("param",))
+
+    def _gather(self, pick, kinds) -> dict[str, torch.Tensor]:
+        ctx = self._sig.ctx
+        out = {}
+        for s in self._sig.slots:
+            if s.kind not in kinds:
+                continue
+            t = pick(self._get(s.name))
+            if t is None:
+                continue
+            t = t.detach()
+            steps = plan_reshard(s.placements, _R(len(ctx.shape)), tuple(s.shape), t.element_size(), ctx.mesh).steps
+            out[s.name] = apply_steps(t, steps, ctx.device_mesh)
+        for ph, names in (getattr(self._captured, "param_aliases", {}) or {}).items():
+            fqn = self._captured.params.get(ph)
+            for alias in names or []:
+                if fqn in out:
+                    out[alias] = out[fqn]
+        return out
+
+    def print_code(self) -> str:
+        """The per-rank graph as readable code, resharding steps named (and print it)."""
+        from autopar.codegen.printer import render
+
+        text = render(self._program)
+        print(text)
+        return text
+
+    @property
+    def signature(self):
+        """The per-rank graph's :class:`autopar.codegen.lower.LocalSignature`."""
+        return self._sig
+
+
+def _constant(captured, name: str) -> torch.Tensor:
+    ep = getattr(captured, "ep", None)
+    if ep is not None:
+        for spec in ep.graph_signature.input_specs:
+            if spec.arg.name == name and spec.target in ep.constants:
+                return ep.constants[spec.target]
+    raise KeyError(f"constant placeholder {name!r} has no value in the captured program")
+
+
+def _kwarg_order(spec) -> list[str] | None:
+    # in_spec of the captured loss module: ((args, kwargs, target), {}).
+    try:
+        return list(spec.child(0).child(1).context)
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def global_grad_sq_norm(module: ParallelModule) -> torch.Tensor:
+    """Sum of squared gradient entries over the whole (unsharded) model."""
+    import torch.distributed._functional_collectives as funcol
+
+    sig = module.signature
+    by_axes: dict[tuple, torch.Tensor] = {}
+    seen = set()
+    for s in sig.slots:
+        if s.kind != "param":
+            continue
+        p = module._get(s.name)
+        if id(p) in seen or p.grad is None:
+            continue
+        seen.add(id(p))
+        axes = tuple(a for a, q in enumerate(s.placements) if isinstance(q, Shard))
+        sq = p.grad.detach().float().pow(2).sum()
+        by_axes[axes] = by_axes[axes] + sq if axes in by_axes else sq
+    total = None
+    for axes, sq in by_axes.items():
+        for a in axes:
+            sq = funcol.all_reduce(sq, "sum", (sig.ctx.device_mesh, a))
+            sq = sq.wait() if isinstance(sq, funcol.AsyncCollectiveTensor) else sq
+        total = sq if total is None else total + sq
+    if total is None:
+        total = torch.zeros((), device=sig.ctx.device)
+    return total
+

@@ -1,0 +1,214 @@
+"""Shared pieces of the runtime tests: zoo examples, hand-written plan families, reference runs.
+
+Plan families are written the way a person writes a TP plan (placements of parameters and inputs
+by name) and completed by DTensor's sharding propagation (``autopar.codegen.manual``), so they do
+not depend on the planner. Tests that have the planner compare its plans the same way.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import os
+import re
+
+import torch
+
+import autopar.zoo as zoo
+from autopar.mesh import Mesh
+
+STEPS = 3
+LR = 1e-3
+# AdamW's eps. With the default 1e-8, gradient directions that are exactly zero in exact
+# arithmetic (GPT-2's key bias and the constant-input part of its key weights: softmax ignores a
+# shift shared by all keys) hold rounding noise of 1e-13..1e-9, and Adam turns that noise into
+# steps of up to lr: the result then depends on the summation order, which sharding changes.
+# 1e-6 keeps real gradients (median ~1e-4) normalised and makes noise steps 1e-3 lr or less.
+EPS = 1e-6
+# Batches divisible by the 4 ranks of a 2x2 mesh (batch-split over both axes).
+SMALL = {"gpt2": dict(batch=4), "llama": dict(batch=4), "bert": dict(batch=4), "vit": dict(batch=4),
+         "resnet": dict(batch=4), "mlp": dict(batch=8)}
+
+FAMILIES = ("replicate", "dp", "megatron-axis0", "megatron-axis1", "atp-col-first", "atp-row-first", "zero3")
+
+
+def example(name: str, **over):
+    return zoo.build(name, **{**SMALL.get(name, {}), **over})
+
+
+def capture(ex):
+    from profiler.capture import capture as _capture
+
+    return _capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+
+
+# ------------------------------------------------------------------ tensor-parallel roles by name
+# (pattern, role): "col" splits a linear's output features, "row" its input features, "vocab" an
+# embedding's rows. Conv1D (GPT-2) stores its weight as (in, out): roles are flipped per dim below.
+_ROLES = [
+    (r"\.attn\.c_attn\.", "col"), (r"\.mlp\.c_fc\.", "col"), (r"\.attn\.c_proj\.", "row"), (r"\.mlp\.c_proj\.", "row"),
+    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.", "col"), (r"\.(o_proj|down_proj)\.", "row"),
+    (r"\.attention\.self\.(query|key|value)\.", "col"), (r"\.attention\.output\.dense\.", "row"),
+    (r"\.intermediate\.dense\.", "col"), (r"layer\.\d+\.output\.dense\.", "row"),
+    (r"\.attn\.qkv\.", "col"), (r"\.attn\.proj\.", "row"), (r"\.mlp\.fc1\.", "col"), (r"\.mlp\.fc2\.", "row"),
+    (r"^blocks\.\d+\.1\.", "col"), (r"^blocks\.\d+\.3\.", "row"),
+    (r"(wte|embed_tokens|word_embeddings)\.weight$", "vocab"),
+    (r"^layer\d\.\d+\.conv1\.", "col"), (r"^layer\d\.\d+\.conv2\.", "row"),
+]
+
+
+def role(fqn: str) -> str | None:
+    for pat, r in _ROLES:
+        if re.search(pat, fqn):
+            return r
+    return None
+
+
+def _conv1d(fqn: str) -> bool:
+    return bool(re.search(r"\.(c_attn|c_fc|c_proj)\.weight$", fqn))
+
+
+def _tp_dims(fqn: str, shape) -> tuple[int | None, int | None]:
+    """(output-feature dim, input-feature dim) of a weight, None for a 1-D tensor's missing one."""
+    if len(shape) == 1:
+        return 0, None
+    return (1, 0) if _conv1d(fqn) else (0, 1)
+
+
+def _place(n_axes: int, dims: dict[int, int]) -> str:
+    return "".join(f"S({dims[a]})" if a in dims else "R" for a in range(n_axes))
+
+
+def param_rule(family: str, mesh_shape):
+    """A ``(fqn, shape) -> placement`` rule of ``family`` on a 2D mesh."""
+    n = len(mesh_shape)
+
+    def fits(shape, text):
+        from autopar import placement as pl
+        return pl.fits(tuple(shape), pl.parse(text), mesh_shape)
+
+    def rule(fqn, shape):
+        r = role(fqn)
+        if family in ("replicate", "dp"):
+            return None
+        if family == "zero3":
+            for text in (_place(n, {0: 0, 1: 0}), _place(n, {0: 0}), _place(n, {1: 0}),
+                         _place(n, {0: len(shape) - 1}) if shape else None):
+                if text and len(shape) and fits(shape, text):
+                    return text
+            return None
+        out_dim, in_dim = _tp_dims(fqn, shape)
+        if family.startswith("megatron"):
+            t = 0 if family == "megatron-axis0" else n - 1
+            if r == "col":
+                text = _place(n, {t: out_dim})
+            elif r == "row" and in_dim is not None:
+                text = _place(n, {t: in_dim})
+            elif r == "vocab":
+                text = _place(n, {t: 0})
+            else:
+                return None
+            return text if fits(shape, text) else None
+        if family.startswith("atp"):
+            a_out, a_in = (0, 1) if family == "atp-col-first" else (1, 0)
+            if r in ("col", "row") and in_dim is not None:
+                text = _place(n, {a_out: out_dim, a_in: in_dim})
+            elif r == "col":
+                text = _place(n, {a_out: out_dim})
+            elif r == "vocab":
+                text = _place(n, {a_out: 0, a_in: 1})
+            else:
+                return None
+            return text if fits(shape, text) else None
+        raise ValueError(f"unknown family {family!r}")
+    return rule
+
+
+def input_rule(family: str, mesh_shape):
+    n = len(mesh_shape)
+    if family in ("dp", "zero3"):
+        axes = {a: 0 for a in range(n)}
+    elif family == "megatron-axis0":
+        axes = {1: 0}
+    elif family.startswith("megatron"):
+        axes = {0: 0}
+    else:
+        axes = {}
+    return lambda name, shape: _place(n, axes) if shape and all(shape[0] % mesh_shape[a] == 0 for a in axes) else None
+
+
+def manual_plan(captured, family: str, mesh_shape=(2, 2)):
+    from autopar.codegen.manual import plan_from_placements
+
+    mesh = Mesh(tuple(mesh_shape), cluster="cpu")
+    return plan_from_placements(captured, mesh, params=param_rule(family, mesh_shape),
+                                inputs=input_rule(family, mesh_shape), name=family)
+
+
+# ------------------------------------------------------------------ training runs
+def _call(model, ex):
+    out = model(*ex.args, **ex.kwargs)
+    if ex.loss_fn is not None:
+        return ex.loss_fn(out, ex.target)
+    return out.loss
+
+
+def reference(ex, steps: int = STEPS, lr: float = LR):
+    """Losses and final state of ``steps`` AdamW steps on one device."""
+    model = copy.deepcopy(ex.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=EPS)
+    losses = []
+    for _ in range(steps):
+        loss = _call(model, ex)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, state
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    den = b.norm().item()
+    return (a - b).norm().item() / (den if den > 0 else 1.0)
+
+
+def compare_state(state, ref) -> dict:
+    """Errors of ``state`` against ``ref``: ``global`` is ||state - ref|| / ||ref|| over every
+    floating tensor together, ``worst`` the largest per-tensor relative error and ``where`` its
+    name. Integer buffers must be equal; names and shapes must match.
+
+    Why both: AdamW divides each update by the gradient's own magnitude, so an entry whose
+    gradient is a near-cancelling sum turns rounding noise (a different summation order across
+    ranks) into an O(lr) step. Zero-initialised biases then show per-tensor errors of 1e-5..1e-4
+    while the model as a whole agrees to 1e-6.
+    """
+    num = den = 0.0
+    worst, where = 0.0, ""
+    missing = sorted(set(ref) - set(state))
+    assert not missing, f"full_state_dict lacks {missing[:5]}"
+    for k, r in ref.items():
+        s = state[k]
+        assert tuple(s.shape) == tuple(r.shape), f"{k}: shape {tuple(s.shape)} vs {tuple(r.shape)}"
+        if not r.is_floating_point():
+            assert torch.equal(s.to(r.dtype), r), f"{k}: integer buffer differs ({s} vs {r})"
+            continue
+        d = (s.double() - r.double()).norm().item()
+        num += d * d
+        den += r.double().norm().item() ** 2
+        e = rel_err(s, r)
+        if e > worst:
+            worst, where = e, k
+    return {"global": math.sqrt(num) / max(math.sqrt(den), 1e-30), "worst": worst, "where": where}
+
+
+def loss_err(losses, ref_losses) -> float:
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
+
+
+def env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+

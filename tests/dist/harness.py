@@ -1,0 +1,138 @@
+"""One pool of real gloo processes per test session, reused by many cases.
+
+Starting 4 processes that import torch, transformers and timm costs about 13 s on 2 cores, so
+the pool starts once (``Pool.start``) and each case is a function run on every rank::
+
+    results = pool.run("workers:train_case", "gpt2", plan_json)   # one result per rank
+
+A case function is named ``"module:function"`` (modules importable from ``tests/dist``); it
+gets ``*args`` and returns something picklable. An exception on any rank is raised in the
+test with that rank's traceback. A case that hangs (a collective some rank never joins) is
+reported after ``timeout`` seconds and the pool is torn down (the next case starts a new one).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+class CaseError(RuntimeError):
+    """A case raised on some rank, or timed out."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+    for p in (HERE, ROOT):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results.put((rank, "ready", None))
+    while True:
+        job = tasks.get()
+        if job is None:
+            break
+        key, name, args, kwargs = job
+        try:
+            mod_name, fn_name = name.split(":")
+            fn = getattr(importlib.import_module(mod_name), fn_name)
+            out = ("ok", fn(*args, **kwargs))
+        except BaseException:  # noqa: BLE001 - reported to the test with the traceback
+            out = ("error", traceback.format_exc())
+        results.put((rank, key, out))
+    dist.destroy_process_group()
+
+
+class Pool:
+    """``world`` gloo processes (see module docstring)."""
+
+    def __init__(self, world: int = 4):
+        self.world = world
+        self.procs = []
+        self._key = 0
+
+    def start(self, timeout: float = 300.0) -> "Pool":
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(self.world)]
+        port = _free_port()
+        t0 = time.time()
+        for r in range(self.world):
+            p = ctx.Process(target=_worker, args=(r, self.world, port, self.tasks[r], self.results), daemon=True)
+            p.start()
+            self.procs.append(p)
+        ready = 0
+        while ready < self.world:
+            try:
+                _, what, _ = self.results.get(timeout=max(1.0, timeout - (time.time() - t0)))
+            except queue.Empty:
+                self.close()
+                raise CaseError(f"the {self.world} gloo workers did not start within {timeout:.0f} s") from None
+            ready += what == "ready"
+        self.start_seconds = time.time() - t0
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.is_alive() for p in self.procs)
+
+    def run(self, name: str, *args, timeout: float = 600.0, **kwargs) -> list:
+        """Run ``name(*args, **kwargs)`` on every rank; the results in rank order."""
+        if not self.alive:
+            raise CaseError("the worker pool is not running (a previous case killed it)")
+        self._key += 1
+        key = self._key
+        for q in self.tasks:
+            q.put((key, name, args, kwargs))
+        out, errors = [None] * self.world, {}
+        deadline = time.time() + timeout
+        got = 0
+        while got < self.world:
+            try:
+                rank, k, res = self.results.get(timeout=max(0.1, deadline - time.time()))
+            except queue.Empty:
+                self.close()
+                raise CaseError(f"case {name}{args} timed out after {timeout:.0f} s on ranks "
+                                f"{[r for r in range(self.world) if out[r] is None and r not in errors]}") from None
+            if k != key:
+                continue
+            got += 1
+            if res[0] == "error":
+                errors[rank] = res[1]
+            else:
+                out[rank] = res[1]
+        if errors:
+            rank = min(errors)
+            raise CaseError(f"case {name} failed on rank(s) {sorted(errors)}; rank {rank}:\n{errors[rank]}")
+        return out
+
+    def close(self) -> None:
+        for q in getattr(self, "tasks", []):
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        self.procs = []
