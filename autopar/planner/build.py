@@ -476,19 +476,38 @@ def _group_vectors(options, leader, follow, inner, extra):
     return groups
 
 
-def _ties(gp, options, leader) -> tuple[tuple[str, ...], ...]:
-    ties = []
+def _ties(gm, gp, options, leader) -> tuple[tuple[str, ...], ...]:
+    """Tie groups: twin nodes of repeated layers (the profiler's alignment) and the parameters
+    they read at the same argument position (a layer's weights are placeholders outside it)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    ties, seen = [], set()
+
+    def add(names):
+        names = tuple(names)
+        if len(set(names)) != len(names) or any(n in seen for n in names):
+            return
+        if any(n not in options or leader[n] != n for n in names):
+            return
+        ref = [st.outputs for st in options[names[0]].strategies]
+        if all(options[n] is options[names[0]] or [st.outputs for st in options[n].strategies] == ref
+               for n in names[1:]):
+            ties.append(names)
+            seen.update(names)
+
     for group in getattr(gp, "layers", None) or []:
         layers = group.layers
         if len(layers) < 2:
             continue
         for i in range(len(layers[0])):
             names = [layer[i] for layer in layers if i < len(layer)]
-            if len(names) != len(layers) or any(n not in options or leader[n] != n for n in names):
+            if len(names) != len(layers):
                 continue
-            ref = [s.outputs for s in options[names[0]].strategies]
-            if all([s.outputs for s in options[n].strategies] == ref for n in names[1:]):
-                ties.append(tuple(names))
+            add(names)
+            ins = [nodes[n].all_input_nodes for n in names]
+            for j in range(min(len(x) for x in ins)):
+                twins = [x[j] for x in ins]
+                if all(t.op == "placeholder" for t in twins):
+                    add(t.name for t in twins)
     return tuple(ties)
 
 
@@ -540,7 +559,7 @@ def build(gp, cfg: Config) -> Built:
                                  act=g["act"], work=g["work"], recompute=g["recompute"]))
     edge_list = tuple(solver.Edge(src=s, dst=d, cost=m) for (s, d), m in acc.items())
     segs = _segments(gm, gp, options, leader, follow, cfg.mesh.shape) if cfg.checkpoint else ()
-    problem = solver.Problem(nodes=tuple(nodes), edges=edge_list, ties=_ties(gp, options, leader),
+    problem = solver.Problem(nodes=tuple(nodes), edges=edge_list, ties=_ties(gm, gp, options, leader),
                              segments=segs, memory_budget=cfg.memory_budget, time_limit=cfg.time_limit,
                              name=type(gp.captured).__name__)
     return Built(problem=problem, options=options, leader=leader, follow=follow, order=order)
