@@ -129,6 +129,8 @@ def compile(model, mesh=None, example_inputs=(), *, example_kwargs=None, loss_fn
     from autopar.runtime.module import ParallelModule
 
     init_distributed()
+    # Only offer the planner pipeline plans this runtime can run.
+    options.setdefault("pipeline", "auto" if runtime_supports_pipeline() else False)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     amesh, dm = _resolve_mesh(mesh, quiet)
@@ -156,7 +158,20 @@ def compile(model, mesh=None, example_inputs=(), *, example_kwargs=None, loss_fn
     plan.check_fits(graph_hash, amesh.to_dict())
     verify_same_plan(plan, device)
     _log(f"plan ready in {time.perf_counter() - t0:.1f} s\n{plan.summary()}", quiet)
+    if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
+        from autopar.runtime.pipeline import PipelineModule
+
+        return PipelineModule(model, gp.captured, plan, dm, debug=debug, backend=backend)
     return ParallelModule(model, gp.captured, plan, dm, debug=debug, backend=backend)
+
+
+def runtime_supports_pipeline() -> bool:
+    """Whether this build's runtime can execute pipelined plans."""
+    try:
+        from autopar.runtime.pipeline import PipelineModule  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 _FAIL = "\x00autopar-plan-failed: "

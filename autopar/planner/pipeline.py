@@ -97,7 +97,8 @@ def pipeline_candidates(gp, cfg: Config, *, required: bool = False) -> list:
             out.append(InfeasibleBudget(f"no pipeline over axis {axis} fits the memory budget"))
             continue
         sched, m, v, bounds, cost, stage_mem, dev_times = best
-        stages = [[n for k in range(lo, hi) for n in units[k]] for lo, hi in bounds]
+        planned = set(built.order)
+        stages = [[n for k in range(lo, hi) for n in units[k] if n in planned] for lo, hi in bounds]
         plan = to_plan(gp, sub_cfg, built, sol, sharding_axes=other,
                        pipeline=Pipeline(axis=axis, stages=stages, microbatches=m, schedule=sched, virtual_stages=v),
                        step_time=cost.step_time, peak_bytes=max(stage_mem),
