@@ -60,6 +60,9 @@ class NodeRun:
     fwd_alloc: int = 0
     """Bytes of all storages the node's forward ops allocated (outputs, saved internals, temporaries)."""
     bwd_alloc: int = 0
+    fwd_max_op: int = 0
+    """The largest allocation of one forward aten op (a temporary dies before the next is made)."""
+    bwd_max_op: int = 0
     out_keys: list[Key] = dataclasses.field(default_factory=list)
     """Storage key of each tensor output (pytree order of the node's value)."""
     requires_grad: list[bool] = dataclasses.field(default_factory=list)
@@ -165,6 +168,7 @@ class Runner:
             if rec.copied_from is not None:
                 ref = self.records[rec.copied_from]
                 rec.bwd_flops, rec.bwd_bytes, rec.bwd_alloc = ref.bwd_flops, ref.bwd_bytes, ref.bwd_alloc
+                rec.bwd_max_op = ref.bwd_max_op
                 rec.in_backward = ref.in_backward
         return self.records
 
@@ -355,10 +359,12 @@ class Runner:
             rec.bwd_flops += flops
             rec.bwd_bytes += moved
             rec.bwd_alloc += alloc
+            rec.bwd_max_op = max(rec.bwd_max_op, alloc)
         else:
             rec.fwd_flops += flops
             rec.fwd_bytes += moved
             rec.fwd_alloc += alloc
+            rec.fwd_max_op = max(rec.fwd_max_op, alloc)
 
     def _note_storage(self, t: torch.Tensor) -> int:
         """Key a storage seen for the first time; returns its size (0 when already known)."""

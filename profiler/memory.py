@@ -45,7 +45,11 @@ class StepNode:
     out_keys: list[Key]
     saved: list[Key]
     fwd_alloc: int
+    """Bytes all of the node's forward ops allocate."""
     bwd_alloc: int
+    fwd_max_op: int
+    """The largest single-op allocation in the node's forward (bounds its temporaries)."""
+    bwd_max_op: int
     in_backward: bool
     inputs: list[str]
     """Names of the nodes (and placeholders) the node reads."""
@@ -201,7 +205,10 @@ def _forward(nodes: list[StepNode], placeholders, loss: str, size: _Sizer, state
         if k not in saved and k not in keep:
             free_at[i].append(k)
     for i, n in enumerate(nodes):
-        state.observe("forward", n.name, size.alloc(n.fwd_alloc))
+        # What the node keeps (outputs, saved internals) plus its biggest temporary, at most all
+        # it allocates: temporaries of consecutive ops rarely coexist.
+        kept = sum(n.storages.values())
+        state.observe("forward", n.name, size.alloc(min(n.fwd_alloc, kept + n.fwd_max_op)))
         for k, b in n.storages.items():
             state.add(k, size.act(b, n.float_size.get(k, 0)))
         for k in free_at.get(i, ()):
@@ -225,22 +232,31 @@ def _backward(nodes: list[StepNode], placeholders, size: _Sizer, state: _State) 
     for n in reversed(nodes):
         if not n.in_backward:
             continue
-        state.observe("backward", n.name, size.alloc(n.bwd_alloc))
         incoming = grad_of.pop(n.name, 0)
-        state.act_grads -= incoming
         passthrough = n.is_alias and n.bwd_alloc == 0
+        produced = 0  # gradients this backward leaves behind (inputs' and parameters')
+        new_grads: dict[str, int] = {}
         for a in n.inputs:
             ph = placeholders.get(a)
             if ph is not None:
                 if ph.kind == "param" and a not in param_done:
                     param_done.add(a)
-                    state.grads += size.weight(ph.nbytes, ph.float_size)
+                    new_grads[a] = size.weight(ph.nbytes, ph.float_size)
                 continue
-            if a in grad_of or not grad_bytes.get(a, (0, 0))[0]:
+            if a in grad_of or a in new_grads or not grad_bytes.get(a, (0, 0))[0]:
                 continue  # accumulates into an existing gradient, or needs none
-            nbytes = incoming if passthrough else size.act(*grad_bytes[a])
-            grad_of[a] = nbytes
-            state.act_grads += nbytes
+            new_grads[a] = incoming if passthrough else size.act(*grad_bytes[a])
+            produced += 0 if passthrough else new_grads[a]
+        produced += sum(b for a, b in new_grads.items() if a in placeholders)
+        transient = min(size.alloc(n.bwd_alloc), produced + size.alloc(n.bwd_max_op))
+        state.observe("backward", n.name, transient)
+        state.act_grads -= incoming
+        for a, nbytes in new_grads.items():
+            if a in placeholders:
+                state.grads += nbytes
+            else:
+                grad_of[a] = nbytes
+                state.act_grads += nbytes
         for k in release.get(n.name, ()):
             state.free(k)
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from .capture import Captured, capture, module_path
+from .capture import Captured, capture, module_path, paused_gc
 from .execute import NodeRun, Runner
 from .memory import OPTIMIZER_STATES, MemoryEstimate, Placeholder, StepNode, normalize_precision, simulate
 from .mixed import AutocastPolicy
@@ -196,7 +196,7 @@ def profile_captured(captured: Captured, *, copy_repeats: bool = True) -> GraphP
 
 
 def _run(captured: Captured, twin_of, layer_names, autocast: AutocastPolicy | None = None) -> dict[str, NodeRun]:
-    with torch.enable_grad():
+    with torch.enable_grad(), paused_gc():
         return Runner(captured.gm, captured.loss_node, twin_of, layer_names, autocast).run()
 
 
@@ -287,7 +287,8 @@ def _step_nodes(graph: torch.fx.Graph, records: dict[str, NodeRun]) -> list[Step
         grad_outs = [size for size, rg in zip(rec.out_sizes, rec.requires_grad) if rg]
         steps.append(StepNode(
             name=node.name, storages=rec.storages, float_size=rec.float_size, out_keys=rec.out_keys,
-            saved=rec.saved, fwd_alloc=rec.fwd_alloc, bwd_alloc=rec.bwd_alloc, in_backward=rec.in_backward,
+            saved=rec.saved, fwd_alloc=rec.fwd_alloc, bwd_alloc=rec.bwd_alloc, fwd_max_op=rec.fwd_max_op,
+            bwd_max_op=rec.bwd_max_op, in_backward=rec.in_backward,
             inputs=list(dict.fromkeys(a.name for a in node.all_input_nodes)),
             users=[u.name for u in node.users],
             grad_bytes=sum(nbytes for nbytes, _ in grad_outs),

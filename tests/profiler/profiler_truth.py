@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.utils._pytree as pytree
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -55,20 +57,29 @@ def real_saved_bytes(model: torch.nn.Module, loss_fn) -> int:
     return sum(nbytes for nbytes, _ in saved.values())
 
 
-def real_peak(ex, *, foreach: bool) -> int:
-    """Peak live bytes of a steady-state AdamW training step of ``ex`` on the CPU."""
-    model = ex.model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
+def real_peak(ex, *, foreach: bool, captured=None) -> int:
+    """Peak live bytes of a steady-state AdamW training step of ``ex`` on the CPU.
+
+    The eager model by default; the captured program (``captured.ep.module()``) when given.
+    """
+    if captured is None:
+        module, loss_fn = ex.model, lambda: eager_loss(ex)
+    else:
+        module = captured.ep.module()
+        loss_fn = lambda: module(tuple(ex.args), dict(ex.kwargs), ex.target)  # noqa: E731
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=foreach)
 
     def step():
-        eager_loss(ex).backward()
+        loss_fn().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     step()  # creates the optimizer state
     tracker = MemTracker()
     inputs = [t for t in pytree.tree_leaves((ex.args, ex.kwargs, ex.target)) if isinstance(t, torch.Tensor)]
-    tracker.track_external(model, opt, *inputs)
-    with tracker:
-        step()
+    tracker.track_external(module, opt, *inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MemTracker warns about modules it cannot name in backward
+        with tracker:
+            step()
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]

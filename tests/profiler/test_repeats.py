@@ -7,7 +7,6 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar import zoo
 from profiler.capture import capture
 from profiler.repeats import _match, _Signatures, find_repeats
 
