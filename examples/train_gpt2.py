@@ -15,14 +15,14 @@ import autopar
 from autopar import zoo
 
 
-def batches(vocab: int, batch: int, seq: int, n: int, seed: int = 0):
-    """A small fixed corpus of random token sequences, cycled: the model can memorise it."""
+def batches(vocab: int, batch: int, seq: int, seed: int = 0):
+    """Synthetic text with structure to learn: each sequence counts up from a random start by a
+    random stride (1-4), modulo the vocabulary. Every rank draws the same global batches."""
     g = torch.Generator().manual_seed(seed)
-    corpus = torch.randint(0, vocab, (n, batch, seq), generator=g)
-    step = 0
     while True:
-        yield corpus[step % n]
-        step += 1
+        start = torch.randint(0, vocab, (batch, 1), generator=g)
+        stride = torch.randint(1, 5, (batch, 1), generator=g)
+        yield (start + stride * torch.arange(seq)) % vocab
 
 
 def main():
@@ -47,7 +47,7 @@ def main():
                              memory_budget=args.memory)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=args.lr)
     rank = dist.get_rank()
-    data = batches(args.vocab, args.batch, args.seq, n=4)
+    data = batches(args.vocab, args.batch, args.seq)
     first = last = None
     for step in range(args.steps):
         ids = next(data).to(next(pmodel.parameters()).device)
