@@ -111,10 +111,14 @@ class Plan:
     """Solver statistics: status, gap, variables, constraints, build/solve seconds."""
     options: dict = dataclasses.field(default_factory=dict)
     """Planner options the plan was made with (force=, batch...)."""
+    timings: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """Wall-clock seconds of planning (profile, build, solve). Not part of the plan: never written
+    to JSON, so two plannings of the same problem give byte-identical files."""
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        d.pop("timings")
         return {"format": FORMAT, "version": VERSION, **d}
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -184,7 +188,7 @@ def _reject_constant(name: str):
 # ---------------------------------------------------------------------- schema
 _NODE_FIELDS = {f.name: f for f in dataclasses.fields(NodePlan)}
 _PIPE_FIELDS = {f.name: f for f in dataclasses.fields(Pipeline)}
-_PLAN_FIELDS = {f.name: f for f in dataclasses.fields(Plan)}
+_PLAN_FIELDS = {f.name: f for f in dataclasses.fields(Plan) if f.name != "timings"}
 _REQUIRED_PLAN = {"graph_hash", "model", "mesh", "sharding_axes", "nodes", "params"}
 _REQUIRED_NODE = {"strategy", "inputs", "outputs", "input_grads"}
 _SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")

@@ -50,7 +50,7 @@ def main():
             target = TARGETS.get((name, shape))
             ratio = f"  target {target:.0f} s, ratio {target / total:.2f}" if target else ""
             print(f"{name:<11} {'x'.join(map(str, shape)):<7} {t_prof:>9.1f} {s.get('variables', 0):>8} "
-                  f"{s.get('constraints', 0):>8} {s.get('build_seconds', 0):>8.2f} {s.get('solve_seconds', 0):>8.2f} "
+                  f"{s.get('constraints', 0):>8} {p.timings.get('build_seconds', 0):>8.2f} {p.timings.get('solve_seconds', 0):>8.2f} "
                   f"{total:>8.2f} {p.step_time * 1e3:>9.1f}  {p.options.get('family')}{ratio}", flush=True)
 
 

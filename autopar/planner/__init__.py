@@ -54,7 +54,7 @@ def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, t
     t_prof = time.perf_counter() - t0
     p = plan_profile(gp, mesh, memory_budget=memory_budget, optimizer=optimizer, dtype=dtype, force=force,
                      checkpoint=checkpoint, pipeline=pipeline, time_limit=time_limit, **options)
-    p.solver["profile_seconds"] = t_prof
+    p.timings["profile_seconds"] = t_prof
     p.model = type(model).__name__
     return p
 
@@ -62,6 +62,7 @@ def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, t
 def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="float32", force=None,
                  checkpoint=True, pipeline="auto", time_limit=60.0, **options) -> Plan:
     """Plan from an existing ``profiler.GraphProfile`` (the planner's steps 2-5)."""
+    t_start = time.perf_counter()
     mesh = _as_mesh(mesh)
     budget = parse_bytes(memory_budget)
     if force is not None and force not in FAMILIES and force != "pp-tp":
@@ -84,6 +85,7 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="floa
     best.alternatives = [{"family": c.options.get("family", "?"), "step_time": c.step_time,
                           "peak_bytes": c.peak_bytes} for c in ok[1:6]]
     best.options.update({k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))})
+    best.timings["plan_seconds"] = time.perf_counter() - t_start  # every candidate, build + solve
     return best
 
 
@@ -151,9 +153,9 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
              step_time=float(sol.objective if step_time is None else step_time),
              peak_bytes=float(sol.peak_bytes if peak_bytes is None else peak_bytes), breakdown=bd,
              solver={"status": str(sol.status), "gap": float(sol.gap), "variables": int(sol.num_variables),
-                     "constraints": int(sol.num_constraints), "build_seconds": float(build_seconds),
-                     "solve_seconds": float(sol.solve_seconds), "checkpointed": list(sol.checkpointed)},
+                     "constraints": int(sol.num_constraints), "checkpointed": list(sol.checkpointed)},
              options={"family": family or _family_name(cfg, nodes, params)})
+    p.timings.update(build_seconds=float(build_seconds), solve_seconds=float(sol.solve_seconds))
     p.layers = _layer_rows(gp, p, built, pick)
     p.considered = _considered(gp, built, sol)
     return p

@@ -126,6 +126,4 @@ def test_planning_is_deterministic():
     gp = _gp("llama", batch=8)
     a = plan_profile(gp, Mesh((2, 2), cluster="h100"), pipeline=False)
     b = plan_profile(gp, Mesh((2, 2), cluster="h100"), pipeline=False)
-    for p in (a, b):
-        p.solver.pop("build_seconds"), p.solver.pop("solve_seconds")
-    assert a.to_json() == b.to_json()
+    assert a.to_json() == b.to_json()  # wall-clock timings live outside the JSON
