@@ -188,6 +188,41 @@ def reference(node, values, gen):
     return [t.detach() for t in flat], grads, in_grads, [u.detach() if isinstance(u, torch.Tensor) else u for u in used]
 
 
+def one_op_node(op, args: tuple, kwargs: dict | None = None, nograd: tuple = ()):
+    """A one-op fx graph for checks: every tensor in ``args``/``kwargs`` (lists included)
+    becomes a placeholder whose FakeTensor requires grad when floating, unless its index among
+    the tensors is in ``nograd``. Returns ``(node, values)``: the op's node (with
+    ``meta["val"]``) and the tensors in ``node.all_input_nodes`` order."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g, mode, values = torch.fx.Graph(), FakeTensorMode(), []
+
+    def lift(a):
+        if isinstance(a, torch.Tensor):
+            k = len(values)
+            t = a.detach().clone().requires_grad_(a.is_floating_point() and k not in nograd)
+            node = g.placeholder(f"x{k}")
+            node.meta["val"] = mode.from_tensor(t)
+            values.append(t.detach())
+            return node
+        if isinstance(a, (list, tuple)):
+            return type(a)(lift(x) for x in a)
+        return a
+
+    nargs = tuple(lift(a) for a in args)
+    nkwargs = {k: lift(v) for k, v in (kwargs or {}).items()}
+    node = g.call_function(op, nargs, nkwargs)
+
+    def fake(a):
+        return a.meta["val"].clone() if isinstance(a, torch.fx.Node) else a
+
+    with mode:
+        node.meta["val"] = op(*torch.fx.node.map_aggregate(nargs, fake),
+                              **torch.fx.node.map_aggregate(nkwargs, fake))
+    g.output(node)
+    return node, values
+
+
 def needs_simulation(node, strategy: Strategy) -> bool:
     """True when the strategy runs collectives or rank-dependent code (its rule says
     ``simulate=True``): check it under LocalTensorMode. The others run the same code on every
@@ -217,20 +252,47 @@ def check(node, strategy: Strategy, values: Sequence[Any], ref, ctx, lm, gen: to
     ``LocalTensorMode``: exact for local implementations without collectives, and much faster.
     ``compare_values=False`` checks only the local shapes (ops returning uninitialised memory)."""
     mesh = tuple(ctx.shape)
-    outs, out_grads, in_grads, after = ref
-    diff = [g is not None and pls is not None for g, pls in zip(in_grads, strategy.input_grads)]
     # Shards are cut outside LocalTensorMode (inside it every new tensor is per-rank).
+    pieces, grad_pieces, diff = cut(node, strategy, values, ref, mesh, gen)
+    run = _run_loop if loop else _run_simulated
+    got = run(node, strategy, pieces, grad_pieces, diff, ctx, lm, len(ref[0]))
+    compare(node, strategy, ref, got, diff, mesh, compare_values=compare_values, rtol=rtol, atol=atol)
+
+
+def cut(node, strategy: Strategy, values: Sequence[Any], ref, mesh, gen: torch.Generator):
+    """Per-rank input values and output gradients of a check, and which inputs get gradients."""
+    _, out_grads, in_grads, _ = ref
+    diff = [g is not None and pls is not None for g, pls in zip(in_grads, strategy.input_grads)]
     pieces = [_pieces(v, pls, mesh, gen) for v, pls in zip(_picked(node, values), strategy.inputs)]
     grad_pieces = [shard(g, grad_of(pls), mesh, gen) if g is not None else None
                    for g, pls in zip(out_grads, strategy.outputs)]
-    run = _run_loop if loop else _run_simulated
-    got_out, got_grads, written = run(node, strategy, pieces, grad_pieces, diff, ctx, lm, len(outs))
+    return pieces, grad_pieces, diff
+
+
+def run_rank(node, strategy: Strategy, pieces, grad_pieces, diff, ctx, rank: int):
+    """One rank's run on plain tensors (a real process group in ``ctx``, or none): its local
+    outputs, input gradients and written inputs."""
+    local = [p[rank] if isinstance(p, list) else p for p in pieces]
+    grads = [gp[rank] if gp is not None else None for gp in grad_pieces]
+    torch.random.set_rng_state(_RNG)
+    flat, leaves, used = _forward_backward(node, strategy, local, grads, diff, ctx, len(grad_pieces))
+    in_grads = [(lf.grad if lf.grad is not None else torch.zeros_like(lf)) if d else None
+                for lf, d in zip(leaves, diff)]
+    return [t.detach() for t in flat], in_grads, [used[i].detach() for i in _written(node)]
+
+
+def compare(node, strategy: Strategy, ref, got, diff, mesh, *, compare_values: bool = True,
+            rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    """Assemble per-rank results ``got = (outputs, input grads, written inputs)``, each a list
+    over ranks per tensor, and compare them with the reference."""
+    outs, _, in_grads, after = ref
+    got_out, got_grads, written = got
     for j, (ps, full, pls) in enumerate(zip(got_out, outs, strategy.outputs)):
         if not compare_values:
             ps = [torch.zeros_like(p) for p in ps]
             full = torch.zeros_like(full)
-        got = assemble(ps, pls, mesh, tuple(full.shape), what=f"output {j}", rtol=rtol, atol=atol)
-        _close(got, full, f"output {j} ({pl.fmt(pls)})", rtol, atol)
+        total = assemble(ps, pls, mesh, tuple(full.shape), what=f"output {j}", rtol=rtol, atol=atol)
+        _close(total, full, f"output {j} ({pl.fmt(pls)})", rtol, atol)
     n = math.prod(mesh)
     for i, (ps, g_full, pls) in enumerate(zip(got_grads, in_grads, strategy.input_grads)):
         if not diff[i]:
@@ -241,8 +303,8 @@ def check(node, strategy: Strategy, values: Sequence[Any], ref, ctx, lm, gen: to
         _close(total, g_full, f"grad of input {i} ({pl.fmt(pls)})", rtol, atol)
     for i, ps in written:
         pls = strategy.inputs[i]
-        got = assemble(ps, pls, mesh, tuple(after[i].shape), what=f"written input {i}", rtol=rtol, atol=atol)
-        _close(got, after[i], f"written input {i} ({pl.fmt(pls)})", rtol, atol)
+        total = assemble(ps, pls, mesh, tuple(after[i].shape), what=f"written input {i}", rtol=rtol, atol=atol)
+        _close(total, after[i], f"written input {i} ({pl.fmt(pls)})", rtol, atol)
 
 
 def _forward_backward(node, strategy, local, grads, diff, ctx, nouts):
@@ -275,22 +337,11 @@ def _run_simulated(node, strategy, pieces, grad_pieces, diff, ctx, lm, nouts):
 
 def _run_loop(node, strategy, pieces, grad_pieces, diff, ctx, lm, nouts):
     mesh = tuple(ctx.shape)
-    got_out = [[] for _ in range(nouts)]
-    got_grads: list = [[] if d else None for d in diff]
-    written = [(i, []) for i in _written(node)]
-    for r, c in enumerate(coords(mesh)):
-        local = [p[r] if isinstance(p, list) else p for p in pieces]
-        grads = [gp[r] if gp is not None else None for gp in grad_pieces]
-        torch.random.set_rng_state(_RNG)
-        flat, leaves, used = _forward_backward(node, strategy, local, grads, diff, RankContext(mesh, c), nouts)
-        for j, t in enumerate(flat):
-            got_out[j].append(t.detach())
-        for i, d in enumerate(diff):
-            if d:
-                g = leaves[i].grad
-                got_grads[i].append(g if g is not None else torch.zeros_like(leaves[i]))
-        for i, ps in written:
-            ps.append(used[i].detach())
+    runs = [run_rank(node, strategy, pieces, grad_pieces, diff, RankContext(mesh, c), r)
+            for r, c in enumerate(coords(mesh))]
+    got_out = [[run[0][j] for run in runs] for j in range(nouts)]
+    got_grads = [[run[1][i] for run in runs] if d else None for i, d in enumerate(diff)]
+    written = [(i, [run[2][k] for run in runs]) for k, i in enumerate(_written(node))]
     return got_out, got_grads, written
 
 

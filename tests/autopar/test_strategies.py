@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -104,33 +103,8 @@ def _signature(node):
 
 # ------------------------------------------------------------------------------ hand-made nodes
 def make_case(case_id: str, op, args: tuple, kwargs: dict | None = None, nograd: tuple = ()) -> Case:
-    """A one-op fx graph whose tensor arguments are placeholders (floating ones require grad
-    unless their position in the flattened tensor list is in ``nograd``)."""
-    kwargs = kwargs or {}
-    g, mode, values = fx.Graph(), FakeTensorMode(), []
-
-    def lift(a):
-        if isinstance(a, torch.Tensor):
-            k = len(values)
-            t = a.detach().clone().requires_grad_(a.is_floating_point() and k not in nograd)
-            node = g.placeholder(f"x{k}")
-            node.meta["val"] = mode.from_tensor(t)
-            values.append(t.detach())
-            return node
-        if isinstance(a, (list, tuple)):
-            return type(a)(lift(x) for x in a)
-        return a
-
-    nargs = tuple(lift(a) for a in args)
-    nkwargs = {k: lift(v) for k, v in kwargs.items()}
-    node = g.call_function(op, nargs, nkwargs)
-
-    def fake(a):
-        return a.meta["val"].clone() if isinstance(a, fx.Node) else a
-
-    with mode:
-        node.meta["val"] = op(*fx.node.map_aggregate(nargs, fake), **fx.node.map_aggregate(nkwargs, fake))
-    g.output(node)
+    """A one-op fx graph whose tensor arguments are placeholders (see ``validate.one_op_node``)."""
+    node, values = V.one_op_node(op, args, kwargs, nograd)
     return Case(case_id, node, values)
 
 
