@@ -162,29 +162,32 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
 
 
 def _considered(gp, built: Built, sol, top: int = 6) -> dict[str, list[dict]]:
-    """Per decided node, its best strategies with the cost terms, neighbours at their choices."""
+    """Per decided node (one per tie group), its best strategies with the cost terms, the
+    neighbours at their chosen strategies."""
     from collections import defaultdict
 
     nbrs = defaultdict(list)
     for e in built.problem.edges:
         nbrs[e.src].append((e.cost, e.dst))
         nbrs[e.dst].append((e.cost.T, e.src))
+    tied_later = {n for t in built.problem.ties for n in t[1:]}
     out = {}
     for node in built.problem.nodes:
-        nid, chosen = node.id, sol.choice[node.id]
-        prof = gp.nodes.get(nid)
-        layer = getattr(prof, "module_path", "") or ""
-        rows = []
-        for s in range(node.size):
-            resh = float(sum(m[s, sol.choice[o]] for m, o in nbrs[nid]))
-            strat = built.options[nid].strategies[s]
-            rows.append({"strategy": node.labels[s], "outputs": ",".join(pl.fmt(x) for x in strat.outputs),
-                         "time": float(node.time[s]), "comm": float(node.comm[s]), "reshard": resh,
-                         "mem": float(node.mem[s]), "act": float(node.act[s]),
-                         "total": float(node.time[s]) + resh, "chosen": s == chosen, "layer": layer})
-        rows.sort(key=lambda r: (not r["chosen"], r["total"]))
-        best = rows[:1] + sorted(rows[1:], key=lambda r: r["total"])[: top - 1]
-        out[nid] = best
+        nid = node.id
+        if nid in tied_later:
+            continue
+        chosen = sol.choice[nid]
+        resh = np.zeros(node.size)
+        for m, o in nbrs[nid]:
+            resh += m[:, sol.choice[o]]
+        total = node.time + resh
+        order = [chosen] + [int(i) for i in np.argsort(total, kind="stable") if i != chosen][: top - 1]
+        layer = getattr(gp.nodes.get(nid), "module_path", "") or ""
+        strats = built.options[nid].strategies
+        out[nid] = [{"strategy": node.labels[s], "outputs": ",".join(pl.fmt(x) for x in strats[s].outputs),
+                     "time": float(node.time[s]), "comm": float(node.comm[s]), "reshard": float(resh[s]),
+                     "mem": float(node.mem[s]), "act": float(node.act[s]), "total": float(total[s]),
+                     "chosen": s == chosen, "layer": layer} for s in order]
     return out
 
 

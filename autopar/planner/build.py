@@ -202,6 +202,11 @@ def _allowed(strats: list[Strategy], node, kind, pred) -> list[Strategy]:
     return keep
 
 
+#: Strategy lists by (node signature, mesh shape), shared across builds (the flat problem and the
+#: pipeline candidates of one planning, and successive plannings of one model).
+_STRATEGY_CACHE: dict[tuple, list] = {}
+
+
 def _signature(node, kind) -> tuple:
     """Nodes with equal signatures (twins in repeated layers) have the same strategy list."""
     def sig(a):
@@ -233,14 +238,17 @@ def node_options(gm, gp, cfg: Config) -> tuple[dict[str, Option], list[str]]:
             continue  # e.g. the unused twin of a tied weight: the graph reads it through its alias
         kind = kinds.get(node.name)
         try:
-            key = _signature(node, kind)
-            strats = memo.get(key)
+            key = (_signature(node, kind), tuple(cfg.mesh.shape))
+            strats = memo.get(key) or _STRATEGY_CACHE.get(key)
         except Exception:  # an unhashable argument: no memo for this node
             key, strats = None, None
         if strats is None:
             strats = strategies_for(node, cfg.mesh.shape)
             if key is not None:
                 memo[key] = strats
+                if len(_STRATEGY_CACHE) > 200_000:
+                    _STRATEGY_CACHE.clear()
+                _STRATEGY_CACHE[key] = strats
         allowed = _allowed(strats, node, kind, pred)
         if cfg.family in ("dp", "zero3") and node.op == "call_function":
             # Data parallelism splits every op's work over the whole mesh where the op allows it.
@@ -414,6 +422,7 @@ def edges(gm, options, leader, follow, mesh: Mesh):
     """Resharding edges between groups, plus the cost of edges inside a group folded into the
     group's own time vector (returned as ``inner``: leader -> extra seconds per choice)."""
     pricer = _EdgePricer(mesh)
+    edge_memo: dict[tuple, np.ndarray] = {}
     acc: dict[tuple[str, str], np.ndarray] = {}
     inner: dict[str, np.ndarray] = defaultdict(lambda: 0.0)
     for node in gm.graph.nodes:
@@ -429,10 +438,14 @@ def edges(gm, options, leader, follow, mesh: Mesh):
             t = vals[idx] if idx < len(vals) else (vals[0] if vals else None)
             if t is None:
                 continue
-            outs = [_out_pl(popt, s, idx) for s in fs]           # per leader(prod) choice
-            ins = [_in_pl(opt.strategies[u], j) for u in fu]     # per leader(node) choice
-            grads = [_in_grad(opt.strategies[u], j) for u in fu]
-            m = pricer.matrix(outs, ins, grads, t)
+            # Twins share options and follow maps: one matrix per distinct (producer, consumer) pair.
+            ekey = (id(popt), id(opt), idx, j, fs.tobytes(), fu.tobytes(), tuple(t.shape), t.dtype)
+            m = edge_memo.get(ekey)
+            if m is None:
+                outs = [_out_pl(popt, s, idx) for s in fs]           # per leader(prod) choice
+                ins = [_in_pl(opt.strategies[u], j) for u in fu]     # per leader(node) choice
+                grads = [_in_grad(opt.strategies[u], j) for u in fu]
+                m = edge_memo[ekey] = pricer.matrix(outs, ins, grads, t)
             if ls == lu:
                 inner[lu] = inner[lu] + np.diag(m)
             else:
