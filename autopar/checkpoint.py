@@ -113,10 +113,12 @@ def sharded_state_dict(pm) -> dict[str, DTensor]:
 
 
 @torch.no_grad()
-def load_sharded_state_dict(pm, state: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+def load_sharded_state_dict(pm, state: Mapping[str, torch.Tensor], *,
+                            strict: bool = True) -> tuple[list[str], list[str]]:
     """Copy ``state`` into ``pm``. Values may be DTensors (any placements and mesh of the same
     global shape: they are redistributed) or full plain tensors (each rank keeps its shard).
-    ``strict``: every saved name must be given and no other (aliases of tied weights allowed)."""
+    ``strict``: every saved name must be given and no other (aliases of tied weights allowed).
+    Returns the (missing, unexpected) names, like ``nn.Module.load_state_dict``."""
     from autopar.codegen.lower import canonical_fqns
 
     own = entries(pm)
@@ -138,6 +140,7 @@ def load_sharded_state_dict(pm, state: Mapping[str, torch.Tensor], *, strict: bo
         else:
             piece = _shard_full(value, pls, pm)
         local.copy_(piece.to(local.dtype))
+    return sorted(set(own) - set(given)), sorted(set(given) - set(own))
 
 
 def _shard_full(full: torch.Tensor, placements, pm) -> torch.Tensor:

@@ -261,6 +261,29 @@ class ParallelModule(nn.Module):
                     out[alias] = out[fqn]
         return out
 
+    # ------------------------------------------------------------------ checkpoints (autopar.checkpoint)
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
+        """This rank's parameters and persistent buffers as DTensors placed as the plan stores them
+        (original names, tied weights once), for ``torch.distributed.checkpoint``, which reshards
+        on load. ``full_state_dict()`` gives gathered plain tensors instead."""
+        from autopar.checkpoint import sharded_state_dict
+
+        out = {} if destination is None else destination
+        for k, v in sharded_state_dict(self).items():
+            out[prefix + k] = v
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load DTensors of any plan or mesh, or full tensors (see ``autopar.checkpoint``)."""
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        from autopar.checkpoint import load_sharded_state_dict
+
+        if assign:
+            raise NotImplementedError("ParallelModule.load_state_dict copies into its shards; assign=True is not "
+                                      "supported")
+        return _IncompatibleKeys(*load_sharded_state_dict(self, state_dict, strict=strict))
+
     def print_code(self) -> str:
         """The per-rank graph as readable code, resharding steps named (and print it)."""
         from autopar.codegen.printer import render
