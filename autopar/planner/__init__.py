@@ -60,7 +60,7 @@ def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, t
 
 
 def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="float32", force=None,
-                 checkpoint=True, pipeline="auto", time_limit=60.0, **options) -> Plan:
+                 checkpoint=True, pipeline="auto", time_limit=60.0, pin=None, **options) -> Plan:
     """Plan from an existing ``profiler.GraphProfile`` (the planner's steps 2-5)."""
     t_start = time.perf_counter()
     mesh = _as_mesh(mesh)
@@ -68,7 +68,7 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="floa
     if force is not None and force not in FAMILIES and force != "pp-tp":
         raise ValueError(f"unknown plan family {force!r}; choose one of {', '.join(FAMILIES + ('pp-tp',))}")
     cfg = Config(mesh=mesh, optimizer=optimizer, dtype=dtype, family=force if force != "pp-tp" else None,
-                 memory_budget=budget, checkpoint=checkpoint, time_limit=time_limit)
+                 memory_budget=budget, checkpoint=checkpoint, time_limit=time_limit, pin=dict(pin or {}))
     candidates = []
     if force != "pp-tp":
         candidates.append(_solve_flat(gp, cfg))
@@ -85,6 +85,8 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="floa
     best.alternatives = [{"family": c.options.get("family", "?"), "step_time": c.step_time,
                           "peak_bytes": c.peak_bytes} for c in ok[1:6]]
     best.options.update({k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))})
+    if pin:
+        best.options["pin"] = dict(pin)
     best.timings["plan_seconds"] = time.perf_counter() - t_start  # every candidate, build + solve
     return best
 

@@ -57,6 +57,9 @@ class Config:
     """``"float32"`` or ``"bf16-mixed"`` (bf16 activations and compute, fp32 master state)."""
     family: str | None = None
     """Forced plan family (see ``autopar.planner.families``), or None for a free search."""
+    pin: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Pinned placements of parameters or inputs: fnmatch pattern on the parameter's FQN (or the
+    input's placeholder name) -> placement string, e.g. ``{"*.mlp.c_fc.weight": "S(1)S(0)"}``."""
     memory_budget: float | None = None
     """Per-device budget in bytes."""
     checkpoint: bool = True
@@ -202,6 +205,28 @@ def _allowed(strats: list[Strategy], node, kind, pred) -> list[Strategy]:
     return keep
 
 
+def _pinned(strats: list[Strategy], node, kind, gp, pin: dict[str, str]) -> list[Strategy]:
+    """Keep only the pinned placement of a placeholder a pin pattern names (error if impossible)."""
+    import fnmatch
+
+    if not pin or kind not in ("param", "input", "buffer"):
+        return strats
+    names = [node.name]
+    cap = gp.captured
+    names += list((cap.param_aliases or {}).get(node.name, ())) + [cap.params.get(node.name, ""),
+                                                                   cap.buffers.get(node.name, "")]
+    for pattern, want in pin.items():
+        if any(n and fnmatch.fnmatchcase(n, pattern) for n in names):
+            want_pl = pl.fmt(pl.parse(want))
+            keep = [s for s in strats if pl.fmt(s.outputs[0]) == want_pl]
+            if not keep:
+                shape = tuple(_vals(node)[0].shape) if _vals(node) else ()
+                raise ValueError(f"pin {pattern!r} -> {want!r} cannot place {names[-2] or node.name} of shape "
+                                 f"{shape}: that placement does not divide it on this mesh")
+            return keep
+    return strats
+
+
 #: Strategy lists by (node signature, mesh shape), shared across builds (the flat problem and the
 #: pipeline candidates of one planning, and successive plannings of one model).
 _STRATEGY_CACHE: dict[tuple, list] = {}
@@ -250,6 +275,7 @@ def node_options(gm, gp, cfg: Config) -> tuple[dict[str, Option], list[str]]:
                     _STRATEGY_CACHE.clear()
                 _STRATEGY_CACHE[key] = strats
         allowed = _allowed(strats, node, kind, pred)
+        allowed = _pinned(allowed, node, kind, gp, cfg.pin)
         if cfg.family in ("dp", "zero3") and node.op == "call_function":
             # Data parallelism splits every op's work over the whole mesh where the op allows it.
             full = [s for s in allowed if s.divisor == cfg.mesh.size]
