@@ -9,10 +9,20 @@ simulates every rank. Rank-dependent local ops (taking this rank's chunk) go thr
 These functions are the forward kernels of resharding steps; they are not meant to be
 differentiated through (funcol's own backward rules differ from DTensor's gradient conventions).
 For autograd use :class:`autopar.runtime.reshard.Reshard`, whose backward runs a given step list.
+
+Failures: a collective that a peer never joins fails after the process group's timeout (gloo:
+``Timed out waiting ...ms for recv``; a crashed peer: ``Connection closed by peer``). Each
+collective here turns that into a :class:`CollectiveError` naming the collective, the mesh axis,
+the ranks of its group, the local shape, and where in the plan it ran: the ``where=`` argument,
+or the innermost :func:`label` block (the caller names the plan node or resharding edge).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,6 +31,47 @@ from torch.distributed.device_mesh import DeviceMesh
 def _wait(t: torch.Tensor) -> torch.Tensor:
     # Functional collectives return lazily waited tensors; the step after needs the data.
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed (a peer timed out or died); the message says which and where."""
+
+
+_WHERE: contextvars.ContextVar[str | None] = contextvars.ContextVar("autopar_collective_where", default=None)
+
+
+@contextlib.contextmanager
+def label(where: str):
+    """Name the plan node / edge of the collectives run inside the block (for error messages)."""
+    token = _WHERE.set(where)
+    try:
+        yield
+    finally:
+        _WHERE.reset(token)
+
+
+def _group_ranks(dm: DeviceMesh, axis: int) -> list[int] | str:
+    try:
+        return dist.get_process_group_ranks(dm.get_group(axis))
+    except Exception:  # noqa: BLE001 - only used to enrich an error message
+        return "?"
+
+
+def _collective(kind: str, x: torch.Tensor, dm: DeviceMesh, axis: int, where: str | None, launch):
+    """Run ``launch()`` (a functional collective) and wait, naming the collective on failure."""
+    try:
+        return _wait(launch())
+    except CollectiveError:
+        raise
+    except RuntimeError as err:
+        names = dm.mesh_dim_names
+        axis_name = names[axis] if names else str(axis)
+        at = where or _WHERE.get()
+        raise CollectiveError(
+            f"{kind} over mesh axis {axis} ({axis_name!r}, ranks {_group_ranks(dm, axis)}) of a local tensor of "
+            f"shape {tuple(x.shape)} failed{f' at {at}' if at else ''}: {err}. A rank of this group did not take "
+            f"part within the process group's timeout: it crashed, hangs, or runs another step or plan; see the "
+            f"first error in the other ranks' logs") from err
 
 
 def axis_size(dm: DeviceMesh, axis: int) -> int:
@@ -53,34 +104,38 @@ def _dim_to_rows(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     return torch.cat(x.chunk(n, dim), 0).contiguous()
 
 
-def all_gather(x: torch.Tensor, dim: int, dm: DeviceMesh, axis: int) -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int, dm: DeviceMesh, axis: int, *, where: str | None = None) -> torch.Tensor:
     """Concatenate the ``n`` local tensors of the axis group along ``dim``, in coordinate order."""
     n = axis_size(dm, axis)
-    out = _wait(funcol.all_gather_single(x.contiguous(), 0, (dm, axis)))  # (n * D0, ..)
+    out = _collective("all_gather", x, dm, axis, where,
+                      lambda: funcol.all_gather_single(x.contiguous(), 0, (dm, axis)))  # (n * D0, ..)
     return out if dim == 0 else _rows_to_dim(out, n, dim)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, dm: DeviceMesh, axis: int) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int, dm: DeviceMesh, axis: int, *, where: str | None = None) -> torch.Tensor:
     """Sum over the axis group, keep this rank's chunk of ``dim``: (.., D, ..) -> (.., D/n, ..)."""
     n = axis_size(dm, axis)
     _check_divides(x, dim, n, "reduce_scatter")
     rows = x.contiguous() if dim == 0 else _dim_to_rows(x, n, dim)
-    return _wait(funcol.reduce_scatter_single(rows, "sum", 0, (dm, axis)))
+    return _collective("reduce_scatter", x, dm, axis, where,
+                       lambda: funcol.reduce_scatter_single(rows, "sum", 0, (dm, axis)))
 
 
-def all_reduce(x: torch.Tensor, dm: DeviceMesh, axis: int) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, dm: DeviceMesh, axis: int, *, where: str | None = None) -> torch.Tensor:
     """Sum over the axis group (a new tensor; the input is left unchanged)."""
-    return _wait(funcol.all_reduce(x.contiguous(), "sum", (dm, axis)))
+    return _collective("all_reduce", x, dm, axis, where, lambda: funcol.all_reduce(x.contiguous(), "sum", (dm, axis)))
 
 
-def all_to_all(x: torch.Tensor, dim: int, dim2: int, dm: DeviceMesh, axis: int) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, dim: int, dim2: int, dm: DeviceMesh, axis: int, *,
+               where: str | None = None) -> torch.Tensor:
     """Turn a shard of ``dim`` into a shard of ``dim2``: split ``dim2`` in ``n`` chunks, send chunk
     k to the peer of coordinate k, and concatenate what arrives along ``dim``.
     (.., D/n, .., E, ..) -> (.., D, .., E/n, ..)."""
     n = axis_size(dm, axis)
     _check_divides(x, dim2, n, "all_to_all")
     rows = x.contiguous() if dim2 == 0 else _dim_to_rows(x, n, dim2)  # (n * A, ..): block k goes to peer k
-    out = _wait(funcol.all_to_all_single(rows, None, None, (dm, axis)))  # block k came from peer k
+    out = _collective("all_to_all", x, dm, axis, where,
+                      lambda: funcol.all_to_all_single(rows, None, None, (dm, axis)))  # block k came from peer k
     return out if dim == 0 else _rows_to_dim(out, n, dim)
 
 

@@ -5,6 +5,9 @@ gradient's ``grad_dst -> grad_src``. DTensor's conventions give the default grad
 the gradient of R is R, of P is R, of S(d) is S(d). A gradient may arrive Partial (a consumer split
 its work on an axis while its input was Replicate); then the backward list holds the all-reduce or
 reduce-scatter that the planner priced. :class:`Reshard` runs exactly the lists it is given.
+
+``where`` (optional everywhere) names the plan node or edge a step list belongs to; a failing
+collective's :class:`autopar.runtime.collectives.CollectiveError` then says the step and the node.
 """
 from __future__ import annotations
 
@@ -20,18 +23,19 @@ from autopar.placement import fmt, local_shape
 from autopar.runtime import collectives as C
 
 
-def _run_step(x: torch.Tensor, step: Step, dm: DeviceMesh) -> torch.Tensor:
+def _run_step(x: torch.Tensor, step: Step, dm: DeviceMesh, where: str | None = None) -> torch.Tensor:
     if step.kind == "noop" or dm.size(step.axis) == 1:
         return x  # one rank on the axis: every step is the identity
     k, a = step.kind, step.axis
+    at = f"step {step} of {where}" if where else None
     if k == "all_gather":
-        return C.all_gather(x, step.dim, dm, a)
+        return C.all_gather(x, step.dim, dm, a, where=at)
     if k == "reduce_scatter":
-        return C.reduce_scatter(x, step.dim, dm, a)
+        return C.reduce_scatter(x, step.dim, dm, a, where=at)
     if k == "all_reduce":
-        return C.all_reduce(x, dm, a)
+        return C.all_reduce(x, dm, a, where=at)
     if k == "all_to_all":
-        return C.all_to_all(x, step.dim, step.dim2, dm, a)
+        return C.all_to_all(x, step.dim, step.dim2, dm, a, where=at)
     if k == "slice":
         return C.local_chunk(x, step.dim, dm, a)
     if k == "zero_partial":
@@ -41,18 +45,19 @@ def _run_step(x: torch.Tensor, step: Step, dm: DeviceMesh) -> torch.Tensor:
 
 def apply_steps(local: torch.Tensor, steps: Sequence[Step], device_mesh: DeviceMesh,
                 global_shape: Sequence[int] | None = None,
-                src: str | Sequence[Placement] | None = None) -> torch.Tensor:
+                src: str | Sequence[Placement] | None = None, where: str | None = None) -> torch.Tensor:
     """Run ``steps`` on this rank's ``local`` shard and return the new local shard (no autograd).
 
     With ``global_shape`` and ``src`` given, the local shape and every step are checked against
-    the placements first, and a ``ValueError`` names the step that does not apply.
+    the placements first, and a ``ValueError`` names the step that does not apply. ``where``
+    names the plan node or edge in the error of a failing collective.
     """
     if any(s.axis >= device_mesh.ndim for s in steps):
         raise ValueError(f"steps {[str(s) for s in steps]} use an axis beyond the {device_mesh.ndim}-D device mesh")
     if global_shape is not None and src is not None:
         _check_steps(local, steps, device_mesh, tuple(global_shape), src)
     for step in steps:
-        local = _run_step(local, step, device_mesh)
+        local = _run_step(local, step, device_mesh, where)
     return local
 
 
@@ -69,30 +74,32 @@ def _check_steps(local, steps, dm, shape, src) -> None:
 
 
 class Reshard(torch.autograd.Function):
-    """``Reshard.apply(local, fwd_steps, bwd_steps, device_mesh, global_shape=None)``: forward runs
-    ``fwd_steps`` on the local shard, backward runs ``bwd_steps`` on the local gradient."""
+    """``Reshard.apply(local, fwd_steps, bwd_steps, device_mesh, global_shape=None, where=None)``:
+    forward runs ``fwd_steps`` on the local shard, backward runs ``bwd_steps`` on the local
+    gradient; ``where`` (e.g. ``"edge addmm -> gelu S(1)R->RR"``) labels collective failures."""
 
     @staticmethod
-    def forward(ctx, local, fwd_steps, bwd_steps, device_mesh, global_shape=None):
-        ctx.bwd = (tuple(bwd_steps), device_mesh, global_shape)
-        out = apply_steps(local, tuple(fwd_steps), device_mesh)
+    def forward(ctx, local, fwd_steps, bwd_steps, device_mesh, global_shape=None, where=None):
+        ctx.bwd = (tuple(bwd_steps), device_mesh, global_shape, where)
+        out = apply_steps(local, tuple(fwd_steps), device_mesh, where=where)
         # A Function must not hand back its input object itself: return an alias.
         return out.view_as(out) if out is local else out
 
     @staticmethod
     def backward(ctx, grad):
-        steps, dm, _ = ctx.bwd
-        g = apply_steps(grad, steps, dm)
-        return (g.view_as(g) if g is grad else g), None, None, None, None
+        steps, dm, _, where = ctx.bwd
+        g = apply_steps(grad, steps, dm, where=f"backward of {where}" if where else None)
+        return (g.view_as(g) if g is grad else g), None, None, None, None, None
 
 
 def reshard_local(local: torch.Tensor, src, dst, device_mesh: DeviceMesh, global_shape: Sequence[int],
-                  grad_src=None, grad_dst=None, mesh: Mesh | None = None) -> torch.Tensor:
+                  grad_src=None, grad_dst=None, mesh: Mesh | None = None, where: str | None = None) -> torch.Tensor:
     """Reshard this rank's shard of a tensor of ``global_shape`` from ``src`` to ``dst``
     placements, autograd-aware: the cheapest forward ``src -> dst`` and backward
     ``grad_dst -> grad_src`` (defaults: DTensor's gradient conventions of ``dst`` and ``src``).
 
-    ``mesh`` prices the search (default: ``Mesh.from_device_mesh(device_mesh)``).
+    ``mesh`` prices the search (default: ``Mesh.from_device_mesh(device_mesh)``); ``where``
+    labels collective failures.
     """
     mesh = Mesh.from_device_mesh(device_mesh) if mesh is None else mesh
     if tuple(mesh.shape) != tuple(device_mesh.mesh.shape):
@@ -103,4 +110,4 @@ def reshard_local(local: torch.Tensor, src, dst, device_mesh: DeviceMesh, global
     gdst = grad_placements(dst_n) if grad_dst is None else grad_dst
     fwd = reshard(src_n, dst_n, shape, itemsize, mesh).steps
     bwd = reshard(gdst, gsrc, shape, itemsize, mesh).steps
-    return Reshard.apply(local, fwd, bwd, device_mesh, shape)
+    return Reshard.apply(local, fwd, bwd, device_mesh, shape, where)
