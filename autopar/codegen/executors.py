@@ -85,9 +85,18 @@ def _is_plain(p: Placement) -> bool:
     return type(p) in (Replicate, Shard) or (type(p) is Partial and p.reduce_op == "sum")
 
 
+# Composite ops whose schema hides that they write into arguments (in training mode).
+_HIDDEN_WRITES = {
+    torch.ops.aten.batch_norm.default: (3, 4),        # running_mean, running_var
+    torch.ops.aten.instance_norm.default: (3, 4),
+}
+
+
 def mutated_args(op) -> list[int]:
     """Positions of the schema arguments ``op`` writes into (``relu_``: [0]; ``batch_norm``: the
-    running statistics)."""
+    running statistics, which its composite schema does not declare)."""
+    if op in _HIDDEN_WRITES:
+        return list(_HIDDEN_WRITES[op])
     schema = getattr(op, "_schema", None)
     if schema is None:
         return []

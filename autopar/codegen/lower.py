@@ -102,10 +102,29 @@ class ReshardModule(nn.Module):
 def _attr_name(label: str, taken: set) -> str:
     base = label.replace(" / bwd ", "__bwd_").replace("+", "_").replace("[", "_").replace("]", "").replace("-", "none")
     name, k = base, 1
-    while name in taken:
+    # Never shadow a GraphModule attribute (a node named ``to`` would replace ``Module.to``).
+    while name in taken or hasattr(fx.GraphModule, name):
         name, k = f"{base}_{k}", k + 1
     taken.add(name)
     return name
+
+
+class WriteBack(nn.Module):
+    """Copy an in-place update made on a resharded copy back into the stored tensor."""
+
+    def __init__(self, steps, ctx: MeshContext, what: str):
+        super().__init__()
+        self.steps, self.ctx, self.what = tuple(steps), ctx, what
+        self.label = f"write back {_label(self.steps, ctx.axis_names)}"
+
+    def extra_repr(self) -> str:
+        return f"{self.what}: {self.label}"
+
+    def forward(self, stored, written, after=None):  # ``after``: orders the call after the writer
+        from autopar.runtime.reshard import apply_steps
+
+        with torch.no_grad():
+            stored.copy_(apply_steps(written, self.steps, self.ctx.device_mesh))
 
 
 def check_local(name: str, expected: list, value):
@@ -346,6 +365,7 @@ class _Lowering:
             return
         new = self._emit(node, ins)
         new.meta["val"] = node.meta.get("val")
+        self._write_back(node, ins, new)
         if self.debug and _vals(node):
             new = self._check(node, new)
         self.env[node] = new
@@ -371,11 +391,35 @@ class _Lowering:
             self.executors[node.name] = "plain"
             return self.graph.call_function(node.target, ex.fill(args_t, ins), ex.fill(kwargs_t, ins))
         mod, kind = self._executor(node, in_pls, grads, outs, args_t, kwargs_t)
-        name = node.name if node.name not in self.taken else _attr_name(node.name, self.taken)
-        self.taken.add(name)
+        name = _attr_name(node.name, self.taken)
         self.root[name] = mod
         self.executors[node.name] = kind
         return self.graph.call_module(name, tuple(ins))
+
+    def _write_back(self, node, ins, after: fx.Node) -> None:
+        """An op that writes into an input it received resharded (batch norm's running
+        statistics split by channel while stored replicated) wrote into a copy: reshard the copy
+        back and copy it into the stored tensor, after the op."""
+        writes = ex.mutated_args(node.target)
+        if not writes:
+            return
+        args_t, kwargs_t = ex.template(node, None)
+        names = [a.name for a in node.target._schema.arguments]
+        for pos in writes:
+            a = args_t[pos] if pos < len(args_t) else kwargs_t.get(names[pos])
+            if not isinstance(a, ex.In):
+                continue
+            prod = node.all_input_nodes[a.i]
+            if ins[a.i] is self.env[prod] or not _vals(prod):
+                continue
+            dst = self.outputs_of(prod)[0]
+            src = self.inputs_of(node)[0][a.i]
+            val = _vals(prod)[0]
+            steps = plan_reshard(src, dst, tuple(val.shape), val.element_size(), self.ctx.mesh).steps
+            mod = WriteBack(steps, self.ctx, f"{node.name} -> {prod.name}")
+            name = _attr_name(f"write_back_{prod.name}", self.taken)
+            self.root[name] = mod
+            self.graph.call_module(name, (self.env[prod], ins[a.i], after))
 
     def _executor(self, node, in_pls, grads, outs, args_t, kwargs_t):
         np_ = self.plan.nodes.get(node.name)

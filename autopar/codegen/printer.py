@@ -25,6 +25,8 @@ def _target(gm: fx.GraphModule, node: fx.Node) -> tuple[str, str]:
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
         label = getattr(mod, "label", None)
+        if label is not None and label.startswith("write back"):
+            return label.replace(" ", "_", 1), ""
         if label is not None:  # a resharding edge
             fwd, _, bwd = label.partition(" / bwd ")
             return fwd if fwd != "-" else "identity", f"bwd {bwd}" if bwd != "-" else ""

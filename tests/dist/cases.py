@@ -137,6 +137,18 @@ def input_rule(family: str, mesh_shape):
     return lambda name, shape: _place(n, axes) if shape and all(shape[0] % mesh_shape[a] == 0 for a in axes) else None
 
 
+def planner_plan(ex, family: str, mesh_shape=(2, 2), **options):
+    """The planner's best plan of ``family`` (``autopar.plan(..., force=family)``)."""
+    import warnings
+
+    import autopar
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.plan(ex.model, Mesh(tuple(mesh_shape), cluster="cpu"), ex.args, example_kwargs=ex.kwargs,
+                            loss_fn=ex.loss_fn, target=ex.target, force=family, **options)
+
+
 def manual_plan(captured, family: str, mesh_shape=(2, 2)):
     from autopar.codegen.manual import plan_from_placements
 
@@ -153,19 +165,21 @@ def _call(model, ex):
     return out.loss
 
 
-def reference(ex, steps: int = STEPS, lr: float = LR):
-    """Losses and final state of ``steps`` AdamW steps on one device."""
+def reference(ex, steps: int = STEPS, lr: float = LR) -> dict:
+    """Losses, first-step gradients and final state of ``steps`` AdamW steps on one device."""
     model = copy.deepcopy(ex.model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=EPS)
-    losses = []
-    for _ in range(steps):
+    losses, grads = [], None
+    for i in range(steps):
         loss = _call(model, ex)
         loss.backward()
+        if i == 0:
+            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters(remove_duplicate=False)}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return losses, state
+    return {"losses": losses, "grads": grads, "state": state}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -201,6 +215,15 @@ def compare_state(state, ref) -> dict:
         if e > worst:
             worst, where = e, k
     return {"global": math.sqrt(num) / max(math.sqrt(den), 1e-30), "worst": worst, "where": where}
+
+
+def grad_err(grads, ref) -> float:
+    """||g - g_ref|| / ||g_ref|| over every parameter gradient together."""
+    missing = sorted(set(ref) - set(grads))
+    assert not missing, f"gradients missing for {missing[:5]}"
+    num = sum((grads[k].double() - v.double()).norm().item() ** 2 for k, v in ref.items())
+    den = sum(v.double().norm().item() ** 2 for v in ref.values())
+    return math.sqrt(num) / max(math.sqrt(den), 1e-30)
 
 
 def loss_err(losses, ref_losses) -> float:

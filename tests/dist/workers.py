@@ -30,7 +30,9 @@ def mesh(shape=(2, 2), names=("dp", "tp")):
 
 def train_case(name: str, plan_json: str, *, steps: int = cases.STEPS, lr: float = cases.LR,
                options: dict | None = None, measure: bool = True) -> dict:
-    """``steps`` AdamW steps of ``name`` under the plan; losses, state (rank 0) and peak bytes."""
+    """``steps`` AdamW steps of ``name`` under the plan: losses, first-step gradients and final
+    state (full tensors, rank 0), measured peak bytes of the last step, digests of every rank's
+    full state (they must agree)."""
     from autopar.plan import Plan
     from autopar.runtime.memory import LiveMemory
     from autopar.runtime.module import ParallelModule
@@ -40,29 +42,42 @@ def train_case(name: str, plan_json: str, *, steps: int = cases.STEPS, lr: float
     t0 = time.time()
     pm = ParallelModule(ex.model, cap, plan, mesh(tuple(plan.mesh["shape"])), **(options or {}))
     opt = torch.optim.AdamW(pm.parameters(), lr=lr, eps=cases.EPS)
-    losses, peak = [], 0
+    losses, peak, grads = [], 0, None
+    rank0 = dist.get_rank() == 0
     for i in range(steps):
+        mem = None
         if measure and i == steps - 1:  # optimizer state exists after the first step
             mem = LiveMemory(track=[*pm.parameters(), *pm.buffers()])
             mem.add_optimizer(opt)
-            with mem:
-                loss = pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
-                opt.step()
-            peak = mem.peak
-        else:
+        with mem if mem is not None else _null():
             loss = pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+            if i == 0:
+                full = pm.full_grads()
+                grads = {k: v.detach().cpu().clone() for k, v in full.items()} if rank0 else None
+                del full
             opt.step()
+        if mem is not None:
+            peak = mem.peak
         opt.zero_grad()
         losses.append(loss.item())
     seconds = time.time() - t0
     state = {k: v.detach().cpu().clone() for k, v in pm.full_state_dict().items()}
-    # Every rank must hold the same full state and losses: compare digests over the world.
-    digest = torch.tensor([sum(float(v.double().sum()) for v in state.values() if v.is_floating_point())])
+    # Every rank must hold the same full state: compare digests over the world.
+    digest = torch.tensor([sum(float(v.double().sum()) for v in state.values() if v.is_floating_point())],
+                          dtype=torch.float64)
     all_d = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(all_d, digest.double())
-    return {"losses": losses, "state": state if dist.get_rank() == 0 else None, "peak": peak,
+    dist.all_gather(all_d, digest)
+    return {"losses": losses, "state": state if rank0 else None, "grads": grads, "peak": peak,
             "seconds": seconds, "digests": [float(d) for d in all_d],
-            "executors": dict(pm.signature.executors) if dist.get_rank() == 0 else None}
+            "executors": dict(pm.signature.executors) if rank0 else None}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 def grads_case(name: str, plan_json: str, *, options: dict | None = None) -> dict:
@@ -75,4 +90,5 @@ def grads_case(name: str, plan_json: str, *, options: dict | None = None) -> dic
     pm = ParallelModule(ex.model, cap, plan, mesh(tuple(plan.mesh["shape"])), **(options or {}))
     loss = pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
     grads = {k: v.detach().cpu().clone() for k, v in pm.full_grads().items()}
-    return {"loss": loss.item(), "grads": grads if dist.get_rank() == 0 else None}
+    return {"loss": loss.item(), "grads": grads if dist.get_rank() == 0 else None,
+            "executors": dict(pm.signature.executors)}
