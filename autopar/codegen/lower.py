@@ -154,6 +154,7 @@ class _Lowering:
         self.executors: dict[str, str] = {}
         self.reshards: list[str] = []
         self.strategies = _strategies_module() if executor in ("auto", "strategy") else None
+        self.region_id, self.region_open = 0, False
         self._classify()
 
     # ------------------------------------------------------------------ placements
@@ -333,6 +334,10 @@ class _Lowering:
             getattr(self, f"_{node.op}")(node)
         self.graph.lint()
         gm = fx.GraphModule(self.root, self.graph)
+        # After the whole graph exists: regions are cut out as checkpointed submodules.
+        from autopar.runtime.checkpoint import outline_regions
+
+        self.regions = outline_regions(gm)
         return gm
 
     def _placeholder(self, node):
@@ -356,6 +361,28 @@ class _Lowering:
         if node.target in _SKIP:
             self.env[node] = None
             return
+        last = self.graph._root._prev  # the per-rank nodes emitted for `node` follow this one
+        self._lower_call(node)
+        self._tag_region(node, last)
+
+    def _tag_region(self, node, last) -> None:
+        """Tag the per-rank nodes of a recomputed plan node with its checkpoint region (see
+        :mod:`autopar.runtime.checkpoint`); other nodes end the current region."""
+        np_ = self.plan.nodes.get(node.name)
+        if np_ is None and ex.is_getitem(node):  # an element of a multi-output node: as its producer
+            np_ = self.plan.nodes.get(node.args[0].name)
+        if np_ is None or not np_.recompute or ex.mutated_args(node.target):
+            self.region_open = False
+            return
+        if not self.region_open:
+            self.region_id += 1
+            self.region_open = True
+        n = last._next
+        while n is not self.graph._root:
+            n.meta["autopar_region"] = self.region_id
+            n = n._next
+
+    def _lower_call(self, node):
         ins = self.inputs_for(node)
         if ex.is_getitem(node):
             new = self.graph.call_function(operator.getitem, (ins[0], node.args[1]))

@@ -1,0 +1,94 @@
+"""Activation checkpointing of the per-rank graph: planned regions recompute in backward.
+
+The codegen tags every per-rank node emitted for a plan node with ``recompute=True`` with a
+region id (``node.meta["autopar_region"]``); consecutive recomputed plan nodes share a region,
+including the resharding edges and debug checks emitted for them. A node that writes into an
+input (batch norm's running statistics) never joins a region: recomputing it would update the
+statistics twice.
+
+:func:`outline_regions` moves each region into a sub-``GraphModule`` called through
+:class:`CheckpointRegion`, i.e. ``torch.utils.checkpoint.checkpoint(body, *inputs,
+use_reentrant=False)``: the region keeps only its inputs for backward and runs again (its
+collectives included, on every rank in the same order) when backward reaches it.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+REGION = "autopar_region"
+
+
+class CheckpointRegion(nn.Module):
+    """``forward(*inputs)``: the region's body under non-reentrant checkpointing."""
+
+    def __init__(self, body: fx.GraphModule, nodes: list[str]):
+        super().__init__()
+        self.body = body
+        self.nodes = nodes
+
+    def extra_repr(self) -> str:
+        return f"recompute {len(self.nodes)} nodes: {', '.join(self.nodes[:3])}{' ...' if len(self.nodes) > 3 else ''}"
+
+    def forward(self, *args):
+        return checkpoint(self.body, *args, use_reentrant=False)
+
+
+def _regions(gm: fx.GraphModule) -> dict[int, list[fx.Node]]:
+    out: dict[int, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        r = n.meta.get(REGION)
+        if r is not None:
+            out.setdefault(r, []).append(n)
+    return out
+
+
+def _outline(gm: fx.GraphModule, rid: int, members: list[fx.Node]) -> None:
+    inside = set(members)
+    inputs: list[fx.Node] = []
+    for n in members:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    outputs = [n for n in members if any(u not in inside for u in n.users)]
+    if not outputs:
+        return  # nothing used outside (cannot happen for a region on the way to the loss)
+    body = fx.Graph()
+    env = {}
+    for a in inputs:
+        ph = body.placeholder(a.name)
+        ph.meta = dict(a.meta)
+        env[a] = ph
+    for n in members:
+        env[n] = body.node_copy(n, lambda x: env[x])
+    body.output(tuple(env[o] for o in outputs))
+    sub = fx.GraphModule(gm, body)
+    name = f"recompute_{rid}"
+    gm.add_submodule(name, CheckpointRegion(sub, [n.name for n in members]))
+    with gm.graph.inserting_before(members[0]):
+        call = gm.graph.call_module(name, tuple(inputs))
+        getters = []
+        for k, o in enumerate(outputs):
+            g = gm.graph.call_function(operator.getitem, (call, k))
+            g.meta = dict(o.meta)
+            getters.append(g)
+    for o, g in zip(outputs, getters):
+        o.replace_all_uses_with(g, delete_user_cb=lambda u: u not in inside)
+    for n in reversed(members):
+        gm.graph.erase_node(n)
+
+
+def outline_regions(gm: fx.GraphModule) -> int:
+    """Replace every tagged region of ``gm`` by a checkpointed call; returns how many."""
+    regions = _regions(gm)
+    for rid, members in regions.items():
+        _outline(gm, rid, members)
+    if regions:
+        gm.graph.lint()
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return len(regions)
+
