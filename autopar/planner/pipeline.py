@@ -96,7 +96,7 @@ def pipeline_candidates(gp, cfg: Config, *, required: bool = False) -> list:
         if best is None:
             out.append(InfeasibleBudget(f"no pipeline over axis {axis} fits the memory budget"))
             continue
-        sched, m, v, bounds, cost, stage_mem, dev_times = best
+        sched, m, v, bounds, cost, stage_mem, dev_times, split = best
         planned = set(built.order)
         stages = [[n for k in range(lo, hi) for n in units[k] if n in planned] for lo, hi in bounds]
         plan = to_plan(gp, sub_cfg, built, sol, sharding_axes=other,
@@ -107,7 +107,7 @@ def pipeline_candidates(gp, cfg: Config, *, required: bool = False) -> list:
         plan.memory_budget = cfg.memory_budget
         plan.breakdown["bubble"] = float(cost.bubble_time)
         plan.options["stage_times"] = [float(x) * m for x in dev_times]
-        plan.options["stage_memory"] = [{"params": 0.0, "activations": float(mb)} for mb in stage_mem]
+        plan.options["stage_memory"] = split
         out.append(plan)
     if required and not any(not isinstance(c, Exception) for c in out):
         raise ValueError("no pipeline plan is possible: the mesh has no axis of size >= 2 that the model's "
@@ -151,17 +151,18 @@ def _best_schedule(gp, cfg, built, sol, units, axis, p):
                 dev_times = [sum(part.stage_times[c] for c in range(d, p * v, p)) for d in range(p)]
                 cost = solver.pipeline.schedule_cost(sched, dev_times, m, virtual_stages=v)
                 flight = solver.pipeline.in_flight(sched, p, m, v)
-                stage_mem = []
+                stage_mem, split = [], []
                 for d in range(p):
                     chunks = range(d, p * v, p)
                     res = sum(mem[lo:hi].sum() for c in chunks for lo, hi in [part.bounds[c]])
                     a = sum(act[lo:hi].sum() for c in chunks for lo, hi in [part.bounds[c]]) / m
                     stage_mem.append(float(res + flight[d] * a))
+                    split.append({"params": float(res), "activations": float(flight[d] * a)})
                 if cfg.memory_budget is not None and max(stage_mem) > cfg.memory_budget:
                     continue
                 key = (cost.step_time, max(stage_mem))
                 if best is None or key < (best[4].step_time, max(best[5])):
-                    best = (sched, m, v, part.bounds, cost, stage_mem, dev_times)
+                    best = (sched, m, v, part.bounds, cost, stage_mem, dev_times, split)
     return best
 
 
