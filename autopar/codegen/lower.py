@@ -71,6 +71,10 @@ class LocalSignature:
     """Per node: ``"plain"``, ``"strategy"``, ``"dtensor"`` (for reports and tests)."""
     reshards: list[str]
     """Labels of the inserted resharding modules, in graph order."""
+    chunking: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Per node with ``chunks > 1``: how it was chunked, or why it was not."""
+    regions: int = 0
+    """Number of checkpointed (recomputed) regions."""
 
 
 def _vals(node) -> list:
@@ -155,6 +159,8 @@ class _Lowering:
         self.reshards: list[str] = []
         self.strategies = _strategies_module() if executor in ("auto", "strategy") else None
         self.region_id, self.region_open = 0, False
+        self.pre_edged: set[tuple[str, str]] = set()  # (producer, consumer) edges a ChunkedOp ran
+        self.chunking: dict[str, str] = {}  # node -> what its chunks= became
         self._classify()
 
     # ------------------------------------------------------------------ placements
@@ -274,6 +280,20 @@ class _Lowering:
         return out
 
     # ------------------------------------------------------------------ edges
+    def edge_steps(self, prod, node, src, dst, gsrc, gdst) -> tuple[tuple, tuple, tuple]:
+        """(forward steps, gradient steps, global shape) of the edge ``prod -> node``."""
+        dst = src if dst is None else dst
+        gdst = ex.grad_of(dst) if gdst is None else gdst
+        val = _vals(prod)[self._src_index(prod, node)]
+        shape, item = tuple(val.shape), val.element_size()
+        try:
+            fwd = plan_reshard(src, dst, shape, item, self.ctx.mesh).steps if src != dst else ()
+            bwd = (plan_reshard(gdst, gsrc, shape, item, self.ctx.mesh).steps
+                   if _differentiable(val) and gsrc != gdst else ())
+        except ValueError as err:
+            raise CodegenError(f"edge {prod.name} -> {node.name}: {err}") from None
+        return tuple(fwd), tuple(bwd), shape
+
     def edge(self, prod, value: fx.Node, node, src, dst, gsrc, gdst) -> fx.Node:
         """``value`` (``prod``'s output, placed ``src``) as ``node`` wants it: ``dst`` forward,
         gradient ``gdst -> gsrc`` backward."""
@@ -281,16 +301,10 @@ class _Lowering:
         gdst = ex.grad_of(dst) if gdst is None else gdst
         if src == dst and gsrc == gdst:
             return value
-        val = _vals(prod)[self._src_index(prod, node)]
-        shape, item = tuple(val.shape), val.element_size()
         key = (prod.name, dst, gdst)
         if prod.op == "placeholder" and key in self.edge_cache:
             return self.edge_cache[key]
-        try:
-            fwd = plan_reshard(src, dst, shape, item, self.ctx.mesh).steps
-            bwd = plan_reshard(gdst, gsrc, shape, item, self.ctx.mesh).steps if _differentiable(val) else ()
-        except ValueError as err:
-            raise CodegenError(f"edge {prod.name} -> {node.name}: {err}") from None
+        fwd, bwd, shape = self.edge_steps(prod, node, src, dst, gsrc, gdst)
         if not fwd and not bwd:
             return value
         mod = ReshardModule(fwd, bwd, self.ctx, shape,
@@ -299,32 +313,37 @@ class _Lowering:
         self.root[name] = mod
         self.reshards.append(f"{name}: {mod.what}, {mod.label}")
         out = self.graph.call_module(name, (value,))
-        out.meta["val"] = val
+        out.meta["val"] = _vals(prod)[self._src_index(prod, node)]
         out.meta["autopar_reshard"] = mod.label
         if prod.op == "placeholder":
             self.edge_cache[key] = out
         return out
+
+    def edge_args(self, prod, node, i: int):
+        """(src, dst, gsrc, gdst) of input ``i`` of ``node`` (``prod``), or None when the value
+        passes as it is (non-tensor, whole tuple, getitem, or already resharded by a chunked
+        producer)."""
+        if not _vals(prod) or ex.is_getitem(node) or (prod.name, node.name) in self.pre_edged:
+            return None
+        idx = self._src_index(prod, node)
+        outs = self.outputs_of(prod)
+        if idx >= len(outs) or len(_vals(prod)) > 1:
+            return None
+        pls, grads = self.inputs_of(node)
+        return outs[idx], pls[i], self.grad_src(prod), grads[i]
 
     def grad_src(self, prod) -> Placements:
         if prod.name in self.pgrads:
             return self.pgrads[prod.name]
         return ex.grad_of(self.outputs_of(prod)[0])
 
-    def inputs_for(self, node) -> list:
-        pls, grads = self.inputs_of(node)
+    def inputs_for(self, node, skip: int | None = None) -> list:
+        """Per input node, its value as ``node`` wants it (edges emitted); input ``skip`` raw."""
         vals = []
         for i, prod in enumerate(node.all_input_nodes):
             v = self.env[prod]
-            if not _vals(prod) or ex.is_getitem(node):
-                vals.append(v)
-                continue
-            idx = self._src_index(prod, node)
-            src = self.outputs_of(prod)[idx] if idx < len(self.outputs_of(prod)) else None
-            if src is None or len(_vals(prod)) > 1:
-                vals.append(v)  # a whole tuple passed on (no single placement): taken as is
-                continue
-            gsrc = self.grad_src(prod)
-            vals.append(self.edge(prod, v, node, src, pls[i], gsrc, grads[i]))
+            e = self.edge_args(prod, node, i)
+            vals.append(v if e is None or i == skip else self.edge(prod, v, node, *e))
         return vals
 
     # ------------------------------------------------------------------ nodes
@@ -383,6 +402,12 @@ class _Lowering:
             n = n._next
 
     def _lower_call(self, node):
+        np_ = self.plan.nodes.get(node.name)
+        if np_ is not None and np_.chunks > 1:
+            from autopar.codegen.chunking import emit_chunked
+
+            if emit_chunked(self, node, np_.chunks):
+                return
         ins = self.inputs_for(node)
         if ex.is_getitem(node):
             new = self.graph.call_function(operator.getitem, (ins[0], node.args[1]))
@@ -408,20 +433,30 @@ class _Lowering:
         dst = self.outputs_of(node)[0]
         return self.edge(src_node, new, node, src, dst, ex.grad_of(src), None) if dst != src else new
 
-    def _emit(self, node, ins) -> fx.Node:
+    def make_exec(self, node):
+        """(module or None, kind, arg templates): the node's local implementation; None means
+        the plain aten call on the templates."""
         pls, grads = self.inputs_of(node)
         outs = self.outputs_of(node)
         args_t, kwargs_t = ex.template(node, self.ctx.device)
         in_pls = [p if p is not None else (self.outputs_of(n)[0] if _vals(n) else None)
                   for p, n in zip(pls, node.all_input_nodes)]
         if self.mode != "dtensor" and ex.all_replicated(in_pls, outs, grads):
-            self.executors[node.name] = "plain"
-            return self.graph.call_function(node.target, ex.fill(args_t, ins), ex.fill(kwargs_t, ins))
+            return None, "plain", (args_t, kwargs_t)
         mod, kind = self._executor(node, in_pls, grads, outs, args_t, kwargs_t)
-        name = _attr_name(node.name, self.taken)
+        return mod, kind, (args_t, kwargs_t)
+
+    def add_module(self, base: str, mod: nn.Module) -> str:
+        name = _attr_name(base, self.taken)
         self.root[name] = mod
+        return name
+
+    def _emit(self, node, ins) -> fx.Node:
+        mod, kind, (args_t, kwargs_t) = self.make_exec(node)
         self.executors[node.name] = kind
-        return self.graph.call_module(name, tuple(ins))
+        if mod is None:
+            return self.graph.call_function(node.target, ex.fill(args_t, ins), ex.fill(kwargs_t, ins))
+        return self.graph.call_module(self.add_module(node.name, mod), tuple(ins))
 
     def _write_back(self, node, ins, after: fx.Node) -> None:
         """An op that writes into an input it received resharded (batch norm's running
@@ -443,9 +478,7 @@ class _Lowering:
             src = self.inputs_of(node)[0][a.i]
             val = _vals(prod)[0]
             steps = plan_reshard(src, dst, tuple(val.shape), val.element_size(), self.ctx.mesh).steps
-            mod = WriteBack(steps, self.ctx, f"{node.name} -> {prod.name}")
-            name = _attr_name(f"write_back_{prod.name}", self.taken)
-            self.root[name] = mod
+            name = self.add_module(f"write_back_{prod.name}", WriteBack(steps, self.ctx, f"{node.name} -> {prod.name}"))
             self.graph.call_module(name, (self.env[prod], ins[a.i], after))
 
     def _executor(self, node, in_pls, grads, outs, args_t, kwargs_t):
@@ -552,5 +585,6 @@ def build(captured, plan, device_mesh, *, debug: bool = False, executor: str = "
     low = _Lowering(captured, plan, ctx, debug=debug, executor=executor)
     gm = low.run()
     gm.meta["autopar"] = LocalSignature(slots=low.sig_slots, param_grads={low.kinds[k][1]: v for k, v in low.pgrads.items()},
-                                        ctx=ctx, executors=low.executors, reshards=low.reshards)
+                                        ctx=ctx, executors=low.executors, reshards=low.reshards,
+                                        chunking=low.chunking, regions=low.regions)
     return gm

@@ -1,0 +1,133 @@
+"""Chunked overlap (ATP): an op and the collectives around it run in k pieces, asynchronously.
+
+A plan node with ``chunks=k > 1`` (a matmul whose output is reduced, or whose input is gathered)
+becomes one :class:`ChunkedOp`: its activation input is cut into k chunks along a batch-like dim
+``d`` (a dim that no placement shards and no collective gathers or scatters), and per chunk
+
+    forward:   [gather chunk i (launched for every chunk up front)] -> op -> [reduce chunk i]
+    backward:  [reduce-side gradient steps] -> op backward -> [gather-side gradient steps]
+
+Collectives are PyTorch functional collectives: each is enqueued when its chunk is ready and
+waited on only when its result is needed (the next op, or the concatenation at the end), so on
+NCCL chunk i's communication runs while chunk i+1 computes. The pieces are concatenated along
+``d``, which gives exactly the unchunked result: the op treats rows of ``d`` independently and
+the collectives act elementwise or along other dims.
+
+Weights and other inputs are shared by the chunks; their gradients are summed over chunks.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+
+from autopar.runtime.reshard import apply_steps
+
+_ASYNC = {"all_reduce", "all_gather", "reduce_scatter"}
+
+
+class _Pending:
+    """A collective step list launched on one tensor; ``wait()`` gives the result."""
+
+    def __init__(self, x: torch.Tensor, steps, dm):
+        self.out = x
+        self.steps = tuple(steps)
+        self.dm = dm
+        self.async_ = len(self.steps) == 1 and self.steps[0].kind in _ASYNC and dm.size(self.steps[0].axis) > 1
+        if self.async_:
+            s = self.steps[0]
+            group = (dm, s.axis)
+            x = x.contiguous()
+            if s.kind == "all_reduce":
+                self.out = funcol.all_reduce(x, "sum", group)
+            elif s.kind == "all_gather":
+                self.out = funcol.all_gather_tensor(x, s.dim, group)
+            else:
+                self.out = funcol.reduce_scatter_tensor(x, "sum", s.dim, group)
+        elif self.steps:
+            self.out = apply_steps(x, self.steps, dm)
+
+    def wait(self) -> torch.Tensor:
+        out = self.out
+        if isinstance(out, funcol.AsyncCollectiveTensor):
+            out = out.wait()
+        return out
+
+
+def chunk_dim_ok(dim: int, ndim: int, placements: Sequence, steps: Sequence) -> bool:
+    """``dim`` can carry the chunks: no placement shards it and no step gathers or scatters it."""
+    from torch.distributed.tensor import Shard
+
+    if any(isinstance(p, Shard) and p.dim % ndim == dim for p in placements):
+        return False
+    return all(getattr(s, "dim", None) != dim and getattr(s, "dim2", None) != dim for s in steps)
+
+
+class ChunkedOp(nn.Module):
+    """One node with its input-gather and output-reduce steps, in ``k`` chunks along ``dim``.
+
+    ``op(*inputs) -> tensor`` is the node's local implementation; ``x_index`` which input is the
+    chunked activation; ``in_fwd``/``in_bwd`` the steps of that input's edge (forward, gradient),
+    ``out_fwd``/``out_bwd`` those of the output's edge to its single consumer.
+    """
+
+    def __init__(self, op: Callable, k: int, dim: int, x_index: int, in_fwd, in_bwd, out_fwd, out_bwd,
+                 device_mesh, label: str):
+        super().__init__()
+        self.op, self.k, self.dim, self.x_index = op, k, dim, x_index
+        self.in_fwd, self.in_bwd = tuple(in_fwd), tuple(in_bwd)
+        self.out_fwd, self.out_bwd = tuple(out_fwd), tuple(out_bwd)
+        self.dm, self.label = device_mesh, label
+
+    def extra_repr(self) -> str:
+        return f"{self.label}: {self.k} chunks along dim {self.dim}"
+
+    def forward(self, *xs):
+        return _Chunked.apply(self, *xs)
+
+
+class _Chunked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, mod: ChunkedOp, *xs):
+        x = xs[mod.x_index]
+        # Gathers of every chunk go out first; chunk i computes while the later ones travel.
+        gathers = [_Pending(c, mod.in_fwd, mod.dm) for c in x.chunk(mod.k, mod.dim)]
+        others = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and
+                  t.is_floating_point() else t for t in xs]
+        pieces, saved = [], []
+        for g in gathers:
+            xi = g.wait().detach().requires_grad_(x.requires_grad)
+            args = list(others)
+            args[mod.x_index] = xi
+            with torch.enable_grad():
+                yi = mod.op(*args)
+            saved.append((xi, args, yi))
+            pieces.append(_Pending(yi.detach(), mod.out_fwd, mod.dm))  # reduce chunk i now
+        out = torch.cat([p.wait() for p in pieces], dim=mod.dim)
+        ctx.mod, ctx.saved, ctx.n_in = mod, saved, len(xs)
+        ctx.needs = [isinstance(t, torch.Tensor) and t.requires_grad for t in xs]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        mod, saved = ctx.mod, ctx.saved
+        grads_in = [None] * ctx.n_in
+        # Reduce-side gradient steps of every chunk are launched first, then each chunk's
+        # backward runs and its gather-side gradient (a reduce-scatter) goes out at once.
+        incoming = [_Pending(g, mod.out_bwd, mod.dm) for g in grad.chunk(mod.k, mod.dim)]
+        outgoing = []
+        for (xi, args, yi), pend in zip(saved, incoming):
+            want = [a for j, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+            idx = [j for j, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+            gs = torch.autograd.grad(yi, want, pend.wait(), allow_unused=True) if want else ()
+            for j, gj in zip(idx, gs):
+                if j == mod.x_index:
+                    outgoing.append(_Pending(gj if gj is not None else torch.zeros_like(xi), mod.in_bwd, mod.dm))
+                elif gj is not None:
+                    grads_in[j] = gj if grads_in[j] is None else grads_in[j] + gj
+        if ctx.needs[mod.x_index] and outgoing:
+            grads_in[mod.x_index] = torch.cat([p.wait() for p in outgoing], dim=mod.dim)
+        ctx.saved = None
+        return (None, *[g if need else None for g, need in zip(grads_in, ctx.needs)])
