@@ -1,0 +1,72 @@
+"""Run one function on ``world`` real gloo processes of this host and collect what each returns.
+
+    results = launch(4, worker, arg1, arg2)   # worker(rank, world, arg1, arg2) on every rank
+
+The benchmarks measure real processes (not simulated ranks): each rank is a spawned process with
+one intra-op thread (``OMP_NUM_THREADS=1``), so ``world`` processes share the host's cores the way
+a CPU job launched by ``torchrun --nproc-per-node=world`` would. ``worker`` must be a module-level
+function (spawn pickles it by name). An exception on any rank is raised here with its traceback.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args, results) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        out = ("ok", fn(rank, world, *args))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - handed to the parent with the traceback
+        out = ("error", traceback.format_exc())
+    results.put((rank, out))
+
+
+def launch(world: int, fn, *args, timeout: float = 1800.0) -> list:
+    """``fn(rank, world, *args)`` on ``world`` gloo processes; the results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    out, errors, deadline = [None] * world, {}, time.time() + timeout
+    try:
+        for _ in range(world):
+            try:
+                rank, (status, value) = results.get(timeout=max(1.0, deadline - time.time()))
+            except queue.Empty:
+                raise RuntimeError(f"{fn.__name__} on {world} gloo processes did not finish within {timeout:.0f} s "
+                                   f"(a collective some rank never joined?)") from None
+            if status == "error":
+                errors[rank] = value
+            out[rank] = value
+            if errors:
+                break  # the other ranks may be stuck in a collective: stop them below
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        rank = min(errors)
+        raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{errors[rank]}")
+    return out

@@ -1,0 +1,233 @@
+"""How good autopar's plans are: the free search against hand-written plan families.
+
+    python benchmarks/plan_quality.py [--quick] [--json out.json] [--models ...] [--clusters ...]
+
+For GPT-2 124M (``gpt2-small``), GPT-2 1.5B (``gpt2-xl``), Llama-2-7B and ViT-L/16 on meshes
+(2,4), (4,8), (8,8) and cluster presets a100, h100, pcie (budget 80 GiB, 80 GiB, 40 GiB per
+device): the predicted step time of autopar's free plan (sharding + checkpointing + pipeline
+search) against the best plan of each hand-written family, all priced by the same cost model.
+
+Baselines (``autopar.plan(..., force=FAMILY)``; a forced family pins where parameters live and how
+the batch is split, and the ILP still picks every other op and resharding, so each baseline is the
+best plan of its family):
+
+- ``dp``: DDP; ``zero3``: FSDP/ZeRO-3; ``megatron``: Megatron TP on the inner axis x DP outer;
+  ``atp-col``/``atp-row``: ATP 2D tensor parallelism (column-first / row-first);
+  ``pp-tp``: pipeline stages on one axis x TP on the other. The pp-tp figure is the best pipeline
+  candidate of the free search itself, which is exactly what ``force="pp-tp"`` solves (the same
+  candidates), read from ``Plan.alternatives`` instead of solving them twice.
+- Megatron with sequence parallelism is not a separate family: families constrain only the
+  placeholders (parameters and inputs), and Megatron-SP has Megatron's parameter placement, so
+  the ``megatron`` baseline's search already contains it (activations sharded on the sequence dim
+  between the tensor-parallel regions); the ``SP`` column says whether its optimum uses that.
+
+The figure a row is judged by is RATIO = best baseline / autopar (>= 1: the search is at least as
+good as every hand-written family). A ratio below 1 (beyond the solver's proven gap) is a search
+bug and is listed at the end with both plans' cost split. ``OOM`` marks a family that does not fit
+the budget (with the least budget it would need), ``n/a`` a family that cannot place some tensor
+(e.g. a batch or a weight dim that does not divide by the mesh).
+
+Each solve is capped at ``--time-limit`` seconds (default 15; the planner's own default is 60): a
+plan stopped there prints with ``*`` and its proven gap is listed at the end, so a ratio can be
+read against what the capped family could still reach.
+
+Global batch 64 for every model (it divides every mesh, so data parallelism is possible on all of
+them); GPT-2's vocabulary is padded to 50,304 as Megatron and nanoGPT do (50,257 has no factor of
+2, so no 2D family could shard the embedding). Each model is profiled once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import profiler
+from autopar import zoo
+from autopar.mesh import Mesh
+from autopar.plan import InfeasibleBudget
+from autopar.planner import plan_profile
+
+MODELS = {
+    "gpt2-small": dict(batch=64, vocab=50304),
+    "gpt2-xl": dict(batch=64, vocab=50304),
+    "llama2-7b": dict(batch=64),
+    "vit-l16": dict(batch=64),
+}
+MESHES = [(2, 4), (4, 8), (8, 8)]
+CLUSTERS = {"a100": "80GiB", "h100": "80GiB", "pcie": "40GiB"}
+FLAT = {"dp": "dp", "zero3": "zero3", "megatron": "megatron", "atp-col": "atp-col-first",
+        "atp-row": "atp-row-first"}
+BASELINES = [*FLAT, "pp-tp"]
+QUICK = {"models": ["gpt2-small", "llama2-7b"], "meshes": [(2, 4), (8, 8)], "clusters": ["a100", "pcie"]}
+
+
+def _profile(name: str):
+    """(GraphProfile, parameter count) of a big config, on the meta device."""
+    ex = zoo.build(name, device="meta", **MODELS[name])
+    n = sum(p.numel() for p in ex.model.parameters())
+    return profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target), n
+
+
+def _attempt(gp, mesh, budget, dtype, force, time_limit):
+    """{"ms", "peak_gib", ...} of one plan, or {"error": "OOM"/"n/a", "why": ...}."""
+    t0 = time.perf_counter()
+    try:
+        p = plan_profile(gp, mesh, memory_budget=budget, dtype=dtype, force=force, time_limit=time_limit)
+    except InfeasibleBudget as err:
+        return {"error": "OOM", "why": str(err), "seconds": time.perf_counter() - t0}
+    except ValueError as err:
+        return {"error": "n/a", "why": str(err), "seconds": time.perf_counter() - t0}
+    gap = p.solver.get("gap", 0.0)
+    return {"ms": p.step_time * 1e3, "peak_gib": p.peak_bytes / 2**30, "family": p.options.get("family"),
+            "status": p.solver.get("status"), "gap": 0.0 if gap != gap else gap,  # nan: no bound known
+            "breakdown": p.breakdown, "alternatives": p.alternatives, "sp": _uses_sequence_parallel(gp, p),
+            "pipeline": p.pipeline is not None, "seconds": time.perf_counter() - t0}
+
+
+def _uses_sequence_parallel(gp, p) -> bool:
+    """Some op's 3-D activation (batch, seq, hidden) is split on its sequence dim (dim 1)."""
+    for node in gp.captured.gm.graph.nodes:
+        n = p.nodes.get(node.name)
+        val = node.meta.get("val")
+        if n is None or node.op != "call_function" or getattr(val, "ndim", 0) != 3 or not n.outputs:
+            continue
+        if "S(1)" in n.outputs[0]:
+            return True
+    return False
+
+
+def _pp_from_free(free: dict) -> dict:
+    """The best pipeline candidate of the free search (what force="pp-tp" solves)."""
+    if "error" in free:
+        return {"error": free["error"], "why": free["why"]}
+    pps = [a for a in free["alternatives"] if str(a.get("family", "")).startswith("pp(")]
+    if free["pipeline"]:
+        pps.append({"family": free["family"], "step_time": free["ms"] / 1e3, "peak_bytes": free["peak_gib"] * 2**30})
+    if not pps:
+        return {"error": "OOM", "why": "no pipeline candidate fits the budget (or the model has no repeated layers)"}
+    best = min(pps, key=lambda a: a["step_time"])
+    return {"ms": best["step_time"] * 1e3, "peak_gib": best["peak_bytes"] / 2**30, "family": best["family"]}
+
+
+def run_row(gp, name, shape, cluster, dtype, time_limit) -> dict:
+    budget = CLUSTERS[cluster]
+    mesh = Mesh(shape, cluster=cluster)
+    t0 = time.perf_counter()
+    row = {"model": name, "mesh": list(shape), "cluster": cluster, "budget": budget, "dtype": dtype}
+    row["autopar"] = _attempt(gp, mesh, budget, dtype, None, time_limit)
+    row["baselines"] = {b: _attempt(gp, mesh, budget, dtype, f, time_limit) for b, f in FLAT.items()}
+    row["baselines"]["pp-tp"] = _pp_from_free(row["autopar"])
+    ok = {b: r["ms"] for b, r in row["baselines"].items() if "ms" in r}
+    if ok and "ms" in row["autopar"]:
+        best = min(ok, key=ok.get)
+        row["best_baseline"], row["ratio"] = best, ok[best] / row["autopar"]["ms"]
+    row["seconds"] = time.perf_counter() - t0
+    return row
+
+
+def _cell(r: dict) -> str:
+    if "ms" in r:
+        # "*": the solver stopped at its time limit; the family's optimum may be lower (see the gap).
+        return f"{r['ms']:.1f}" + ("*" if r.get("status") == "time_limit" else "")
+    return r["error"]
+
+
+def _min_budget(why: str) -> str:
+    # InfeasibleBudget says "the smallest feasible budget is 102.69 GiB (...)".
+    key = "smallest feasible budget is "
+    return why.split(key, 1)[1].split(" (", 1)[0] if key in why else ""
+
+
+def header() -> str:
+    cols = "".join(f"{b:>10}" for b in BASELINES)
+    return (f"{'model':<11} {'mesh':<5} {'preset':<6} {'autopar ms':>11} {'family':<28}{cols} "
+            f"{'SP':>3} {'best':>9} {'RATIO':>6} {'sec':>5}")
+
+
+def line(row: dict) -> str:
+    a = row["autopar"]
+    fam = a.get("family") or a.get("error", "")
+    cols = "".join(f"{_cell(row['baselines'][b]):>10}" for b in BASELINES)
+    meg = row["baselines"]["megatron"]
+    sp = "" if "ms" not in meg else ("yes" if meg.get("sp") else "no")
+    ratio = row.get("ratio")
+    flag = "" if ratio is None or ratio >= 1 - 1e-9 else " !"
+    rtxt = "-" if ratio is None else f"{ratio:.3f}"
+    return (f"{row['model']:<11} {'x'.join(map(str, row['mesh'])):<5} {row['cluster']:<6} {_cell(a):>11} "
+            f"{str(fam)[:27]:<28}{cols} {sp:>3} {row.get('best_baseline', '-'):>9} {rtxt:>6}{flag} "
+            f"{row['seconds']:>5.0f}")
+
+
+def report_losses(rows: list[dict]) -> None:
+    """Every row where a baseline beats the free search, with both plans' cost split."""
+    bad = [r for r in rows if r.get("ratio") is not None and r["ratio"] < 1 - 1e-9]
+    print(f"\nrows where a baseline beats autopar: {len(bad)} of {len(rows)}")
+    for r in bad:
+        a, b = r["autopar"], r["baselines"][r["best_baseline"]]
+        print(f"  {r['model']} {r['mesh']} {r['cluster']}: {r['best_baseline']} {b['ms']:.2f} ms < autopar "
+              f"{a['ms']:.2f} ms ({a['family']}, proven gap {a['gap']:.2%})")
+        for who, x in (("autopar", a), (r["best_baseline"], b)):
+            bd = x.get("breakdown") or {}
+            split = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in bd.items() if not k.startswith("mem_"))
+            print(f"    {who:<9} peak {x['peak_gib']:.2f} GiB; {split}")
+
+
+def summary(rows: list[dict]) -> None:
+    ratios = [r["ratio"] for r in rows if r.get("ratio") is not None]
+    if ratios:
+        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        print(f"\nRATIO best baseline / autopar over {len(ratios)} rows: min {min(ratios):.3f}, "
+              f"geometric mean {geo:.3f}, max {max(ratios):.3f}")
+    capped = [(r["model"], r["mesh"], r["cluster"], who, x["gap"]) for r in rows
+              for who, x in [("autopar", r["autopar"]), *r["baselines"].items()] if x.get("status") == "time_limit"]
+    if capped:
+        print("plans stopped at the solver time limit (*), with their proven gap to the family's optimum:")
+        for m, mesh, c, who, gap in capped:
+            print(f"  {m} {'x'.join(map(str, mesh))} {c}: {who} gap {gap:.2%}")
+    ooms = [(r["model"], r["mesh"], r["cluster"], b, _min_budget(x["why"]))
+            for r in rows for b, x in r["baselines"].items() if x.get("error") == "OOM" and b != "pp-tp"]
+    if ooms:
+        print("baselines over budget (least budget that would fit):")
+        for m, mesh, c, b, need in ooms:
+            print(f"  {m} {'x'.join(map(str, mesh))} {c}: {b} needs {need or '?'}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="gpt2-small and llama2-7b on (2,4), (8,8), a100 and pcie")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS))
+    ap.add_argument("--meshes", nargs="+", help="e.g. 2x4 8x8")
+    ap.add_argument("--clusters", nargs="+", choices=list(CLUSTERS))
+    ap.add_argument("--dtype", default="bf16-mixed", choices=["float32", "bf16-mixed"])
+    ap.add_argument("--time-limit", type=float, default=15.0,
+                    help="solver seconds per plan (a plan stopped there is marked * with its proven gap)")
+    ap.add_argument("--json", help="write every row (with cost splits) to this file")
+    args = ap.parse_args()
+    models = args.models or (QUICK["models"] if args.quick else list(MODELS))
+    meshes = [tuple(int(x) for x in m.split("x")) for m in args.meshes] if args.meshes else \
+        (QUICK["meshes"] if args.quick else MESHES)
+    clusters = args.clusters or (QUICK["clusters"] if args.quick else list(CLUSTERS))
+    print(f"budgets: {', '.join(f'{c} {CLUSTERS[c]}' for c in clusters)}; dtype {args.dtype}; step times in ms")
+    print(header(), flush=True)
+    rows, t_start = [], time.perf_counter()
+    for name in models:
+        t0 = time.perf_counter()
+        gp, n_params = _profile(name)
+        print(f"# {name}: profiled in {time.perf_counter() - t0:.0f} s", flush=True)
+        for shape in meshes:
+            for cluster in clusters:
+                row = run_row(gp, name, shape, cluster, args.dtype, args.time_limit)
+                row["params"] = n_params
+                rows.append(row)
+                print(line(row), flush=True)
+    report_losses(rows)
+    summary(rows)
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
