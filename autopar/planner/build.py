@@ -68,6 +68,9 @@ class Config:
     """Merge view/pointwise followers into their producers (see module docstring)."""
     time_limit: float = 60.0
     """Solver time limit, seconds."""
+    mip_gap: float = 1e-3
+    """Relative optimality gap at which the solver stops: plans within 0.1% of the optimum's
+    predicted step time (proving the last fraction can take HiGHS most of its time)."""
 
 
 @dataclasses.dataclass
@@ -600,6 +603,7 @@ def build(gp, cfg: Config) -> Built:
     segs = _segments(gm, gp, options, leader, follow, cfg.mesh.shape) if cfg.checkpoint else ()
     problem = solver.Problem(nodes=tuple(nodes), edges=edge_list, ties=_ties(gm, gp, options, leader),
                              segments=segs, memory_budget=cfg.memory_budget, time_limit=cfg.time_limit,
+                             mip_gap=cfg.mip_gap,
                              name=type(gp.captured).__name__)
     return Built(problem=problem, options=options, leader=leader, follow=follow, order=order)
 

@@ -27,7 +27,10 @@ def _gp(name, **kw):
 @pytest.mark.parametrize("name", zoo.ZOO)
 def test_plans_on_every_mesh_round_trip(name):
     gp = _gp(name, batch=8)
-    for shape, cluster in [((1, 1), "a100"), ((2, 2), "a100"), ((2, 4), "h100"), ((8, 8), "h100")]:
+    meshes = [((2, 2), "a100"), ((8, 8), "h100")]
+    if name in ("gpt2", "mlp"):
+        meshes += [((1, 1), "a100"), ((2, 4), "h100")]
+    for shape, cluster in meshes:
         p = plan_profile(gp, Mesh(shape, cluster=cluster), pipeline=False)
         text = p.to_json()
         assert Plan.from_json(text) == p and Plan.from_json(text).to_json() == text
@@ -66,24 +69,18 @@ def test_budget_below_replicated_weights_shards_parameters():
 
 
 def test_memory_frontier_moves_towards_sharding_and_checkpointing():
-    gp = _gp("gpt2", batch=8, seq=128, layers=4, hidden=256, heads=4, vocab=2048)
+    gp = _gp("gpt2", batch=8, seq=128, layers=2, hidden=128, heads=4, vocab=1024)
     mesh = Mesh((2, 2), cluster="a100")
     top = plan_profile(gp, mesh, pipeline=False)
-    budget = top.peak_bytes
-    last_time = top.step_time
-    steps = 0
-    while True:
-        budget *= 0.8
-        try:
-            p = plan_profile(gp, mesh, memory_budget=budget, pipeline=False)
-        except autopar.InfeasibleBudget as err:
-            assert "smallest feasible budget" in str(err)
-            break
+    last = top
+    for factor in (0.8, 0.64):
+        budget = top.peak_bytes * factor
+        p = plan_profile(gp, mesh, memory_budget=budget, pipeline=False)
         assert p.peak_bytes <= budget * (1 + 1e-9)
-        assert p.step_time >= last_time - 1e-12  # less memory never buys a faster plan
-        last_time = p.step_time
-        steps += 1
-    assert steps >= 2
+        assert p.step_time >= last.step_time - 1e-12  # less memory never buys a faster plan
+        last = p
+    with pytest.raises(autopar.InfeasibleBudget, match="smallest feasible budget"):
+        plan_profile(gp, mesh, memory_budget=top.peak_bytes * 0.2, pipeline=False)
 
 
 def test_tensor_parallelism_goes_on_the_fast_axis():
