@@ -6,7 +6,7 @@ once with its offset in the global tensor. Loading fills the DTensors of the *cu
 whatever its plan or mesh: DCP reads, for every local shard, the overlapping pieces of the saved
 ones. So a run saved under one plan (data parallel on 2x2) resumes under another (Megatron on
 2x2, or a 1x4 mesh), and a checkpoint loads into the plain single-device model too
-(:func:`load_full`).
+(:func:`load_full`). :func:`full_state_dict` gathers the plain state dict of the original model.
 
     ckpt.save("run/step_100", pm, opt, extra={"step": 100})   # every rank
     extra = ckpt.load("run/step_100", pm2, opt2)              # any plan, any mesh
@@ -153,6 +153,29 @@ def _check_names(own: set, given: set, strict: bool, what: str) -> None:
         raise CheckpointError(f"{what} does not match the model: missing {missing[:6]}"
                               f"{' ...' if len(missing) > 6 else ''}, unexpected {unknown[:6]}"
                               f"{' ...' if len(unknown) > 6 else ''} (pass strict=False to load the common names)")
+
+
+@torch.no_grad()
+def full_state_dict(pm, *, rank0_only: bool = False, cpu: bool = True) -> dict[str, torch.Tensor]:
+    """The gathered state with exactly the keys of the original model's ``state_dict()``
+    (persistent buffers only, every name of a tied weight), ready for ``model.load_state_dict``.
+
+    Call on every rank (each tensor is all-gathered in turn, so at most one full tensor beyond
+    the result is in flight); ``rank0_only`` keeps the result on rank 0 only (others get ``{}``),
+    ``cpu`` moves each gathered tensor to host memory at once."""
+    from autopar.codegen.lower import canonical_fqns
+
+    keep = not rank0_only or _rank() == 0
+    out = {}
+    for name, t in sharded_state_dict(pm).items():
+        full = t.full_tensor()
+        if keep:
+            out[name] = full.cpu() if cpu else full
+    if keep:
+        for alias, canon in canonical_fqns(pm._captured).items():
+            if alias != canon and canon in out:
+                out[alias] = out[canon]
+    return out
 
 
 # ---------------------------------------------------------------------- optimizer state

@@ -6,6 +6,7 @@ Case functions return plain data; the tests compare it with references computed 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import sys
 import warnings
@@ -41,6 +42,7 @@ def captured(name: str):
     return _CACHE[name]
 
 
+@functools.lru_cache(maxsize=None)
 def planned(name: str, family: str, mesh_shape=(2, 2)) -> str:
     """The planner's best plan of ``family`` as JSON."""
     import autopar

@@ -178,6 +178,37 @@ def test_state_dict_is_dtensors_of_the_stored_placements(net, sim):
         assert "a.weight" in missing and unexpected == ["x"]
 
 
+class TiedWithConstant(nn.Module):
+    """Tied embedding/head weights and a non-persistent buffer (like Llama's ``inv_freq``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.full((8,), 0.5), persistent=False)
+
+    def forward(self, ids):  # (batch,) -> (batch, 16)
+        return self.head(self.emb(ids) * self.scale)
+
+
+def test_full_state_dict_loads_into_the_original_model(sim):
+    from autopar.runtime.module import ParallelModule
+    from profiler.capture import capture
+
+    torch.manual_seed(0)
+    m, ids = TiedWithConstant(), torch.randint(0, 16, (8,))
+    plan = autopar.plan(m, Mesh(MESH, cluster="cpu"), (ids,), loss_fn=F.cross_entropy, target=ids, force="megatron")
+    cap = capture(m, (ids,), None, loss_fn=F.cross_entropy, target=ids)
+    with LocalTensorMode(math.prod(MESH)):
+        pm = ParallelModule(m, cap, plan, sim)
+        full = {k: _rank0(v) for k, v in ckpt.full_state_dict(pm).items()}
+        assert sorted(pm.state_dict()) == ["emb.weight"]  # one tensor, saved once
+    assert sorted(full) == sorted(m.state_dict()) == ["emb.weight", "head.weight"]
+    fresh = TiedWithConstant()
+    fresh.load_state_dict(full)  # strict: no extra keys (the non-persistent buffer stays out)
+    assert torch.equal(fresh.head.weight, m.emb.weight)
+
+
 # ------------------------------------------------------------------ checkpoint directories
 def test_incomplete_or_foreign_checkpoints_are_refused(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="no checkpoint directory"):
