@@ -31,7 +31,11 @@ TOL = 1e-5
 def pool():
     p = harness.Pool(4).start()
     yield p
-    p.close()
+    # After the timeout case the mesh's groups are broken and a clean shutdown would wait on them.
+    for proc in p.procs:
+        proc.kill()
+        proc.join(timeout=10)
+    p.procs = []
 
 
 @pytest.fixture(scope="module")
