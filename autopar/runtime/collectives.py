@@ -67,11 +67,19 @@ def _collective(kind: str, x: torch.Tensor, dm: DeviceMesh, axis: int, where: st
         names = dm.mesh_dim_names
         axis_name = names[axis] if names else str(axis)
         at = where or _WHERE.get()
+        text = str(err)
+        hint = ""
+        if any(s in text for s in _PEER_LOST):
+            hint = (". A rank of this group did not take part within the process group's timeout: it crashed, "
+                    "hangs, or runs another step or plan; see the first error in the other ranks' logs")
         raise CollectiveError(
             f"{kind} over mesh axis {axis} ({axis_name!r}, ranks {_group_ranks(dm, axis)}) of a local tensor of "
-            f"shape {tuple(x.shape)} failed{f' at {at}' if at else ''}: {err}. A rank of this group did not take "
-            f"part within the process group's timeout: it crashed, hangs, or runs another step or plan; see the "
-            f"first error in the other ranks' logs") from err
+            f"shape {tuple(x.shape)} failed{f' at {at}' if at else ''}: {text}{hint}") from err
+
+
+# What gloo and NCCL say when a peer never answered or went away.
+_PEER_LOST = ("Timed out", "timed out", "Timeout", "Connection closed", "Connection reset", "Connection refused",
+              "NCCL communicator was aborted", "watchdog")
 
 
 def axis_size(dm: DeviceMesh, axis: int) -> int:
