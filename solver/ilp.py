@@ -29,7 +29,9 @@ Constraints
                          common node (nested segments: at most one per node)     (add_checkpoints)
     ck_any[G]            k[G] <= n_G z[G]                                         (add_checkpoints)
     transient_work[C]    tau >= sum_s work_C[s] x[C,s]                            (add_memory)
-    transient_ckpt[G]    tau >= sum_C sum_s act_GC[s] x[C,s] - M_G (1 - z[G]),
+    transient_ckpt_w[G]  tau >= sum_C sum_s act_GC[s] w[G,C,s] / n_G  (exact for n_G = 1)
+                                                                                  (add_memory)
+    transient_ckpt[G]    only for n_G > 1: tau >= sum_C sum_s act_GC[s] x[C,s] - M_G (1 - z[G]),
                          M_G = sum_C max_s act_GC[s]                              (add_memory)
     mem_peak             sum_C sum_s (static_C[s] + cov_C[s]) x[C,s]
                          - sum_G sum_C sum_s act_GC[s] w[G,C,s]
@@ -180,7 +182,15 @@ class _Formulation:
                 big += float(act[cp.classes[c].alive].max()) / B
                 for s, v in self.x[c].items():
                     terms[v] = terms.get(v, 0.0) + float(act[s]) / B
-            if big > 0:  # tau >= A_G(x) - M_G (1 - z_G)
+            if big <= 0:
+                continue
+            # tau >= A_G(x) k_G / n_G = sum act w / n_G: exact for n_G = 1 (w = z x) and, unlike the
+            # big-M row, tight in the LP: a half-checkpointed segment saves half its bytes in
+            # mem_peak but also lifts tau by half of them, as the integer model does.
+            terms_w = {v: float(act[s]) / (B * grp.n) for c, act in grp.act.items()
+                       for s, v in self.w[(g, c)].items()}
+            self.row(f"transient_ckpt_w[{grp.label}]", {**terms_w, self.tau: -1.0}, pulp.LpConstraintLE, 0.0)
+            if grp.n > 1:  # tau >= A_G(x) - M_G (1 - z_G): exact when 1 <= k_G < n_G
                 terms[self.z[g]] = big
                 terms[self.tau] = -1.0
                 self.row(f"transient_ckpt[{grp.label}]", terms, pulp.LpConstraintLE, big)
