@@ -126,11 +126,18 @@ def test_hostile_plan_is_refused_naming_the_field(net, case):
 
 
 def test_hostile_plan_never_trains(net, sim):
-    # Until ParallelModule calls validate_plan_for itself, the lowering still stops such a plan.
     from autopar.runtime.module import ParallelModule
 
     m, x, y, plan, cap = net
     bad = _edit(plan, HOSTILE["dim the weight lacks"][0])
+    # autopar.compile validates before building: the field is named. (A Partial-stored or an
+    # unknown parameter would otherwise be accepted by the lowering.)
+    for case in ("dim the weight lacks", "partial parameter", "unknown parameter"):
+        fn, message = HOSTILE[case]
+        with pytest.raises(PlanError) as err:
+            autopar.compile(m, sim, (x,), loss_fn=F.cross_entropy, target=y, plan=_edit(plan, fn), quiet=True)
+        assert message in str(err.value), str(err.value)
+    # ParallelModule alone does not validate; its lowering still stops the plan.
     with LocalTensorMode(math.prod(MESH)), pytest.raises(ValueError, match=r"S\(5\)"):
         ParallelModule(m, cap, bad, sim)
 
