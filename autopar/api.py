@@ -156,10 +156,10 @@ def compile(model, mesh=None, example_inputs=(), *, example_kwargs=None, loss_fn
             raise RuntimeError(f"rank 0 could not plan: {got[len(_FAIL):]}")
         plan = Plan.from_json(got)
     plan.check_fits(graph_hash, amesh.to_dict())
+    verify_same_plan(plan, device)  # first, so one rank's bad file cannot leave the others waiting
     from autopar.validate import validate_plan_for
 
     validate_plan_for(gp.captured, plan, graph_hash=False)  # a hand-edited plan is named, not run
-    verify_same_plan(plan, device)
     _log(f"plan ready in {time.perf_counter() - t0:.1f} s\n{plan.summary()}", quiet)
     if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
         from autopar.runtime.pipeline import PipelineModule

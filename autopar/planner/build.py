@@ -255,7 +255,7 @@ def node_options(gm, gp, cfg: Config) -> tuple[dict[str, Option], list[str]]:
     from autopar.planner.families import predicate
 
     kinds = _kinds(gp.captured)
-    pred = predicate(cfg.family, cfg.mesh.ndim) if cfg.family else None
+    pred = predicate(cfg.family, cfg.mesh.shape) if cfg.family else None
     options, order = {}, []
     memo: dict[tuple, list[Strategy]] = {}
     priced_memo: dict[tuple, Option] = {}

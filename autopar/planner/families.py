@@ -31,7 +31,7 @@ Predicate = Callable[[str, tuple, tuple], bool]
 
 
 def _is(p, kind) -> bool:
-    return isinstance(p, kind)
+    return isinstance(p, (kind, _Free)) if kind is not Partial else isinstance(p, Partial)
 
 
 def _batch_split_on(axes: Sequence[int]) -> Predicate:
@@ -42,7 +42,7 @@ def _batch_split_on(axes: Sequence[int]) -> Predicate:
             return True
         for a, p in enumerate(pls):
             want_shard = a in axes and len(shape) > 0
-            if want_shard and not (_is(p, Shard) and p.dim == 0):
+            if want_shard and not (isinstance(p, _Free) or (_is(p, Shard) and p.dim == 0)):
                 return False
             if not want_shard and not _is(p, Replicate):
                 return False
@@ -73,12 +73,30 @@ def _tp_weight(axis_dims: dict[int, int | None]) -> Callable[[int, object, tuple
         if len(shape) < 2:
             return True
         want = axis_dims[a]
-        return _is(p, Shard) and (want is None or p.dim == want)
+        return isinstance(p, _Free) or (_is(p, Shard) and (want is None or p.dim == want))
     return rule
 
 
-def predicate(family: str, ndim: int) -> Predicate:
-    """The placeholder constraint of ``family`` on an ``ndim``-axis mesh."""
+def predicate(family: str, mesh_shape) -> Predicate:
+    """The placeholder constraint of ``family`` on a mesh of ``mesh_shape``. Axes of size 1 are
+    left free: nothing can be split over them, so every family allows whatever they hold."""
+    shape = tuple(mesh_shape)
+    inner = _predicate(family, len(shape))
+    trivial = [a for a, n in enumerate(shape) if n == 1]
+    if not trivial:
+        return inner
+    return lambda kind, pls, tshape: inner(kind, tuple(_FREE if a in trivial else p for a, p in enumerate(pls)),
+                                           tshape)
+
+
+class _Free:
+    """Stands in for the placement on a size-1 axis: passes every family's check."""
+
+
+_FREE = _Free()
+
+
+def _predicate(family: str, ndim: int) -> Predicate:
     every = tuple(range(ndim))
     if family == "replicate":
         return lambda kind, pls, shape: all(_is(p, Replicate) for p in pls)
