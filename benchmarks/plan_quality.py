@@ -22,7 +22,12 @@ best plan of its family):
   between the tensor-parallel regions); the ``SP`` column says whether its optimum uses that.
 
 The figure a row is judged by is RATIO = best baseline / autopar (>= 1: the search is at least as
-good as every hand-written family). A ratio below 1 (beyond the solver's proven gap) is a search
+good as every hand-written family). Where a pipeline wins, RATIO only says that the pipeline
+search found it; FLAT RATIO = best single-stage baseline / the free search's own single-stage
+candidate (read from ``Plan.alternatives``) tests the sharding ILP alone. ``pp floor`` is a lower
+bound on a pipelined plan's step time from kernel launch floors alone (micro-batches x ops per
+stage x ``kernel_floor``); a prediction below it (marked ``?``) is certainly too optimistic: the
+pipeline pricing divides full-batch times by the micro-batch count, floors and latencies included. A ratio below 1 (beyond the solver's proven gap) is a search
 bug and is listed at the end with both plans' cost split. ``OOM`` marks a family that does not fit
 the budget (with the least budget it would need), ``n/a`` a family that cannot place some tensor
 (e.g. a batch or a weight dim that does not divide by the mesh).
@@ -82,7 +87,34 @@ def _attempt(gp, mesh, budget, dtype, force, time_limit):
     return {"ms": p.step_time * 1e3, "peak_gib": p.peak_bytes / 2**30, "family": p.options.get("family"),
             "status": p.solver.get("status"), "gap": 0.0 if gap != gap else gap,  # nan: no bound known
             "breakdown": p.breakdown, "alternatives": p.alternatives, "sp": _uses_sequence_parallel(gp, p),
-            "pipeline": p.pipeline is not None, "seconds": time.perf_counter() - t0}
+            "pipeline": p.pipeline is not None, "seconds": time.perf_counter() - t0,
+            "floor_ms": _pipeline_floor(gp, p, mesh) * 1e3}
+
+
+def _pipeline_floor(gp, p, mesh) -> float:
+    """A lower bound on a pipelined plan's step time from kernel launch floors alone (0 when flat).
+
+    Every device runs each of its stages once per micro-batch, and every op with work costs at
+    least ``kernel_floor`` per forward and per backward, whatever the micro-batch size. The planner
+    prices a micro-batch as the full batch's time divided by m (see autopar/planner/pipeline.py),
+    which drops that floor m-fold; a prediction under this bound is certainly too low.
+    """
+    pp = p.pipeline
+    if pp is None:
+        return 0.0
+    floor = mesh.device.kernel_floor
+    per_stage = []
+    for names in pp.stages:
+        kernels = 0
+        for n in names:
+            prof = gp.nodes.get(n)
+            if prof is None or prof.op in ("placeholder", "output"):
+                continue
+            kernels += (prof.fwd_flops > 0 or prof.fwd_bytes > 0) + (prof.bwd_flops > 0 or prof.bwd_bytes > 0)
+        per_stage.append(kernels * floor)
+    devices = mesh.shape[pp.axis]
+    per_device = [sum(per_stage[c] for c in range(d, len(per_stage), devices)) for d in range(devices)]
+    return pp.microbatches * max(per_device)
 
 
 def _uses_sequence_parallel(gp, p) -> bool:
@@ -110,6 +142,18 @@ def _pp_from_free(free: dict) -> dict:
     return {"ms": best["step_time"] * 1e3, "peak_gib": best["peak_bytes"] / 2**30, "family": best["family"]}
 
 
+def _flat_from_free(free: dict) -> dict:
+    """The free search's single-stage (no pipeline) candidate: the sharding ILP's own optimum."""
+    if "error" in free:
+        return {"error": free["error"], "why": free["why"]}
+    if not free["pipeline"]:
+        return {k: free[k] for k in ("ms", "peak_gib", "family", "status", "gap", "breakdown")}
+    flat = [a for a in free["alternatives"] if str(a.get("family", "")).startswith("searched")]
+    if not flat:
+        return {"error": "OOM", "why": "the single-stage plan does not fit the budget"}
+    return {"ms": flat[0]["step_time"] * 1e3, "peak_gib": flat[0]["peak_bytes"] / 2**30, "family": flat[0]["family"]}
+
+
 def run_row(gp, name, shape, cluster, dtype, time_limit) -> dict:
     budget = CLUSTERS[cluster]
     mesh = Mesh(shape, cluster=cluster)
@@ -118,10 +162,19 @@ def run_row(gp, name, shape, cluster, dtype, time_limit) -> dict:
     row["autopar"] = _attempt(gp, mesh, budget, dtype, None, time_limit)
     row["baselines"] = {b: _attempt(gp, mesh, budget, dtype, f, time_limit) for b, f in FLAT.items()}
     row["baselines"]["pp-tp"] = _pp_from_free(row["autopar"])
+    row["autopar_flat"] = _flat_from_free(row["autopar"])
     ok = {b: r["ms"] for b, r in row["baselines"].items() if "ms" in r}
     if ok and "ms" in row["autopar"]:
         best = min(ok, key=ok.get)
         row["best_baseline"], row["ratio"] = best, ok[best] / row["autopar"]["ms"]
+    flat = {b: ok[b] for b in FLAT if b in ok}
+    if flat and "ms" in row["autopar_flat"]:
+        best = min(flat, key=flat.get)
+        row["best_flat"], row["flat_ratio"] = best, flat[best] / row["autopar_flat"]["ms"]
+    a = row["autopar"]
+    if flat and a.get("floor_ms", 0) > a.get("ms", float("inf")):
+        # The pipelined choice costs at least its floor: against that, a flat baseline may win.
+        row["floor_ratio"] = min(flat.values()) / a["floor_ms"]
     row["seconds"] = time.perf_counter() - t0
     return row
 
@@ -129,7 +182,9 @@ def run_row(gp, name, shape, cluster, dtype, time_limit) -> dict:
 def _cell(r: dict) -> str:
     if "ms" in r:
         # "*": the solver stopped at its time limit; the family's optimum may be lower (see the gap).
-        return f"{r['ms']:.1f}" + ("*" if r.get("status") == "time_limit" else "")
+        # "?": a pipelined prediction below its kernel-floor bound (see _pipeline_floor).
+        mark = ("*" if r.get("status") == "time_limit" else "") + ("?" if r.get("floor_ms", 0) > r["ms"] else "")
+        return f"{r['ms']:.1f}{mark}"
     return r["error"]
 
 
@@ -141,8 +196,8 @@ def _min_budget(why: str) -> str:
 
 def header() -> str:
     cols = "".join(f"{b:>10}" for b in BASELINES)
-    return (f"{'model':<11} {'mesh':<5} {'preset':<6} {'autopar ms':>11} {'family':<28}{cols} "
-            f"{'SP':>3} {'best':>9} {'RATIO':>6} {'sec':>5}")
+    return (f"{'model':<11} {'mesh':<5} {'preset':<6} {'autopar ms':>11} {'family':<22}{cols} "
+            f"{'SP':>3} {'best':>9} {'RATIO':>6} {'pp floor':>9} {'flat ms':>9} {'FLAT RATIO':>10} {'sec':>5}")
 
 
 def line(row: dict) -> str:
@@ -151,40 +206,62 @@ def line(row: dict) -> str:
     cols = "".join(f"{_cell(row['baselines'][b]):>10}" for b in BASELINES)
     meg = row["baselines"]["megatron"]
     sp = "" if "ms" not in meg else ("yes" if meg.get("sp") else "no")
-    ratio = row.get("ratio")
-    flag = "" if ratio is None or ratio >= 1 - 1e-9 else " !"
-    rtxt = "-" if ratio is None else f"{ratio:.3f}"
     return (f"{row['model']:<11} {'x'.join(map(str, row['mesh'])):<5} {row['cluster']:<6} {_cell(a):>11} "
-            f"{str(fam)[:27]:<28}{cols} {sp:>3} {row.get('best_baseline', '-'):>9} {rtxt:>6}{flag} "
+            f"{str(fam).replace('searched', 'flat')[:21]:<22}{cols} {sp:>3} {row.get('best_baseline', '-'):>9} "
+            f"{_ratio(row.get('ratio')):>6} {_floor(a):>9} {_cell(row['autopar_flat']):>9} {_ratio(row.get('flat_ratio')):>10} "
             f"{row['seconds']:>5.0f}")
+
+
+def _floor(a: dict) -> str:
+    return f"{a['floor_ms']:.1f}" if a.get("floor_ms") else ""
+
+
+def _ratio(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3f}" + ("!" if x < 1 - 1e-9 else "")
 
 
 def report_losses(rows: list[dict]) -> None:
     """Every row where a baseline beats the free search, with both plans' cost split."""
-    bad = [r for r in rows if r.get("ratio") is not None and r["ratio"] < 1 - 1e-9]
+    bad = [(r, "ratio", "autopar", "best_baseline") for r in rows if r.get("ratio", 1.0) < 1 - 1e-9]
+    bad += [(r, "flat_ratio", "autopar_flat", "best_flat") for r in rows if r.get("flat_ratio", 1.0) < 1 - 1e-9]
     print(f"\nrows where a baseline beats autopar: {len(bad)} of {len(rows)}")
-    for r in bad:
-        a, b = r["autopar"], r["baselines"][r["best_baseline"]]
-        print(f"  {r['model']} {r['mesh']} {r['cluster']}: {r['best_baseline']} {b['ms']:.2f} ms < autopar "
-              f"{a['ms']:.2f} ms ({a['family']}, proven gap {a['gap']:.2%})")
-        for who, x in (("autopar", a), (r["best_baseline"], b)):
+    for r, _, mine, which in bad:
+        a, b = r[mine], r["baselines"][r[which]]
+        print(f"  {r['model']} {r['mesh']} {r['cluster']}: {r[which]} {b['ms']:.2f} ms < {mine} "
+              f"{a['ms']:.2f} ms ({a['family']}, proven gap {a.get('gap', 0.0):.2%})")
+        for who, x in ((mine, a), (r[which], b)):
             bd = x.get("breakdown") or {}
             split = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in bd.items() if not k.startswith("mem_"))
             print(f"    {who:<9} peak {x['peak_gib']:.2f} GiB; {split}")
 
 
 def summary(rows: list[dict]) -> None:
-    ratios = [r["ratio"] for r in rows if r.get("ratio") is not None]
-    if ratios:
-        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-        print(f"\nRATIO best baseline / autopar over {len(ratios)} rows: min {min(ratios):.3f}, "
-              f"geometric mean {geo:.3f}, max {max(ratios):.3f}")
+    print()
+    for key, what in (("ratio", "RATIO best baseline / autopar"),
+                      ("flat_ratio", "FLAT RATIO best flat baseline / autopar's flat plan")):
+        ratios = [r[key] for r in rows if r.get(key) is not None]
+        if ratios:
+            geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+            print(f"{what} over {len(ratios)} rows: min {min(ratios):.3f}, geometric mean {geo:.3f}, "
+                  f"max {max(ratios):.3f}")
     capped = [(r["model"], r["mesh"], r["cluster"], who, x["gap"]) for r in rows
               for who, x in [("autopar", r["autopar"]), *r["baselines"].items()] if x.get("status") == "time_limit"]
     if capped:
         print("plans stopped at the solver time limit (*), with their proven gap to the family's optimum:")
         for m, mesh, c, who, gap in capped:
             print(f"  {m} {'x'.join(map(str, mesh))} {c}: {who} gap {gap:.2%}")
+    under = [r for r in rows if "floor_ratio" in r]
+    if under:
+        print(f"pipelined plans predicted below their kernel-floor bound (?): {len(under)} of {len(rows)}; "
+              f"their RATIO is not to be trusted, read FLAT RATIO there. Best flat baseline / floor:")
+        for r in under:
+            a = r["autopar"]
+            verdict = "a flat baseline is certainly faster" if r["floor_ratio"] < 1 else "still ahead"
+            print(f"  {r['model']} {'x'.join(map(str, r['mesh']))} {r['cluster']}: {a['family']} predicted "
+                  f"{a['ms']:.1f} ms, floor {a['floor_ms']:.1f} ms; best flat baseline {r['floor_ratio']:.3f} x floor "
+                  f"({verdict})")
     ooms = [(r["model"], r["mesh"], r["cluster"], b, _min_budget(x["why"]))
             for r in rows for b, x in r["baselines"].items() if x.get("error") == "OOM" and b != "pp-tp"]
     if ooms:

@@ -157,14 +157,14 @@ def pair(rank, world, warmup, steps):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    import autopar
+    from autopar.calibrate import calibrate
     from autopar.runtime.module import ParallelModule
     from profiler.capture import capture
 
     ex = _example()
     cap = capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
     dm = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    mesh = autopar.calibrate(dm)
+    mesh = calibrate(dm)
     plans = {"autopar": _plan(cap, mesh), "autopar-megatron": _plan(cap, mesh, "megatron")}
     pms = {k: ParallelModule(ex.model, cap, p, dm) for k, p in plans.items()}
     tp = _dtensor_model(ex, dm)

@@ -1,0 +1,282 @@
+"""How well the cost model predicts real runs: predicted against measured step time and peak memory.
+
+    python benchmarks/cost_model_accuracy.py [--quick] [--steps 6] [--json out.json]
+
+On this machine (CPU, gloo): 4 processes on a 2x2 mesh and 2 processes on a mesh of 2. (The 2-process
+mesh is 1-D: on a 1x2 mesh the ``dp`` and ``megatron`` families cannot place the batch, since
+they ask for it split on the size-1 axis; ``(2,)`` is the same devices.) Each launch calibrates
+its mesh (``autopar.calibrate``: alpha/beta per axis, matmul and copy rates, kernel floor), plans
+a small GPT-2 (HF ``GPT2LMHeadModel``, 2 layers, hidden 256, vocab 2048, batch 8 x 128 tokens) on
+the calibrated mesh once per plan family (``force=``), freely, and freely under 0.6 x the free
+plan's peak (``free@0.6``: the solver then checkpoints layers), builds every plan's
+``ParallelModule`` and measures ``train_step`` (forward + backward + gradient reduction; the
+optimizer step is not part of the prediction). The modules take turns step by step (so load that
+comes and goes on a shared host hits them alike), every step starts together on all ranks
+(barrier) and is timed on the slowest rank; median over ``--steps`` after two warm-up rounds.
+Memory: one train_step + AdamW step under ``LiveMemory`` (``autopar.runtime.memory``), tracking
+parameters, buffers and optimizer state; the largest peak over the ranks against
+``Plan.peak_bytes``. ``colls``: the collectives one train_step issues (c10d ops seen by the
+dispatcher, gradient buckets included); ``resh``: the resharding modules the codegen inserted. The mesh is calibrated again after measuring, to show how far the host drifted.
+
+Printed per plan: predicted and measured ms, relative error, predicted and measured peak MiB and
+the error; then the figures the cost model is judged by: the Spearman rank correlation of
+predicted and measured step time over all plans (target >= 0.9) and the median |relative error|
+of time (target <= 20%) and memory (target <= 10%).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+
+import numpy as np
+
+from launch import launch
+
+GPT2 = dict(layers=2, hidden=256, heads=4, vocab=2048, batch=8, seq=128)
+PLANS = {
+    (2, 2): ["free", "free@0.6", "replicate", "dp", "zero3", "megatron", "megatron-axis0", "tp", "atp-col-first",
+             "atp-row-first"],
+    (2,): ["free", "free@0.6", "replicate", "dp", "zero3", "megatron"],
+}
+QUICK = {(2, 2): ["free", "free@0.6", "dp", "zero3", "megatron", "atp-col-first"], (2,): ["dp", "megatron"]}
+
+
+def _plans_on_rank0(cap, mesh, families) -> list[tuple[str, str]]:
+    """(name, plan JSON) for each entry, planned once on rank 0 and sent to all as bytes.
+
+    An entry is a family name, ``"free"``, or ``"free@F"``: the free plan under a budget of F
+    times the free plan's own peak (which makes the solver checkpoint layers)."""
+    import torch.distributed as dist
+
+    from autopar.api import _broadcast_text
+    from autopar.planner import plan_profile
+
+    out = []
+    gp = free_peak = None
+    if dist.get_rank() == 0:
+        import profiler
+
+        gp = profiler.profile_captured(cap)
+    for fam in families:
+        text = None
+        if gp is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    budget = None
+                    if fam.startswith("free@"):
+                        if free_peak is None:
+                            free_peak = plan_profile(gp, mesh, pipeline=False).peak_bytes
+                        budget = float(fam[5:]) * free_peak
+                    force = None if fam.startswith("free") else fam
+                    text = plan_profile(gp, mesh, force=force, pipeline=False, memory_budget=budget).to_json()
+                except ValueError as err:  # a family this config cannot express: say so, skip it
+                    text = "ERROR " + str(err)
+        out.append((fam, _broadcast_text(text, "cpu")))
+    return out
+
+
+def _round_robin(steps_of: dict, warmup: int, steps: int) -> dict[str, float]:
+    """Median seconds of each module's step on the slowest rank; the modules take turns step by
+    step, so load that comes and goes on a shared host hits them all alike."""
+    import torch
+    import torch.distributed as dist
+
+    times = {k: [] for k in steps_of}
+    for i in range(warmup + steps):
+        for k, step in steps_of.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if i >= warmup:
+                times[k].append(float(dt))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _peak(pm, ex, opt) -> int:
+    """Largest live-tensor peak over the ranks of one train_step + optimizer step."""
+    import torch
+    import torch.distributed as dist
+
+    from autopar.runtime.memory import LiveMemory
+
+    mem = LiveMemory(track=[*pm.parameters(), *pm.buffers()])
+    mem.add_optimizer(opt)
+    with mem:
+        pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+        opt.step()
+    opt.zero_grad()
+    peak = torch.tensor([float(mem.peak)], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak)
+
+
+def _collectives(pm, ex) -> int:
+    """Collectives one train_step issues on this rank (c10d ops seen by the dispatcher)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ns = func.namespace
+            if ns in ("_c10d_functional", "c10d") and "wait" not in func.__name__:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+    pm.zero_grad(set_to_none=True)
+    return Count.n
+
+
+def _calibration(mesh) -> dict:
+    return {"links": [{"alpha": lk.alpha, "beta": lk.beta} for lk in mesh.links],
+            "device": {"fp32_flops": mesh.device.fp32_flops, "mem_bandwidth": mesh.device.mem_bandwidth,
+                       "kernel_floor": mesh.device.kernel_floor}}
+
+
+def worker(rank, world, shape, families, warmup, steps):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar import zoo
+    from autopar.calibrate import calibrate  # autopar.calibrate, the attribute, turns into the module once imported
+    from autopar.plan import Plan
+    from autopar.runtime.module import ParallelModule
+    from profiler.capture import capture
+
+    names = ("dp", "tp")[-len(shape):]
+    dm = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    mesh = calibrate(dm)
+    ex = zoo.build("gpt2", **GPT2)
+    cap = capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    rows, mods = {}, {}
+    for fam, text in _plans_on_rank0(cap, mesh, families):
+        if text.startswith("ERROR "):
+            rows[fam] = {"family": fam, "error": text[6:]}
+            continue
+        plan = Plan.from_json(text)
+        pm = ParallelModule(ex.model, cap, plan, dm)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+        mods[fam] = (pm, opt)
+        rows[fam] = {"family": fam, "plan_family": plan.options.get("family"), "predicted_s": plan.step_time,
+                     "predicted_bytes": plan.peak_bytes, "breakdown": plan.breakdown,
+                     "checkpointed": len(plan.solver.get("checkpointed", []))}
+    for fam, (pm, opt) in mods.items():
+        rows[fam]["measured_bytes"] = _peak(pm, ex, opt)
+        rows[fam]["collectives"] = _collectives(pm, ex)
+        rows[fam]["reshards"] = len(pm.signature.reshards)
+
+    def stepper(pm):
+        def step():
+            pm.zero_grad(set_to_none=True)
+            pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+        return step
+
+    measured = _round_robin({f: stepper(pm) for f, (pm, _) in mods.items()}, warmup, steps)
+    for fam, t in measured.items():
+        rows[fam]["measured_s"] = t
+    after = calibrate(dm)  # how far the host drifted while we measured
+    out = {"rows": list(rows.values()), **_calibration(mesh), "after": _calibration(after)}
+    return out if rank == 0 else None
+
+
+def spearman(x, y) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+    def ranks(v):
+        v = np.asarray(v, dtype=float)
+        order = v.argsort()
+        r = np.empty(len(v))
+        r[order] = np.arange(len(v), dtype=float)
+        for val in np.unique(v):  # ties share their mean rank
+            idx = v == val
+            r[idx] = r[idx].mean()
+        return r
+    rx, ry = ranks(x), ranks(y)
+    if rx.std() == 0 or ry.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def _fmt_cal(c: dict) -> str:
+    lk = ", ".join(f"alpha {x['alpha'] * 1e6:.0f} us beta {x['beta'] / 1e9:.2f} GB/s" for x in c["links"])
+    d = c["device"]
+    return (f"{lk}; {d['fp32_flops'] / 1e9:.1f} GFLOP/s, copy {d['mem_bandwidth'] / 1e9:.1f} GB/s, "
+            f"kernel floor {d['kernel_floor'] * 1e6:.1f} us")
+
+
+def _print_launch(shape, res) -> None:
+    world = 1
+    for s in shape:
+        world *= s
+    print(f"\nmesh {'x'.join(map(str, shape))} ({world} gloo processes)\n  calibrated before: {_fmt_cal(res)}"
+          f"\n  calibrated after:  {_fmt_cal(res['after'])}")
+    print(f"{'plan':<15} {'chosen':<26} {'pred ms':>8} {'meas ms':>8} {'err':>7} {'pred MiB':>9} {'meas MiB':>9} "
+          f"{'err':>7} {'colls':>5} {'resh':>4}  predicted split (ms)")
+    for r in res["rows"]:
+        if "error" in r:
+            print(f"{r['family']:<15} n/a: {r['error'][:100]}")
+            continue
+        te = r["predicted_s"] / r["measured_s"] - 1
+        me = r["predicted_bytes"] / r["measured_bytes"] - 1
+        bd = r["breakdown"]
+        split = " ".join(f"{k[:4]} {bd[k] * 1e3:.1f}" for k in ("compute", "comm", "reshard", "recompute") if k in bd)
+        print(f"{r['family']:<15} {str(r['plan_family'])[:25]:<26} {r['predicted_s'] * 1e3:>8.1f} "
+              f"{r['measured_s'] * 1e3:>8.1f} {te:>+7.0%} {r['predicted_bytes'] / 2**20:>9.2f} "
+              f"{r['measured_bytes'] / 2**20:>9.2f} {me:>+7.0%} {r['collectives']:>5} {r['reshards']:>4}  {split}", flush=True)
+
+
+def _judge(rows, label) -> dict:
+    ok = [r for r in rows if "error" not in r]
+    pt = [r["predicted_s"] for r in ok]
+    mt = [r["measured_s"] for r in ok]
+    terr = [abs(p / m - 1) for p, m in zip(pt, mt)]
+    merr = [abs(r["predicted_bytes"] / r["measured_bytes"] - 1) for r in ok]
+    if not ok:
+        print(f"{label:<22} no plan ran")
+        return {"plans": 0}
+    out = {"plans": len(ok), "spearman": spearman(pt, mt), "time_median_abs_err": statistics.median(terr),
+           "memory_median_abs_err": statistics.median(merr)}
+    print(f"{label:<22} plans {out['plans']:>2}  SPEARMAN {out['spearman']:+.3f} (target >= 0.9)  "
+          f"median |time err| {out['time_median_abs_err']:.0%} (<= 20%)  "
+          f"median |memory err| {out['memory_median_abs_err']:.0%} (<= 10%)")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer plans and steps")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per plan (median)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", help="write every row to this file")
+    args = ap.parse_args()
+    steps = 3 if args.quick else args.steps
+    plans = QUICK if args.quick else PLANS
+    print(f"GPT-2 {GPT2}; train_step median of {steps} after {args.warmup} warm-up steps")
+    t0 = time.perf_counter()
+    results = {}
+    for shape, fams in plans.items():
+        world = 1
+        for n in shape:
+            world *= n
+        res = launch(world, worker, shape, fams, args.warmup, steps)[0]
+        results["x".join(map(str, shape))] = res
+        _print_launch(shape, res)
+    print()
+    judged = {k: _judge(v["rows"], f"mesh {k}") for k, v in results.items()}
+    judged["all"] = _judge([r for v in results.values() for r in v["rows"]], "all plans")
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": GPT2, "results": results, "judged": judged}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
