@@ -76,6 +76,7 @@ def emit_chunked(low, node, k: int) -> bool:
     low.executors[node.name] = f"{kind} x{k}"
     if out_fwd or out_bwd:
         low.pre_edged.add((node.name, consumer.name))
+        new.meta["autopar_pl"] = e_out[1] if e_out[1] is not None else out_pl
     low.chunking[node.name] = f"{k} chunks along dim {dim}"
     return True
 

@@ -158,7 +158,9 @@ class _Lowering:
         self.executors: dict[str, str] = {}
         self.reshards: list[str] = []
         self.strategies = _strategies_module() if executor in ("auto", "strategy") else None
-        self.region_id, self.region_open = 0, False
+        self.region_id, self.region_open, self.region_stage = 0, False, None
+        pipe = getattr(plan, "pipeline", None)
+        self.stage_of = {n: k for k, st in enumerate(pipe.stages) for n in st} if pipe is not None else {}
         self.pre_edged: set[tuple[str, str]] = set()  # (producer, consumer) edges a ChunkedOp ran
         self.chunking: dict[str, str] = {}  # node -> what its chunks= became
         self._classify()
@@ -315,6 +317,7 @@ class _Lowering:
         out = self.graph.call_module(name, (value,))
         out.meta["val"] = _vals(prod)[self._src_index(prod, node)]
         out.meta["autopar_reshard"] = mod.label
+        out.meta["autopar_pl"] = dst
         if prod.op == "placeholder":
             self.edge_cache[key] = out
         return out
@@ -382,6 +385,14 @@ class _Lowering:
             return
         last = self.graph._root._prev  # the per-rank nodes emitted for `node` follow this one
         self._lower_call(node)
+        v = self.env.get(node)
+        if isinstance(v, fx.Node) and "autopar_pl" not in v.meta and _vals(node):
+            outs = self.outputs_of(node)  # the placement of the local value (pipeline stage I/O)
+            v.meta["autopar_pl"] = outs[0] if len(outs) == 1 else list(outs)
+        n = last._next
+        while n is not self.graph._root:  # the pipeline splits the per-rank graph by origin
+            n.meta.setdefault("autopar_origin", node.name)
+            n = n._next
         self._tag_region(node, last)
 
     def _tag_region(self, node, last) -> None:
@@ -393,9 +404,10 @@ class _Lowering:
         if np_ is None or not np_.recompute or ex.mutated_args(node.target):
             self.region_open = False
             return
-        if not self.region_open:
+        stage = self.stage_of.get(node.name)
+        if not self.region_open or stage != self.region_stage:  # regions never cross a stage boundary
             self.region_id += 1
-            self.region_open = True
+            self.region_open, self.region_stage = True, stage
         n = last._next
         while n is not self.graph._root:
             n.meta["autopar_region"] = self.region_id
@@ -562,7 +574,8 @@ def _find_strategy(S, node, name: str, mesh_shape):
     return None
 
 
-def build(captured, plan, device_mesh, *, debug: bool = False, executor: str = "auto") -> fx.GraphModule:
+def build(captured, plan, device_mesh, *, debug: bool = False, executor: str = "auto",
+          check_hash: bool = True) -> fx.GraphModule:
     """The per-rank ``GraphModule`` of ``plan`` for ``captured`` on ``device_mesh``.
 
     ``captured``: a ``profiler.capture.Captured`` (``.gm``, ``.params``, ``.buffers``,
@@ -572,14 +585,15 @@ def build(captured, plan, device_mesh, *, debug: bool = False, executor: str = "
     the captured order, see ``gm.meta["autopar"].slots``) and returns the replicated scalar loss.
 
     ``debug=True`` checks after every node that each local output has the shape its placement
-    implies. ``executor``: ``"auto"`` (strategy implementations where they exist, else DTensor),
+    implies. ``check_hash=False`` skips the graph-hash check (the pipeline runs a micro-batch
+    capture of the graph the plan was made for). ``executor``: ``"auto"`` (strategy implementations where they exist, else DTensor),
     ``"strategy"`` (strategy implementations only) or ``"dtensor"`` (DTensor for every non-plain
     node, and for plain ones too).
     """
     if executor not in ("auto", "strategy", "dtensor"):
         raise ValueError(f"executor must be 'auto', 'strategy' or 'dtensor', got {executor!r}")
     graph_hash = getattr(captured, "graph_hash", None)
-    if callable(graph_hash):
+    if callable(graph_hash) and check_hash:
         plan.check_fits(graph_hash())
     ctx = mesh_context(device_mesh, plan.mesh, plan.sharding_axes)
     low = _Lowering(captured, plan, ctx, debug=debug, executor=executor)

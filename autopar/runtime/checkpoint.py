@@ -70,10 +70,12 @@ def _outline(gm: fx.GraphModule, rid: int, members: list[fx.Node]) -> None:
     gm.add_submodule(name, CheckpointRegion(sub, [n.name for n in members]))
     with gm.graph.inserting_before(members[0]):
         call = gm.graph.call_module(name, tuple(inputs))
+        call.meta["autopar_origin"] = members[0].meta.get("autopar_origin")
         getters = []
         for k, o in enumerate(outputs):
             g = gm.graph.call_function(operator.getitem, (call, k))
             g.meta = dict(o.meta)
+            g.meta.pop(REGION, None)
             getters.append(g)
     for o, g in zip(outputs, getters):
         o.replace_all_uses_with(g, delete_user_cb=lambda u: u not in inside)

@@ -53,13 +53,21 @@ class ParallelModule(nn.Module):
 
     def __init__(self, model: nn.Module, captured, plan, device_mesh, *, debug: bool = False,
                  executor: str = "auto", inputs_sharded: bool = False, bucket_bytes: int = 25 * 2**20,
-                 backend: str = "eager"):
+                 backend: str = "eager", loss_fn=None):
         super().__init__()
         if backend not in ("eager", "inductor"):
             raise ValueError(f"backend must be 'eager' or 'inductor', got {backend!r}")
-        if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
-            raise NotImplementedError("use autopar.runtime.pipeline.PipelineModule for pipelined plans")
-        gm = build(captured, plan, device_mesh, debug=debug, executor=executor)
+        pipelined = plan.pipeline is not None and len(plan.pipeline.stages) > 1
+        if pipelined:
+            from autopar.runtime.pipeline import microbatch_capture
+
+            # The plan is for the global batch; stages run micro-batches of the same graph.
+            plan.check_fits(captured.graph_hash())
+            graph = microbatch_capture(model, captured, plan.pipeline.microbatches,
+                                       loss_fn if loss_fn is not None else getattr(captured, "loss_fn", None))
+        else:
+            graph = captured
+        gm = build(graph, plan, device_mesh, debug=debug, executor=executor, check_hash=not pipelined)
         sig = gm.meta["autopar"]
         object.__setattr__(self, "_sig", sig)
         object.__setattr__(self, "plan", plan)
@@ -67,7 +75,7 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_inputs_sharded", inputs_sharded)
         self._program = gm
         object.__setattr__(self, "_run", torch.compile(gm, backend="inductor") if backend == "inductor" else gm)
-        self._install_state(model, captured, sig)
+        self._install_state(model, graph, sig)
         pairs, seen = [], set()
         for s in sig.slots:
             p = self.get_parameter(s.name) if s.kind == "param" else None
@@ -75,6 +83,38 @@ class ParallelModule(nn.Module):
                 seen.add(id(p))
                 pairs.append((p, sig.param_grads[s.name]))
         object.__setattr__(self, "_grad_sync", GradSync(pairs, sig.ctx.device_mesh, bucket_bytes=bucket_bytes))
+        object.__setattr__(self, "_pipe", None)
+        if pipelined:
+            self._setup_pipeline(gm, device_mesh, inputs_sharded)
+
+    def _setup_pipeline(self, gm, device_mesh, inputs_sharded):
+        from autopar.runtime.pipeline import PipelineRunner, split_stages
+
+        if inputs_sharded:
+            raise NotImplementedError("inputs_sharded=True is not supported with pipeline stages: pass the "
+                                      "global batch (the first stage cuts micro-batches and shards)")
+        stages = split_stages(gm, self.plan, self._sig.slots)
+        self._grad_sync.enabled = False  # gradients are reduced once, after the last micro-batch
+        uses: dict[str, set] = {}
+        for sg in stages:
+            for i in sg.state:
+                s = self._sig.slots[i]
+                if s.kind in ("param", "buffer"):
+                    uses.setdefault(s.name, set()).add(sg.index)
+        object.__setattr__(self, "_stage_uses", uses)
+        object.__setattr__(self, "_pipe", PipelineRunner(self, stages, self.plan, device_mesh))
+
+    def _input_slots(self):
+        return [s for s in self._sig.slots if s.kind == "input"]
+
+    def _slot_value(self, i: int):
+        s = self._sig.slots[i]
+        if s.kind in ("param", "buffer"):
+            return self._get(s.name)
+        if s.kind == "none":
+            return None
+        consts = [k for k, t in enumerate(self._sig.slots) if t.kind == "constant"]
+        return self._constants[consts.index(i)]
 
     # ------------------------------------------------------------------ state
     def _install_state(self, model, captured, sig):
@@ -204,16 +244,40 @@ class ParallelModule(nn.Module):
     # ------------------------------------------------------------------ running
     def forward(self, *args, target=None, **kwargs) -> torch.Tensor:
         """The replicated scalar loss, differentiable; ``loss.backward()`` also reduces the
-        gradients (bucketed, asynchronously, finished when backward ends)."""
+        gradients (bucketed, asynchronously, finished when backward ends). Plans with pipeline
+        stages have no separate forward: use :meth:`train_step`."""
+        if self._pipe is not None:
+            raise RuntimeError("a pipelined plan runs forward and backward together: call train_step()")
         return self._run(*self._graph_args(self._local_inputs(args, kwargs, target)))
 
     def train_step(self, *args, target=None, **kwargs) -> torch.Tensor:
         """Forward and backward of one global batch; gradients are accumulated into ``.grad``
         (reduced as the plan says) and the replicated loss is returned as a plain tensor."""
+        if self._pipe is not None:
+            return self._pipeline_step(args, kwargs, target)
         loss = self.forward(*args, target=target, **kwargs)
         loss.backward()
         self._grad_sync.finish()
         return loss.detach()
+
+    def _pipeline_step(self, args, kwargs, target) -> torch.Tensor:
+        device = self._sig.ctx.device
+        flat = dict(zip(self._captured.user_inputs, self._flat_inputs(args, kwargs, target)))
+        inputs = [flat[s.name].to(device) for s in self._input_slots()]
+        loss = self._pipe.step(inputs)
+        with torch.no_grad():
+            params = list(dict.fromkeys(self.parameters()))
+            for p in params:  # the schedule summed the micro-batches' gradients of a mean loss
+                if p.grad is not None:
+                    p.grad.div_(self._pipe.m)
+            self._grad_sync.finish(force=True)
+            shared = [self._get(n) for n, st in sorted(self._stage_uses.items()) if len(st) > 1
+                      and isinstance(self._get(n), nn.Parameter)]
+            for p in shared:  # e.g. a tied embedding used by the first and the last stage
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._pipe.sum_over_stages([p.grad for p in shared])
+        return loss
 
     # ------------------------------------------------------------------ gradients and state
     @torch.no_grad()
@@ -249,17 +313,37 @@ class ParallelModule(nn.Module):
             if s.kind not in kinds:
                 continue
             t = pick(self._get(s.name))
-            if t is None:
-                continue
-            t = t.detach()
-            steps = plan_reshard(s.placements, _R(len(ctx.shape)), tuple(s.shape), t.element_size(), ctx.mesh).steps
-            out[s.name] = apply_steps(t, steps, ctx.device_mesh)
+            if t is not None:
+                t = t.detach()
+                steps = plan_reshard(s.placements, _R(len(ctx.shape)), tuple(s.shape), t.element_size(),
+                                     ctx.mesh).steps
+                t = apply_steps(t, steps, ctx.device_mesh)
+            if self._pipe is not None:
+                t = self._from_owner_stage(s, t)
+            if t is not None:
+                out[s.name] = t
         for ph, names in (getattr(self._captured, "param_aliases", {}) or {}).items():
             fqn = self._captured.params.get(ph)
             for alias in names or []:
                 if fqn in out:
                     out[alias] = out[fqn]
         return out
+
+    def _from_owner_stage(self, slot, t):
+        # Under a pipeline only the stages that use a tensor keep it current: every rank takes
+        # the first such stage's copy (every rank calls this for every slot, in order).
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(self._pipe.group)
+        owner = ranks[min(self._stage_uses.get(slot.name, {0})) % self._pipe.p]
+        has = torch.tensor([0 if t is None else 1], device=self._sig.ctx.device)
+        dist.broadcast(has, src=owner, group=self._pipe.group)
+        if not int(has.item()):
+            return None
+        ref = self._get(slot.name)
+        buf = t.contiguous() if t is not None else torch.empty(slot.shape, dtype=ref.dtype, device=ref.device)
+        dist.broadcast(buf, src=owner, group=self._pipe.group)
+        return buf
 
     # ------------------------------------------------------------------ checkpoints (autopar.checkpoint)
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
@@ -298,6 +382,14 @@ class ParallelModule(nn.Module):
         return self._sig
 
 
+def _owns(module: ParallelModule, name: str) -> bool:
+    uses = module._stage_uses.get(name)
+    if not uses:
+        return False
+    coord = module._sig.ctx.full_mesh.get_local_rank(module._pipe.axis)
+    return min(uses) % module._pipe.p == coord and min(uses) in module._pipe.local
+
+
 def _constant(captured, name: str) -> torch.Tensor:
     ep = getattr(captured, "ep", None)
     if ep is not None:
@@ -329,16 +421,20 @@ def global_grad_sq_norm(module: ParallelModule) -> torch.Tensor:
         if id(p) in seen or p.grad is None:
             continue
         seen.add(id(p))
+        if module._pipe is not None and not _owns(module, s.name):
+            continue  # counted by the first stage that uses it
         axes = tuple(a for a, q in enumerate(s.placements) if isinstance(q, Shard))
         sq = p.grad.detach().float().pow(2).sum()
         by_axes[axes] = by_axes[axes] + sq if axes in by_axes else sq
-    total = None
+    total = torch.zeros((), device=sig.ctx.device)
     for axes, sq in by_axes.items():
         for a in axes:
             sq = funcol.all_reduce(sq, "sum", (sig.ctx.device_mesh, a))
             sq = sq.wait() if isinstance(sq, funcol.AsyncCollectiveTensor) else sq
-        total = sq if total is None else total + sq
-    if total is None:
-        total = torch.zeros((), device=sig.ctx.device)
+        total = total + sq
+    if module._pipe is not None:  # stages hold different parameters: sum over the pipeline axis
+        import torch.distributed as dist
+
+        dist.all_reduce(total, group=module._pipe.group)
     return total
 

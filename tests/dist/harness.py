@@ -12,6 +12,7 @@ reported after ``timeout`` seconds and the pool is torn down (the next case star
 """
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
 import queue
@@ -51,13 +52,16 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
         job = tasks.get()
         if job is None:
             break
-        key, name, args, kwargs = job
+        key, name, args, kwargs, timeout = job
+        # A case that hangs prints every rank's stack before the test reports the timeout.
+        faulthandler.dump_traceback_later(max(1.0, timeout - 5), exit=False)
         try:
             mod_name, fn_name = name.split(":")
             fn = getattr(importlib.import_module(mod_name), fn_name)
             out = ("ok", fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - reported to the test with the traceback
             out = ("error", traceback.format_exc())
+        faulthandler.cancel_dump_traceback_later()
         results.put((rank, key, out))
     dist.destroy_process_group()
 
@@ -102,7 +106,7 @@ class Pool:
         self._key += 1
         key = self._key
         for q in self.tasks:
-            q.put((key, name, args, kwargs))
+            q.put((key, name, args, kwargs, timeout))
         out, errors = [None] * self.world, {}
         deadline = time.time() + timeout
         got = 0
@@ -111,13 +115,16 @@ class Pool:
                 rank, k, res = self.results.get(timeout=max(0.1, deadline - time.time()))
             except queue.Empty:
                 self.close()
-                raise CaseError(f"case {name}{args} timed out after {timeout:.0f} s on ranks "
-                                f"{[r for r in range(self.world) if out[r] is None and r not in errors]}") from None
+                stuck = [r for r in range(self.world) if out[r] is None and r not in errors]
+                first = f"; rank {min(errors)} failed first:\n{errors[min(errors)]}" if errors else ""
+                raise CaseError(f"case {name} timed out after {timeout:.0f} s on ranks {stuck}{first}") from None
             if k != key:
                 continue
             got += 1
             if res[0] == "error":
                 errors[rank] = res[1]
+                deadlock_grace = time.time() + 20  # peers of a failed rank may wait for it forever
+                deadline = min(deadline, deadlock_grace)
             else:
                 out[rank] = res[1]
         if errors:

@@ -92,3 +92,9 @@ def grads_case(name: str, plan_json: str, *, options: dict | None = None) -> dic
     grads = {k: v.detach().cpu().clone() for k, v in pm.full_grads().items()}
     return {"loss": loss.item(), "grads": grads if dist.get_rank() == 0 else None,
             "executors": dict(pm.signature.executors)}
+
+
+def pipeline_case(name: str, plan_json: str, *, steps: int = cases.STEPS, lr: float = cases.LR) -> dict:
+    """Like :func:`train_case` for a pipelined plan (the micro-batch capture needs the loss_fn)."""
+    ex, _ = _example(name)
+    return train_case(name, plan_json, steps=steps, lr=lr, options={"loss_fn": ex.loss_fn}, measure=False)

@@ -1,0 +1,284 @@
+"""Pipeline stages of the per-rank graph, driven by ``torch.distributed.pipelining``.
+
+A plan with ``pipeline.stages`` (contiguous runs of plan nodes) runs along ``pipeline.axis``;
+its placements shard over the other axis. Steps:
+
+1. **Micro-batch graph.** The plan was made for the global batch; every stage runs one
+   micro-batch at a time, so the model is captured again at ``batch / microbatches`` and the
+   capture must have the same nodes (names and ops) as the plan's graph.
+2. **Per-rank graph** of that capture (``autopar.codegen.build`` on the sharding axis), every
+   per-rank node tagged with the plan node it came from.
+3. **Split** by the stages: stage ``k`` gets its nodes, reads parameters, buffers and constants
+   from the module's state, receives from stage ``k - 1`` everything it or a later stage needs
+   (user inputs enter at stage 0 and are passed along) and sends the same to stage ``k + 1``;
+   the last stage returns the micro-batch loss.
+4. **Schedule.** ``PipelineStage`` per local stage (``coordinate + j * P`` for virtual stages)
+   over the pipeline axis' process group, with ``ScheduleGPipe``, ``Schedule1F1B`` or
+   ``ScheduleInterleaved1F1B``. The loss of a step is the mean of the micro-batch losses,
+   broadcast to every rank; gradients are divided by the number of micro-batches (so they are
+   the full-batch gradients of a mean loss), then reduced over the sharding axis
+   (``GradSync.finish``), and parameters used by several stages (tied embeddings) have their
+   gradients summed over the pipeline axis.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+STATE_KINDS = ("param", "buffer", "constant", "none")
+
+
+@dataclasses.dataclass
+class StageGraph:
+    """One stage of the per-rank graph."""
+
+    index: int
+    gm: fx.GraphModule
+    """Takes (received values..., state values...) and returns the values to send, or the loss."""
+    inputs: list[str]
+    """Names of the received values (user inputs for stage 0)."""
+    state: list[int]
+    """Slot indices (into ``LocalSignature.slots``) of the state values it reads."""
+    outputs: list[str]
+    """Names of the values sent to the next stage (empty for the last: it returns the loss)."""
+    passthrough: list[bool]
+    """Per output: it is one of the stage's inputs, sent on unchanged."""
+    input_meta: list
+    """Per received value: (local shape, dtype, requires grad); stage 0: the global micro-batch."""
+    output_meta: list
+    """Per sent value (or the loss): (local shape, dtype, requires grad)."""
+
+
+# ---------------------------------------------------------------------- 1. micro-batch capture
+def microbatch_capture(model: nn.Module, captured, microbatches: int, loss_fn=None):
+    """The capture of ``model`` at ``batch / microbatches`` (see module docstring)."""
+    from profiler.capture import capture
+
+    (args, kwargs, target), _ = captured.ep.example_inputs
+
+    def cut(t):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        if t.shape[0] % microbatches:
+            raise ValueError(f"the batch dim {t.shape[0]} of an input does not divide into {microbatches} "
+                             f"micro-batches; use a batch size divisible by the micro-batch count")
+        return t[: t.shape[0] // microbatches]
+
+    args, kwargs, target = pytree.tree_map(cut, (args, kwargs, target))
+    cap = capture(model, args, kwargs, loss_fn=loss_fn, target=target)
+    want = [(n.name, str(n.target)) for n in captured.gm.graph.nodes]
+    got = [(n.name, str(n.target)) for n in cap.gm.graph.nodes]
+    if want != got:
+        diff = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+        raise ValueError(f"the micro-batch capture differs from the planned graph at node {diff} "
+                         f"({want[diff] if diff < len(want) else None} vs {got[diff] if diff < len(got) else None}): "
+                         f"the model's graph depends on the batch size; plan without a pipeline")
+    return cap
+
+
+# ---------------------------------------------------------------------- 3. split
+def _stage_of_nodes(gm: fx.GraphModule, plan) -> dict[fx.Node, int]:
+    plan_stage = {n: k for k, st in enumerate(plan.pipeline.stages) for n in st}
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        k = plan_stage.get(n.meta.get("autopar_origin"))
+        if k is None:  # get_attr and helpers without origin: with their first user
+            users = [u for u in n.users if u in out]
+            k = min((out[u] for u in users), default=0)
+        out[n] = k
+    # A node never runs before its inputs: force monotone stages in graph order.
+    for n in gm.graph.nodes:
+        if n in out:
+            out[n] = max([out[n]] + [out[a] for a in n.all_input_nodes if a in out])
+    return out
+
+
+def split_stages(gm: fx.GraphModule, plan, slots) -> list[StageGraph]:
+    """Cut the per-rank graph ``gm`` into the plan's stages (see module docstring)."""
+    n_stages = len(plan.pipeline.stages)
+    stage = _stage_of_nodes(gm, plan)
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    slot_of = {ph: i for i, ph in enumerate(phs)}
+    is_state = {ph: slots[slot_of[ph]].kind in STATE_KINDS for ph in phs}
+    loss = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    defined = [[n for n in gm.graph.nodes if stage.get(n) == k] for k in range(n_stages)]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    # needs[k]: values (not state) stage k reads from outside itself
+    needs = []
+    for k in range(n_stages):
+        mine = set(defined[k])
+        ext = {a for n in defined[k] for a in n.all_input_nodes if a not in mine and not is_state.get(a, False)}
+        if k == n_stages - 1 and loss not in mine:
+            ext.add(loss)
+        needs.append(ext)
+    recv = [set() for _ in range(n_stages)]
+    for k in range(n_stages - 1, 0, -1):
+        later = recv[k + 1] if k + 1 < n_stages else set()
+        recv[k] = needs[k] | (later - set(defined[k]))
+    user_inputs = [ph for ph in phs if not is_state[ph]]
+    leftover = (recv[1] if n_stages > 1 else set()) - set(defined[0]) - set(user_inputs)
+    if leftover:
+        raise ValueError(f"stage 1 needs values no stage before it defines: {sorted(n.name for n in leftover)}")
+    grad = _requires_grad(gm, slots, slot_of)
+    mesh_shape = slots_mesh_shape(slots, gm)
+    out = []
+    for k in range(n_stages):
+        ins = user_inputs if k == 0 else sorted(recv[k], key=order.get)
+        sends = sorted(recv[k + 1], key=order.get) if k + 1 < n_stages else []
+        sg = _stage_graph(gm, k, defined[k], ins, sends, loss if k == n_stages - 1 else None, is_state, slot_of)
+        sg.input_meta = [_meta(a, grad, mesh_shape, local=k > 0) for a in ins]
+        sg.output_meta = [_meta(a, grad, mesh_shape) for a in (sends or [loss])]
+        out.append(sg)
+    return out
+
+
+def slots_mesh_shape(slots, gm) -> tuple[int, ...]:
+    return tuple(gm.meta["autopar"].ctx.shape)
+
+
+def _meta(node: fx.Node, grad: dict, mesh_shape, local: bool = True):
+    from autopar import placement as pl
+
+    v = node.meta.get("val")
+    p = node.meta.get("autopar_pl")
+    shape = tuple(v.shape)
+    if local and p is not None and not isinstance(p, list):
+        shape = pl.local_shape(shape, p, mesh_shape)
+    return shape, v.dtype, bool(grad.get(node, False))
+
+
+def _requires_grad(gm: fx.GraphModule, slots, slot_of) -> dict:
+    """Which per-rank values carry gradients: parameters, and floating values computed from them."""
+    out = {}
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        floating = isinstance(v, torch.Tensor) and v.is_floating_point()
+        if n.op == "placeholder":
+            out[n] = floating and slots[slot_of[n]].kind == "param"
+        else:
+            out[n] = floating and any(out.get(a, False) for a in n.all_input_nodes)
+    return out
+
+
+def _stage_graph(gm, k, nodes, ins, sends, loss, is_state, slot_of) -> StageGraph:
+    g = fx.Graph()
+    env = {}
+    for a in ins:
+        env[a] = g.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    state = sorted({a for n in nodes for a in n.all_input_nodes if is_state.get(a, False)}, key=slot_of.get)
+    for a in state:
+        env[a] = g.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for n in nodes:
+        env[n] = g.node_copy(n, lambda x: env[x])
+    if loss is not None:
+        g.output(env[loss])
+    else:
+        g.output(tuple(env[s] for s in sends))
+    return StageGraph(index=k, gm=fx.GraphModule(gm, g), inputs=[a.name for a in ins],
+                      state=[slot_of[a] for a in state], outputs=[s.name for s in sends],
+                      passthrough=[s in set(ins) for s in sends], input_meta=[], output_meta=[])
+
+
+# ---------------------------------------------------------------------- 4. running
+class StageModule(nn.Module):
+    """What ``PipelineStage`` runs: received tensors in, tensors to send (or the loss) out."""
+
+    def __init__(self, sg: StageGraph, owner, first: bool):
+        super().__init__()
+        self.graph_module = sg.gm
+        self.sg = sg
+        self.first = first
+        object.__setattr__(self, "_owner", owner)  # the ParallelModule: state lives there
+
+    def forward(self, *received):
+        owner = self._owner
+        if self.first:  # global micro-batch in, this rank's shards out
+            received = tuple(owner._shard(x, s.placements) for x, s in zip(received, owner._input_slots()))
+        state = [owner._slot_value(i) for i in self.sg.state]
+        out = self.graph_module(*received, *state)
+        if isinstance(out, tuple):
+            # A value passed on unchanged is cloned: PipelineStage's backward needs outputs that
+            # are not its inputs.
+            out = tuple(o.clone() if p else o for o, p in zip(out, self.sg.passthrough))
+            return out[0] if len(out) == 1 else out
+        return out
+
+
+def _examples(metas, device, scale: int) -> tuple:
+    out = []
+    for shape, dtype, grad in metas:
+        t = torch.zeros(shape, dtype=dtype, device=device)
+        out.append(t.requires_grad_(grad) if dtype.is_floating_point else t)
+    return tuple(out)
+
+
+def _loss_is_output(output, target):
+    return output
+
+
+class PipelineRunner:
+    """The schedule of this rank's stages (see module docstring)."""
+
+    def __init__(self, owner, stages: list[StageGraph], plan, device_mesh):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        pipe = plan.pipeline
+        self.axis, self.m, self.n_stages = pipe.axis, pipe.microbatches, len(stages)
+        self.group = device_mesh.get_group(self.axis)
+        self.p = device_mesh.size(self.axis)
+        coord = device_mesh.get_local_rank(self.axis)
+        self.local = [s for s in range(self.n_stages) if s % self.p == coord]
+        if len(self.local) * self.p != self.n_stages:
+            raise ValueError(f"{self.n_stages} stages do not spread evenly over {self.p} ranks of the pipeline axis")
+        device = owner.signature.ctx.device
+        # Static shapes: the stage inputs and outputs are known from the plan, and PipelineStage's
+        # own shape inference would run the stages on uninitialised data (integer targets too).
+        self.stages = [PipelineStage(StageModule(stages[s], owner, s == 0), s, self.n_stages, device,
+                                     input_args=_examples(stages[s].input_meta, device, self.m if s == 0 else 1),
+                                     output_args=_examples(stages[s].output_meta, device, 1),
+                                     group=self.group)
+                       for s in self.local]
+        from torch.distributed.pipelining.microbatch import _CustomReducer
+
+        # The last stage returns a scalar loss per micro-batch: summed, not concatenated (the
+        # step's loss is taken from the per-micro-batch losses).
+        merge = _CustomReducer(torch.zeros(()), lambda a, b: a + b.detach().cpu())
+        kw = dict(n_microbatches=self.m, loss_fn=_loss_is_output, scale_grads=False, output_merge_spec=merge)
+        if pipe.schedule == "interleaved-1f1b" or len(self.stages) > 1:
+            self.schedule = ScheduleInterleaved1F1B(self.stages, **kw)
+        elif pipe.schedule == "1f1b":
+            self.schedule = Schedule1F1B(self.stages[0], **kw)
+        else:
+            self.schedule = ScheduleGPipe(self.stages[0], **kw)
+        ranks = dist.get_process_group_ranks(self.group)
+        self.last_rank = ranks[(self.n_stages - 1) % self.p]
+        self.device = device
+
+    def step(self, user_inputs: list[torch.Tensor]) -> torch.Tensor:
+        """One global batch through the pipeline; the mean micro-batch loss on every rank."""
+        batch = user_inputs[0].shape[0] if user_inputs else self.m
+        args = user_inputs if 0 in self.local else []
+        last = self.n_stages - 1 in self.local
+        losses: list = []
+        kwargs = {}
+        if last:
+            kwargs = {"target": torch.zeros(batch, device=self.device), "losses": losses}
+        self.schedule.step(*args, **kwargs)
+        loss = (torch.stack([x.detach() for x in losses]).mean() if last
+                else torch.zeros((), device=self.device))
+        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        return loss
+
+    def sum_over_stages(self, grads: list[torch.Tensor]) -> None:
+        """Sum gradients of parameters used by several stages over the pipeline axis."""
+        for g in grads:
+            dist.all_reduce(g, group=self.group)
