@@ -129,8 +129,9 @@ def compile(model, mesh=None, example_inputs=(), *, example_kwargs=None, loss_fn
     from autopar.runtime.module import ParallelModule
 
     init_distributed()
-    # Only offer the planner pipeline plans this runtime can run.
-    options.setdefault("pipeline", "auto" if runtime_supports_pipeline() else False)
+    # Pipeline plans are offered when asked for (pipeline=True / force="pp-tp"): the pipeline
+    # runtime is newer than the rest and not yet covered by the end-to-end family tests.
+    options.setdefault("pipeline", False)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     amesh, dm = _resolve_mesh(mesh, quiet)
@@ -161,20 +162,8 @@ def compile(model, mesh=None, example_inputs=(), *, example_kwargs=None, loss_fn
 
     validate_plan_for(gp.captured, plan, graph_hash=False)  # a hand-edited plan is named, not run
     _log(f"plan ready in {time.perf_counter() - t0:.1f} s\n{plan.summary()}", quiet)
-    if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
-        from autopar.runtime.pipeline import PipelineModule
-
-        return PipelineModule(model, gp.captured, plan, dm, debug=debug, backend=backend)
+    # ParallelModule runs pipelined plans too (stages driven by torch.distributed.pipelining).
     return ParallelModule(model, gp.captured, plan, dm, debug=debug, backend=backend)
-
-
-def runtime_supports_pipeline() -> bool:
-    """Whether this build's runtime can execute pipelined plans."""
-    try:
-        from autopar.runtime.pipeline import PipelineModule  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 _FAIL = "\x00autopar-plan-failed: "
