@@ -54,6 +54,8 @@ class Slot:
     """Placement of the local tensor this rank passes in."""
     shape: tuple[int, ...]
     """Global shape."""
+    used: bool = True
+    """False for a placeholder no op reads (export reads a tensor passed twice through one)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -208,7 +210,24 @@ class _Lowering:
             return self._parse(np_.outputs[0], f"nodes.{node.name}.outputs[0]")
         if kind == "param":
             raise CodegenError(f"the plan stores no placement for parameter {name!r}; re-plan this model")
-        return self._R()
+        return self._placement_from_users(node)
+
+    def _placement_from_users(self, node) -> Placements:
+        """An input the plan does not place: as its consumers all want it (cutting the batch at
+        the entry costs what cutting it at the first op would), else replicated."""
+        wanted = set()
+        for user in node.users:
+            np_ = self.plan.nodes.get(user.name)
+            if np_ is None or user.op == "output":
+                return self._R()
+            ins = user.all_input_nodes
+            if len(np_.inputs) != len(ins):
+                return self._R()
+            p = np_.inputs[ins.index(node)]
+            if p is None:
+                return self._R()
+            wanted.add(self._parse(p, f"nodes.{user.name}.inputs"))
+        return wanted.pop() if len(wanted) == 1 else self._R()
 
     def outputs_of(self, node) -> list[Placements]:
         if node.name in self.out_pl:
@@ -369,7 +388,7 @@ class _Lowering:
         kind, name = self.kinds.get(node.name, ("constant", node.name))
         vals = _vals(node)
         self.sig_slots.append(Slot(kind=kind, name=name, placements=self.placeholder_pl(node),
-                                   shape=tuple(vals[0].shape) if vals else ()))
+                                   shape=tuple(vals[0].shape) if vals else (), used=bool(node.users)))
 
     def _get_attr(self, node):
         obj = self.cap.gm

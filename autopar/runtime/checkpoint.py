@@ -53,6 +53,11 @@ def _outline(gm: fx.GraphModule, rid: int, members: list[fx.Node]) -> None:
         for a in n.all_input_nodes:
             if a not in inside and a not in inputs:
                 inputs.append(a)
+    # An input defined between the region's nodes (a submodule's get_attr) moves before it.
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for a in inputs:
+        if position[a] > position[members[0]]:
+            members[0].prepend(a)
     outputs = [n for n in members if any(u not in inside for u in n.users)]
     if not outputs:
         return  # nothing used outside (cannot happen for a region on the way to the loss)

@@ -214,6 +214,9 @@ class ParallelModule(nn.Module):
                 continue  # a None input: a constant of the graph
             s = slots[name]
             x = x.to(ctx.device)
+            if not s.used:
+                out[name] = x  # read by no op
+                continue
             if self._inputs_sharded:
                 want = pl.local_shape(s.shape, s.placements, ctx.shape)
                 if tuple(x.shape) != want:

@@ -208,7 +208,7 @@ class StageModule(nn.Module):
         if isinstance(out, tuple):
             # A value passed on unchanged is cloned: PipelineStage's backward needs outputs that
             # are not its inputs.
-            out = tuple(o.clone() if p else o for o, p in zip(out, self.sg.passthrough))
+            out = tuple((o.clone() if p else o).contiguous() for o, p in zip(out, self.sg.passthrough))
             return out[0] if len(out) == 1 else out
         return out
 

@@ -101,8 +101,9 @@ class Pool:
 
     def run(self, name: str, *args, timeout: float = 600.0, **kwargs) -> list:
         """Run ``name(*args, **kwargs)`` on every rank; the results in rank order."""
-        if not self.alive:
-            raise CaseError("the worker pool is not running (a previous case killed it)")
+        if not self.alive:  # a previous case failed with a hang: start a fresh pool
+            self.close()
+            self.start()
         self._key += 1
         key = self._key
         for q in self.tasks:

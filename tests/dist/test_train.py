@@ -48,7 +48,8 @@ def check_case(pool, name: str, plan_json: str, label: str, **options) -> dict:
     """Run one case on the pool and assert it matches the single-device reference."""
     from autopar.plan import Plan
 
-    res = pool.run("workers:train_case", name, plan_json, options=options or None)
+    res = pool.run("workers:train_case", name, plan_json, options=options or None,
+                   measure=not options.get("loss_fn") and "pp" not in label)
     r0, ref = res[0], _ref(name)
     assert len({r["digests"][0] for r in res}) == 1, f"{label}: ranks hold different full states"
     assert all(r["losses"] == r0["losses"] for r in res), f"{label}: ranks report different losses"
@@ -68,6 +69,51 @@ def check_case(pool, name: str, plan_json: str, label: str, **options) -> dict:
 @pytest.mark.parametrize("name", ZOO)
 def test_family(pool, name, family):
     check_case(pool, name, _plan(name, family), f"{name}/{family}")
+
+
+_MATMULS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default", "aten.matmul.default")
+
+
+def recompute_and_chunk(plan_json: str, name: str, chunks: int = 2) -> str:
+    """The plan with every op recomputed in backward and every matmul in ``chunks`` pieces."""
+    from autopar.plan import Plan
+
+    plan = Plan.from_json(plan_json)
+    cap = _captured(name)
+    for node in cap.gm.graph.nodes:
+        np_ = plan.nodes.get(node.name)
+        if np_ is None or node.op != "call_function":
+            continue
+        np_.recompute = True
+        if str(node.target) in _MATMULS:
+            np_.chunks = chunks
+    return plan.to_json()
+
+
+@functools.lru_cache(maxsize=None)
+def _captured(name: str):
+    return cases.capture(cases.example(name))
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_checkpoint_and_chunks(pool, name):
+    """Megatron TP with every op recomputed and every matmul split in 2 chunks (collectives of
+    chunked matmuls asynchronous) gives the same numbers."""
+    family = "megatron-axis1"
+    check_case(pool, name, recompute_and_chunk(_plan(name, family), name), f"{name}/{family}+ckpt+x2")
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_pipeline(pool, name):
+    """2 pipeline stages x 2-way tensor parallel, 2 micro-batches (1F1B), tied weights included."""
+    from autopar.plan import Plan
+
+    plan = Plan.from_json(_plan(name, "pp-tp"))
+    if plan.pipeline is None or len(plan.pipeline.stages) != 2:
+        pytest.skip(f"the planner's pp-tp plan for {name} has no 2 pipeline stages")
+    plan.pipeline.microbatches = 2  # batch 4: micro-batches of 2 keep the graph free of batch-1 special cases
+    ex = cases.example(name)
+    check_case(pool, name, plan.to_json(), f"{name}/pp-tp", loss_fn=ex.loss_fn)
 
 
 def test_report_memory(capsys):

@@ -1,0 +1,136 @@
+"""ParallelModule on 8 simulated ranks (a 2x4 mesh) in one process: LocalTensorMode with the
+fake process group runs every rank's local shards and collectives.
+
+Planner plans of several families train GPT-2 and Llama with the numbers of one device (two
+AdamW steps); the module's names, tied weights, global gradient clipping and pre-sharded inputs
+behave as on one device.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
+import cases  # noqa: E402
+
+from torch.distributed._local_tensor import LocalTensor, LocalTensorMode  # noqa: E402
+
+SHAPE = (2, 4)
+WORLD = 8
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    yield init_device_mesh("cpu", SHAPE, mesh_dim_names=("dp", "tp"))
+    dist.destroy_process_group()
+
+
+def _r(t):
+    return t.reconcile() if isinstance(t, LocalTensor) else t
+
+
+@functools.lru_cache(maxsize=None)
+def _setup(name: str, family: str):
+    ex = cases.example(name, batch=8)
+    return ex, cases.capture(ex), cases.planner_plan(ex, family, mesh_shape=SHAPE)
+
+
+def _train(ex, cap, plan, dm, steps=2, **options):
+    with LocalTensorMode(WORLD):
+        from autopar.runtime.module import ParallelModule
+
+        pm = ParallelModule(ex.model, cap, plan, dm, **options)
+        opt = torch.optim.AdamW(pm.parameters(), lr=cases.LR, eps=cases.EPS)
+        losses, grads = [], None
+        for i in range(steps):
+            loss = pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+            if i == 0:
+                grads = {k: _r(v) for k, v in pm.full_grads().items()}
+            opt.step()
+            opt.zero_grad()
+            losses.append(_r(loss).item())
+        state = {k: _r(v) for k, v in pm.full_state_dict().items()}
+    return pm, losses, grads, state
+
+
+@pytest.mark.parametrize("name,family", [("gpt2", "dp"), ("gpt2", "megatron-axis1"), ("gpt2", "atp-col-first"),
+                                         ("gpt2", "zero3"), ("llama", "atp-row-first"), ("llama", "megatron-axis0")])
+def test_matches_one_device(mesh, name, family):
+    ex, cap, plan = _setup(name, family)
+    ref = cases.reference(ex, steps=2)
+    _, losses, grads, state = _train(ex, cap, plan, mesh)
+    assert cases.loss_err(losses, ref["losses"]) < TOL, (losses, ref["losses"])
+    assert cases.grad_err(grads, ref["grads"]) < TOL
+    err = cases.compare_state(state, ref["state"])
+    assert err["global"] < TOL, err
+
+
+def test_names_and_tied_weights(mesh):
+    ex, cap, plan = _setup("gpt2", "megatron-axis1")
+    with LocalTensorMode(WORLD):
+        from autopar.runtime.module import ParallelModule
+
+        pm = ParallelModule(ex.model, cap, plan, mesh)
+    assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ex.model.named_parameters()]
+    assert [n for n, _ in pm.named_buffers()] == [n for n, _ in ex.model.named_buffers()]
+    assert pm.lm_head.weight is pm.transformer.wte.weight  # one Parameter under both names
+    # Local shards have the shapes the stored placements imply.
+    from autopar import placement as pl
+
+    for fqn, text in plan.params.items():
+        full = dict(ex.model.named_parameters(remove_duplicate=False))[fqn]
+        assert tuple(pm.get_parameter(fqn).shape) == pl.local_shape(tuple(full.shape), pl.parse(text), SHAPE), fqn
+
+
+def test_clip_grad_norm_is_global(mesh):
+    ex, cap, plan = _setup("gpt2", "atp-col-first")
+    model = copy.deepcopy(ex.model)
+    cases._call(model, ex).backward()
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+    clipped = {k: p.grad for k, p in model.named_parameters()}
+    with LocalTensorMode(WORLD):
+        from autopar.runtime.module import ParallelModule
+
+        pm = ParallelModule(ex.model, cap, plan, mesh)
+        pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+        got = _r(pm.clip_grad_norm_(0.05))
+        grads = {k: _r(v) for k, v in pm.full_grads().items()}
+    assert abs(got.item() - want.item()) / want.item() < TOL
+    assert cases.grad_err({k: grads[k] for k in clipped}, clipped) < TOL
+
+
+def test_inputs_sharded(mesh):
+    """Each rank passes its own slice of the batch (as a DistributedSampler would)."""
+    ex, cap, plan = _setup("gpt2", "dp")
+    ref = cases.reference(ex, steps=1)
+    from autopar import placement as pl
+
+    ids = ex.args[0]
+    with LocalTensorMode(WORLD) as mode:
+        from autopar.runtime.module import ParallelModule
+
+        pm = ParallelModule(ex.model, cap, plan, mesh, inputs_sharded=True)
+        slots = {s.name: s.placements for s in pm.signature.slots if s.kind == "input"}
+        # (ids and labels are one tensor: export reads it through one placeholder)
+        assert pl.parse("S(0)S(0)") in slots.values(), f"data parallel splits the batch over both axes: {slots}"
+        local = mode.rank_map(lambda r: ids[r:r + 1].clone())  # rank (i, j) holds sample 4 i + j
+        loss = pm.train_step(local, labels=local)
+        grads = {k: _r(v) for k, v in pm.full_grads().items()}
+    assert abs(_r(loss).item() - ref["losses"][0]) / ref["losses"][0] < TOL
+    assert cases.grad_err(grads, ref["grads"]) < TOL
+    with LocalTensorMode(WORLD):
+        with pytest.raises(ValueError, match="inputs_sharded=True"):
+            pm.train_step(ids, labels=ids)  # the global batch is not a shard
