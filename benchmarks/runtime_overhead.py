@@ -12,7 +12,7 @@
     batch replicated). RATIO = autopar / DTensor;
     target <= 1.0.
 
-The model is HF ``GPT2LMHeadModel`` (4 layers, hidden 256, 4 heads, vocab 2048, batch 8 x 128).
+The model is HF ``GPT2LMHeadModel`` (2 layers, hidden 256, 4 heads, vocab 2048, batch 8 x 128).
 PyTorch's ``ColwiseParallel``/``RowwiseParallel`` accept only ``nn.Linear`` and ``nn.Embedding``,
 and GPT-2 stores its projections as ``Conv1D`` (weight ``(in, out)``), so the hand-written side
 converts each ``Conv1D`` to the equivalent ``nn.Linear`` (weight transposed) and reorders the fused
@@ -36,7 +36,7 @@ import warnings
 
 from launch import launch
 
-GPT2 = dict(layers=4, hidden=256, heads=4, vocab=2048, batch=8, seq=128)
+GPT2 = dict(layers=2, hidden=256, heads=4, vocab=2048, batch=8, seq=128)
 
 
 def _example():
