@@ -95,12 +95,18 @@ class ParallelModule(nn.Module):
                                       "global batch (the first stage cuts micro-batches and shards)")
         stages = split_stages(gm, self.plan, self._sig.slots)
         self._grad_sync.enabled = False  # gradients are reduced once, after the last micro-batch
-        uses: dict[str, set] = {}
+        from autopar.codegen.lower import canonical_fqns
+
+        canon = canonical_fqns(self._captured)
+        uses: dict[str, set] = {}  # by the first name of a (possibly tied) tensor
         for sg in stages:
             for i in sg.state:
                 s = self._sig.slots[i]
                 if s.kind in ("param", "buffer"):
-                    uses.setdefault(s.name, set()).add(sg.index)
+                    uses.setdefault(canon.get(s.name, s.name), set()).add(sg.index)
+        for s in self._sig.slots:
+            if s.kind in ("param", "buffer") and canon.get(s.name, s.name) in uses:
+                uses.setdefault(s.name, uses[canon.get(s.name, s.name)])
         object.__setattr__(self, "_stage_uses", uses)
         object.__setattr__(self, "_pipe", PipelineRunner(self, stages, self.plan, device_mesh))
 
@@ -274,8 +280,8 @@ class ParallelModule(nn.Module):
                 if p.grad is not None:
                     p.grad.div_(self._pipe.m)
             self._grad_sync.finish(force=True)
-            shared = [self._get(n) for n, st in sorted(self._stage_uses.items()) if len(st) > 1
-                      and isinstance(self._get(n), nn.Parameter)]
+            shared = list({id(p): p for p in (self._get(n) for n, st in sorted(self._stage_uses.items())
+                                               if len(st) > 1) if isinstance(p, nn.Parameter)}.values())
             for p in shared:  # e.g. a tied embedding used by the first and the last stage
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

@@ -108,6 +108,9 @@ def test_pipeline(pool, name):
     """2 pipeline stages x 2-way tensor parallel, 2 micro-batches (1F1B), tied weights included."""
     from autopar.plan import Plan
 
+    if name == "resnet":
+        pytest.skip("batch norm normalises each micro-batch with its own statistics (as gradient accumulation "
+                    "does): a pipelined ResNet does not compute the full-batch numbers")
     plan = Plan.from_json(_plan(name, "pp-tp"))
     if plan.pipeline is None or len(plan.pipeline.stages) != 2:
         pytest.skip(f"the planner's pp-tp plan for {name} has no 2 pipeline stages")
