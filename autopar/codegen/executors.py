@@ -68,7 +68,7 @@ def fill(tmpl, values: Sequence[Any]):
     if isinstance(tmpl, In):
         return values[tmpl.i]
     if isinstance(tmpl, (list, tuple)):
-        return type(tmpl)(fill(x, values) for x in tmpl)
+        return type(tmpl)([fill(x, values) for x in tmpl])  # (a list, not a generator: Dynamo traces it)
     if isinstance(tmpl, dict):
         return {k: fill(v, values) for k, v in tmpl.items()}
     return tmpl
