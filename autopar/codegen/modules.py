@@ -1,0 +1,70 @@
+"""The modules a per-rank graph calls besides node executors: resharding edges, write-backs of
+in-place updates, and the debug shape check."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar.codegen.context import MeshContext
+from autopar.runtime.reshard import Reshard
+
+
+def _label(steps, names) -> str:
+    return "+".join(f"{s.kind}[{names[s.axis]}]" for s in steps if s.kind != "noop") or "-"
+
+
+class ReshardModule(nn.Module):
+    """One edge: forward ``src -> dst`` steps, backward ``grad_dst -> grad_src`` steps."""
+
+    def __init__(self, fwd, bwd, ctx: MeshContext, shape, what: str):
+        super().__init__()
+        self.fwd, self.bwd, self.ctx, self.shape = tuple(fwd), tuple(bwd), ctx, tuple(shape)
+        self.label = f"{_label(self.fwd, ctx.axis_names)} / bwd {_label(self.bwd, ctx.axis_names)}"
+        self.what = what
+
+    def extra_repr(self) -> str:
+        return f"{self.what}: {self.label}"
+
+    def forward(self, x):
+        return Reshard.apply(x, self.fwd, self.bwd, self.ctx.device_mesh, self.shape)
+
+
+def _attr_name(label: str, taken: set) -> str:
+    base = label.replace(" / bwd ", "__bwd_").replace("+", "_").replace("[", "_").replace("]", "").replace("-", "none")
+    name, k = base, 1
+    # Never shadow a GraphModule attribute (a node named ``to`` would replace ``Module.to``).
+    while name in taken or hasattr(fx.GraphModule, name):
+        name, k = f"{base}_{k}", k + 1
+    taken.add(name)
+    return name
+
+
+class WriteBack(nn.Module):
+    """Copy an in-place update made on a resharded copy back into the stored tensor."""
+
+    def __init__(self, steps, ctx: MeshContext, what: str):
+        super().__init__()
+        self.steps, self.ctx, self.what = tuple(steps), ctx, what
+        self.label = f"write back {_label(self.steps, ctx.axis_names)}"
+
+    def extra_repr(self) -> str:
+        return f"{self.what}: {self.label}"
+
+    def forward(self, stored, written, after=None):  # ``after``: orders the call after the writer
+        from autopar.runtime.reshard import apply_steps
+
+        with torch.no_grad():
+            stored.copy_(apply_steps(written, self.steps, self.ctx.device_mesh))
+
+
+def check_local(name: str, expected: list, value):
+    """Debug check: each local tensor output has the shape its placement implies."""
+    got = [t for t in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(t, torch.Tensor)]
+    for k, (want, t) in enumerate(zip(expected, got)):
+        if want is not None and tuple(t.shape) != tuple(want):
+            raise RuntimeError(f"node {name!r} output {k}: local shape {tuple(t.shape)} but its placement "
+                               f"implies {tuple(want)}; the node's local implementation or the plan is wrong")
+    return value
+
+
