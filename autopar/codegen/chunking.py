@@ -68,7 +68,9 @@ def emit_chunked(low, node, k: int) -> bool:
     steps = lambda ss: "+".join(f"{s.kind}[{names[s.axis]}]" for s in ss) or "-"  # noqa: E731
     label = (f"{node.name}: input {steps(in_fwd)} / bwd {steps(in_bwd)}, "
              f"output {steps(out_fwd)} / bwd {steps(out_bwd)}")
-    chunked = ChunkedOp(op, k, dim, xi, in_fwd, in_bwd, out_fwd, out_bwd, low.ctx.device_mesh, label)
+    np_ = low.plan.nodes[node.name]
+    chunked = ChunkedOp(op, k, dim, xi, in_fwd, in_bwd, out_fwd, out_bwd, low.ctx.device_mesh, label,
+                        keep_graphs=not np_.recompute)
     name = low.add_module(f"{node.name}_x{k}", chunked)
     new = low.graph.call_module(name, tuple(ins))
     new.meta["val"] = node.meta.get("val")

@@ -74,8 +74,12 @@ class ChunkedOp(nn.Module):
     """
 
     def __init__(self, op: Callable, k: int, dim: int, x_index: int, in_fwd, in_bwd, out_fwd, out_bwd,
-                 device_mesh, label: str):
+                 device_mesh, label: str, keep_graphs: bool = True):
         super().__init__()
+        # keep_graphs=False (inside a recomputed region): save only the chunks' inputs, through
+        # autograd's saved-tensor hooks so checkpointing can drop them, and rerun each chunk's op
+        # in backward. True: keep each chunk's autograd graph from forward (no recompute).
+        self.keep_graphs = keep_graphs
         self.op, self.k, self.dim, self.x_index = op, k, dim, x_index
         self.in_fwd, self.in_bwd = tuple(in_fwd), tuple(in_bwd)
         self.out_fwd, self.out_bwd = tuple(out_fwd), tuple(out_bwd)
@@ -96,23 +100,51 @@ class _Chunked(torch.autograd.Function):
         gathers = [_Pending(c, mod.in_fwd, mod.dm) for c in x.chunk(mod.k, mod.dim)]
         others = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and
                   t.is_floating_point() else t for t in xs]
-        pieces, saved = [], []
+        pieces, saved, chunks_in = [], [], []
         for g in gathers:
             xi = g.wait().detach().requires_grad_(x.requires_grad)
             args = list(others)
             args[mod.x_index] = xi
-            with torch.enable_grad():
+            if mod.keep_graphs:
+                with torch.enable_grad():
+                    yi = mod.op(*args)
+                saved.append((xi, args, yi))
+            else:
                 yi = mod.op(*args)
-            saved.append((xi, args, yi))
+                chunks_in.append(xi.detach())
             pieces.append(_Pending(yi.detach(), mod.out_fwd, mod.dm))  # reduce chunk i now
         out = torch.cat([p.wait() for p in pieces], dim=mod.dim)
+        if not mod.keep_graphs:
+            tensors = [t for t in xs if isinstance(t, torch.Tensor)]
+            ctx.save_for_backward(*chunks_in, *tensors)
+            ctx.n_chunks = len(chunks_in)
         ctx.mod, ctx.saved, ctx.n_in = mod, saved, len(xs)
+        ctx.is_tensor = [isinstance(t, torch.Tensor) for t in xs]
+        ctx.others = [None if isinstance(t, torch.Tensor) else t for t in xs]
         ctx.needs = [isinstance(t, torch.Tensor) and t.requires_grad for t in xs]
         return out
 
     @staticmethod
+    def _rebuild(ctx):
+        """The chunks' graphs again, from the saved inputs (``keep_graphs=False``)."""
+        mod, st = ctx.mod, list(ctx.saved_tensors)
+        chunks, rest = st[:ctx.n_chunks], iter(st[ctx.n_chunks:])
+        xs = [next(rest) if is_t else o for is_t, o in zip(ctx.is_tensor, ctx.others)]
+        others = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and
+                  t.is_floating_point() else t for t in xs]
+        saved = []
+        for c in chunks:
+            xi = c.detach().requires_grad_(ctx.needs[mod.x_index])
+            args = list(others)
+            args[mod.x_index] = xi
+            with torch.enable_grad():
+                saved.append((xi, args, mod.op(*args)))
+        return saved
+
+    @staticmethod
     def backward(ctx, grad):
-        mod, saved = ctx.mod, ctx.saved
+        mod = ctx.mod
+        saved = ctx.saved if mod.keep_graphs else _Chunked._rebuild(ctx)
         grads_in = [None] * ctx.n_in
         # Reduce-side gradient steps of every chunk are launched first, then each chunk's
         # backward runs and its gather-side gradient (a reduce-scatter) goes out at once.
