@@ -19,11 +19,8 @@ def plan(model, mesh, example_inputs=(), **kwargs) -> Plan:
     return _plan(model, mesh, example_inputs, **kwargs)
 
 
-def calibrate(device_mesh, **kwargs):
-    """Measure alpha/beta per mesh axis and the device's FLOP/s on the live process group."""
-    from autopar.calibrate import calibrate as _calibrate
-
-    return _calibrate(device_mesh, **kwargs)
+# Imported here, not lazily: importing the submodule later would rebind ``autopar.calibrate`` to it.
+from autopar.calibrate import calibrate  # noqa: E402
 
 
 def compile(model, mesh=None, example_inputs=(), **kwargs):  # noqa: A001 - the public name
