@@ -163,7 +163,7 @@ def compile(model, mesh=None, example_inputs=(), *, example_kwargs=None, loss_fn
     validate_plan_for(gp.captured, plan, graph_hash=False)  # a hand-edited plan is named, not run
     _log(f"plan ready in {time.perf_counter() - t0:.1f} s\n{plan.summary()}", quiet)
     # ParallelModule runs pipelined plans too (stages driven by torch.distributed.pipelining).
-    return ParallelModule(model, gp.captured, plan, dm, debug=debug, backend=backend)
+    return ParallelModule(model, gp.captured, plan, dm, debug=debug, backend=backend, loss_fn=loss_fn)
 
 
 _FAIL = "\x00autopar-plan-failed: "
