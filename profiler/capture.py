@@ -25,6 +25,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from .fastexport import trimmed_export
+
 #: Prefix export gives to FQNs of the wrapped model (the wrapper holds it as ``self.model``).
 _PREFIX = "model."
 
@@ -174,12 +176,24 @@ def capture(model: nn.Module, args, kwargs: dict | None = None, *, loss_fn: Call
     wrapper = _LossModule(model, loss_fn)
     with _export_context(stack_traces):
         try:
-            ep = torch.export.export(wrapper, (args, kwargs, target), strict=False)
+            ep = _export(wrapper, (args, kwargs, target))
         except CaptureError:
             raise
         except Exception as e:  # export raises many types; all are reported the same way
             raise _capture_error(model, e) from e
     return _build_captured(ep, model)
+
+
+def _export(wrapper: nn.Module, inputs: tuple) -> torch.export.ExportedProgram:
+    """``torch.export.export(strict=False)`` with its redundant passes trimmed (see
+    :mod:`profiler.fastexport`); plain export when a failure comes from the trimmed path itself."""
+    with trimmed_export() as trimming:
+        try:
+            return torch.export.export(wrapper, inputs, strict=False)
+        except Exception as e:
+            if not trimming.caused(e):
+                raise  # the model's own failure: plain export would fail the same way
+    return torch.export.export(wrapper, inputs, strict=False)
 
 
 @contextlib.contextmanager
