@@ -10,8 +10,12 @@ For each config (built on the meta device; nothing real is allocated) it prints:
   backward under ``FlopCounterMode`` (what any FLOP count costs at least);
 - the ratio profiler / bare (target: <= 1.5), and the profile's headline figures.
 
-Each time is the best of ``--repeat`` runs after one warm-up on a small model (imports, lazy
-initialisation and caches are not what is measured).
+Every judged figure is COLD: each run is a fresh Python process that imports, warms up on the
+small zoo models (imports, lazy initialisation, nothing of the measured config), then times one
+profile, or one bare pass, of the big config. Profiler and bare processes alternate, ``--repeat``
+of each; the best of each is reported, in wall time and in the process's CPU time (the machine
+may be shared: CPU time is less sensitive to other load). The WARM line is a second profile of
+the same config in the same process (fake-tensor caches filled), printed separately.
 
 ``--gpu-memory`` (needs CUDA) also trains mid-size GPT-2 and Llama configs on the GPU and prints
 the predicted peak of a steady-state AdamW step next to ``torch.cuda.max_memory_allocated``, in
@@ -21,13 +25,16 @@ and for the captured program (``ep.module()``, the graph the profile describes).
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
 
 from autopar import zoo  # noqa: E402
 from profiler.capture import capture  # noqa: E402
@@ -40,29 +47,31 @@ def _loss(ex):
     return ex.loss_fn(out, ex.target) if ex.loss_fn is not None else out.loss
 
 
-def time_profiler(name: str):
-    """(seconds for build, capture, profile; the GraphProfile)."""
-    t0 = time.perf_counter()
+def time_profiler(name: str) -> dict:
+    """Wall and CPU seconds of build + capture + profile; the profile's headline figures."""
+    w0, c0 = time.perf_counter(), time.process_time()
     ex = zoo.build(name, device="meta")
-    t1 = time.perf_counter()
+    w1 = time.perf_counter()
     cap = capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
-    t2 = time.perf_counter()
+    w2 = time.perf_counter()
     prof = profile_captured(cap)
-    t3 = time.perf_counter()
-    return (t1 - t0, t2 - t1, t3 - t2), prof
+    w3, c3 = time.perf_counter(), time.process_time()
+    return {"wall": w3 - w0, "cpu": c3 - c0, "build": w1 - w0, "capture": w2 - w1, "profile": w3 - w2,
+            "prof": prof}
 
 
-def time_bare(name: str) -> tuple[float, int]:
-    """Seconds for build + fake forward + backward under FlopCounterMode; its FLOP total."""
+def time_bare(name: str) -> dict:
+    """Wall and CPU seconds of build + fake forward + backward under FlopCounterMode; its FLOPs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    t0 = time.perf_counter()
+    w0, c0 = time.perf_counter(), time.process_time()
     with FakeTensorMode():
         ex = zoo.build(name)
         with FlopCounterMode(display=False) as counter:
             _loss(ex).backward()
-    return time.perf_counter() - t0, counter.get_total_flops()
+    return {"wall": time.perf_counter() - w0, "cpu": time.process_time() - c0,
+            "flops": counter.get_total_flops()}
 
 
 def warm_up() -> None:
@@ -70,6 +79,58 @@ def warm_up() -> None:
         ex = zoo.build(small)
         profile_captured(capture(ex.model, ex.args, ex.kwargs))
         time_bare(small)
+
+
+def worker(kind: str, name: str) -> None:
+    """One cold measurement in this (fresh) process; prints one JSON line."""
+    warm_up()
+    if kind == "bare":
+        print(json.dumps(time_bare(name)))
+        return
+    cold = time_profiler(name)
+    prof = cold.pop("prof")
+    warm = time_profiler(name)
+    warm.pop("prof")
+    mem = prof.memory("adamw", torch.float32)
+    summary = (f"{len(prof.nodes)} nodes, layers {[g.count for g in prof.layers]}; "
+               f"FLOPs fwd {format_flops(prof.fwd_flops)}, bwd {format_flops(prof.bwd_flops)}; "
+               f"params {format_bytes(prof.param_bytes)}, saved {format_bytes(prof.saved_bytes)}, "
+               f"peak fp32 AdamW {format_bytes(mem.peak)} ({mem.phase})")
+    print(json.dumps({**cold, "warm": warm, "summary": summary}))
+
+
+def _spawn(kind: str, name: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", kind, name], env=env,
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{kind} worker for {name} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compare(name: str, repeat: int) -> None:
+    """Alternate fresh profiler and bare processes; print the best cold figures and the ratios."""
+    profs, bares = [], []
+    for _ in range(repeat):
+        profs.append(_spawn("profiler", name))
+        bares.append(_spawn("bare", name))
+    best = min(profs, key=lambda r: r["wall"])
+    bare_wall, bare_cpu = min(b["wall"] for b in bares), min(b["cpu"] for b in bares)
+    prof_cpu = min(p["cpu"] for p in profs)
+    warm = min((p["warm"] for p in profs), key=lambda r: r["wall"])
+    print(f"\n{name}: {best['summary']}")
+    print(f"  profiler  {best['wall']:6.2f} s  (build {best['build']:.2f} + capture {best['capture']:.2f} + "
+          f"profile {best['profile']:.2f}); CPU {prof_cpu:.2f} s   [cold, best of {repeat}]")
+    print(f"  bare      {bare_wall:6.2f} s  (FakeTensorMode build + FlopCounterMode fwd+bwd); "
+          f"CPU {bare_cpu:.2f} s   [cold, best of {repeat}]")
+    print(f"  RATIO     {best['wall'] / bare_wall:6.2f}   (wall; target <= 1.5); CPU {prof_cpu / bare_cpu:.2f}")
+    print(f"  all runs  profiler {_fmt_runs(profs)}; bare {_fmt_runs(bares)}")
+    print(f"  warm      {warm['wall']:6.2f} s  (capture {warm['capture']:.2f} + profile {warm['profile']:.2f}; "
+          f"second profile in the same process, not judged)")
+
+
+def _fmt_runs(runs: list[dict]) -> str:
+    return " ".join(f"{r['wall']:.2f}" for r in runs) + " s"
 
 
 #: Mid-size configs for the GPU check: big enough that cuBLAS workspaces and allocator rounding are
@@ -142,25 +203,14 @@ def main(argv=None) -> None:
                         help="big configs to time (none: skip the timing)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--gpu-memory", action="store_true", help="also check the peak on the GPU")
+    parser.add_argument("--worker", nargs=2, metavar=("KIND", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        worker(*args.worker)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
-    if args.configs:
-        warm_up()
     for name in args.configs:
-        runs = [time_profiler(name) for _ in range(args.repeat)]
-        (build, cap, prof_s), prof = min(runs, key=lambda r: sum(r[0]))
-        bare, bare_flops = min((time_bare(name) for _ in range(args.repeat)), key=lambda r: r[0])
-        total = build + cap + prof_s
-        print(f"\n{name}: {len(prof.nodes)} nodes, layers {[g.count for g in prof.layers]}")
-        print(f"  profiler  {total:6.2f} s  (build {build:.2f} + capture {cap:.2f} + profile {prof_s:.2f})")
-        print(f"  bare      {bare:6.2f} s  (FakeTensorMode build + FlopCounterMode fwd+bwd)")
-        print(f"  ratio     {total / bare:6.2f}   (target <= 1.5)")
-        print(f"  FLOPs fwd {format_flops(prof.fwd_flops)}, bwd {format_flops(prof.bwd_flops)}; "
-              f"bare FlopCounterMode {format_flops(bare_flops)} (no CPU attention formula)")
-        mem = prof.memory("adamw", torch.float32)
-        print(f"  params {format_bytes(prof.param_bytes)}, saved {format_bytes(prof.saved_bytes)}, "
-              f"peak fp32 AdamW {format_bytes(mem.peak)} ({mem.phase}), "
-              f"bf16-mixed {format_bytes(prof.peak_bytes('adamw', 'bf16-mixed'))}")
+        compare(name, args.repeat)
     if args.gpu_memory:
         print("\npeak memory of a steady-state AdamW step on the GPU (predicted / measured):")
         gpu_memory_check()
