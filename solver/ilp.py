@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from .compat import make_solver
+from .compat import ArrayModel, solve_model
 from .evaluate import describe_terms, evaluate, memory_terms
 from .families import decompose
 from .model import Infeasible, Problem, Solution, SolverError, fmt_bytes
@@ -70,18 +70,30 @@ class _Result:
     counts: dict[int, int]
     gap: float
     seconds: float
+    objective: float = math.nan
+    """Seconds of the ILP's own objective (without ``const_time``), from the solver."""
+    bound: float = -math.inf
+    """Proven lower bound of ``objective`` (same units)."""
+    values: np.ndarray | None = None
 
 
 class _Formulation:
-    """The ILP of the module docstring over ``cp``; with ``peak`` it minimises the peak bytes."""
+    """The ILP of the module docstring over ``cp`` as numpy arrays (``solver.compat.ArrayModel``);
+    with ``peak`` it minimises the peak bytes. Columns are ints in creation order and rows keep
+    their stable names in creation order: the same problem always gives the same model."""
 
     def __init__(self, cp: Compact, budget: float | None, *, peak: bool = False, name: str = ""):
-        self.cp, self.budget, self.peak = cp, budget, peak
+        self.cp, self.budget, self.peak, self.name = cp, budget, peak, name
         self.memory = budget is not None
-        self.lp = pulp.LpProblem(name or "autopar", pulp.LpMinimize)
-        self.rows: dict[str, pulp.LpConstraint] = {}
-        self.columns: list[pulp.LpVariable] = []  # creation order = HiGHS column order
-        self.pulp_names: set[str] = set()
+        self.rows: dict[str, int] = {}  # stable row name -> row index
+        self.col_names: list[str] = []
+        self._lo: list[float] = []
+        self._up: list[float] = []
+        self._int: list[bool] = []
+        self._starts, self._index, self._value = [0], [], []  # CSR rows, grown in blocks
+        self._rlo: list[float] = []
+        self._rup: list[float] = []
+        self.cost: np.ndarray | None = None
         cls = cp.classes.values()
         # Scales: seconds divided by the largest time coefficient and bytes by the largest byte
         # coefficient, so the matrix and costs span O(1) (HiGHS warns on tiny costs otherwise).
@@ -92,11 +104,11 @@ class _Formulation:
                      + [float(r.max()) for r in recs] + [1e-30])
         self.B = max([float((t.static + t.cov)[t.alive].max()) for t in cls]
                      + [float(t.work[t.alive].max()) for t in cls] + [float(b.max()) for b in byts] + [1.0])
-        self.x: dict[int, dict[int, pulp.LpVariable]] = {}
-        self.y: dict[tuple[int, int], tuple[dict[tuple[int, int], pulp.LpVariable], np.ndarray]] = {}
-        self.k: dict[int, pulp.LpVariable] = {}
-        self.w: dict[tuple[int, int], dict[int, pulp.LpVariable]] = {}
-        self.z: dict[int, pulp.LpVariable] = {}
+        self.x: dict[int, dict[int, int]] = {}
+        self.y: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.k: dict[int, int] = {}
+        self.w: dict[tuple[int, int], dict[int, int]] = {}
+        self.z: dict[int, int] = {}
         self.add_onehot()
         self.add_edges()
         if self.memory:
@@ -104,20 +116,40 @@ class _Formulation:
             self.add_memory()
         self.set_objective()
 
-    def var(self, name: str, low: float | None = 0.0, up: float | None = None, cat=pulp.LpContinuous):
-        v = self.lp.add_variable(name, low, up, cat)
-        self.columns.append(v)
-        return v
+    def var(self, name: str, low: float | None = 0.0, up: float | None = None, cat=pulp.LpContinuous) -> int:
+        """A new column (its index); ``cat`` is PuLP's category word (binary = integer in [0, 1])."""
+        self.col_names.append(name)
+        binary = cat == pulp.LpBinary
+        self._lo.append(-math.inf if low is None else float(low))
+        self._up.append(1.0 if binary else math.inf if up is None else float(up))
+        self._int.append(binary or cat == pulp.LpInteger)
+        return len(self.col_names) - 1
+
+    def block(self, count: int, low: float = 0.0, up: float = math.inf) -> int:
+        """``count`` continuous columns at once; returns the first index (the caller names them)."""
+        first = len(self._lo)
+        self._lo.extend([low] * count)
+        self._up.extend([up] * count)
+        self._int.extend([False] * count)
+        return first
 
     def row(self, name: str, terms: dict, sense: int, rhs: float) -> None:
-        """Add ``sum terms (sense) rhs`` under the stable ``name`` (kept verbatim in ``self.rows``)."""
-        pname = name.translate(str.maketrans("-+[] ", "_____"))
-        while pname in self.pulp_names:  # names equal after PuLP's sanitising get a suffix
-            pname += "'"
-        self.pulp_names.add(pname)
-        con = pulp.LpConstraint(pulp.LpAffineExpression(list(terms.items())), sense, pname, rhs)
-        self.rows[name] = con
-        self.lp.addConstraint(con)
+        """Add ``sum terms (sense) rhs`` under the stable ``name``; ``terms``: column -> coefficient."""
+        self.rows_block([name], [len(terms)], list(terms), list(terms.values()), sense, [rhs])
+
+    def rows_block(self, names: list[str], sizes, cols, coefs, sense: int, rhs) -> None:
+        """Several rows at once: row ``r`` has ``sizes[r]`` entries, taken in order from ``cols``
+        and ``coefs``; all share ``sense`` (PuLP's -1 <=, 0 =, 1 >=)."""
+        for name in names:
+            while name in self.rows:  # a repeated label: keep both rows, the later one primed
+                name += "'"
+            self.rows[name] = len(self.rows)
+        self._starts.extend((self._starts[-1] + np.cumsum(sizes)).tolist())
+        self._index.append(np.asarray(cols, dtype=np.int32))
+        self._value.append(np.asarray(coefs, dtype=np.float64))
+        rhs = [float(v) for v in rhs]
+        self._rlo.extend(rhs if sense != pulp.LpConstraintLE else [-math.inf] * len(rhs))
+        self._rup.extend(rhs if sense != pulp.LpConstraintGE else [math.inf] * len(rhs))
 
     def add_onehot(self) -> None:
         """x[C,s] binaries and onehot[C]."""
@@ -131,18 +163,21 @@ class _Formulation:
         for e, ((a, b), m) in enumerate(self.cp.edges.items()):
             sa, sb = sorted(self.x[a]), sorted(self.x[b])
             rows, cols, cost = _groups(m[np.ix_(sa, sb)])
-            ye = {(i, j): self.var(f"y_{e:06d}_{i:04d}_{j:04d}", 0.0, 1.0)
-                  for i in range(len(rows)) for j in range(len(cols))}
+            ni, nj = len(rows), len(cols)
+            first = self.block(ni * nj, 0.0, 1.0)
+            ye = np.arange(first, first + ni * nj).reshape(ni, nj)  # column of y[e,i,j]
+            self.col_names.extend(f"y_{e:06d}_{i:04d}_{j:04d}" for i in range(ni) for j in range(nj))
             self.y[(a, b)] = (ye, cost)
             tag = f"{self.cp.names[a]}->{self.cp.names[b]}"
-            for i, group in enumerate(rows):  # named by the group's first strategy
-                terms = {ye[(i, j)]: 1.0 for j in range(len(cols))}
-                terms.update({self.x[a][sa[s]]: -1.0 for s in group})
-                self.row(f"edge_src[{tag},{sa[group[0]]}]", terms, pulp.LpConstraintEQ, 0.0)
-            for j, group in enumerate(cols):
-                terms = {ye[(i, j)]: 1.0 for i in range(len(rows))}
-                terms.update({self.x[b][sb[t]]: -1.0 for t in group})
-                self.row(f"edge_dst[{tag},{sb[group[0]]}]", terms, pulp.LpConstraintEQ, 0.0)
+            # edge_src[e,i]: sum_j y[i,j] - sum_{s in I_i} x[a,s] = 0 (named by the group's first strategy)
+            xa = [[self.x[a][sa[s]] for s in g] for g in rows]
+            self.rows_block([f"edge_src[{tag},{sa[g[0]]}]" for g in rows], [nj + len(g) for g in xa],
+                            np.concatenate([np.concatenate([ye[i], g]) for i, g in enumerate(xa)]),
+                            np.concatenate([[1.0] * nj + [-1.0] * len(g) for g in xa]), pulp.LpConstraintEQ, [0.0] * ni)
+            xb = [[self.x[b][sb[t]] for t in g] for g in cols]
+            self.rows_block([f"edge_dst[{tag},{sb[g[0]]}]" for g in cols], [ni + len(g) for g in xb],
+                            np.concatenate([np.concatenate([ye[:, j], g]) for j, g in enumerate(xb)]),
+                            np.concatenate([[1.0] * ni + [-1.0] * len(g) for g in xb]), pulp.LpConstraintEQ, [0.0] * nj)
 
     def add_checkpoints(self) -> None:
         """k[G], w[G,C,s], z[G] with ck_count, ck_link, ck_any and ck_once."""
@@ -213,46 +248,57 @@ class _Formulation:
 
     def set_objective(self) -> None:
         """Seconds (divided by T): node time + resharding + recompute; or the peak P."""
+        cost = np.zeros(len(self._lo))
         if self.peak:
-            self.lp.setObjective(pulp.LpAffineExpression([(self.P, 1.0)]))
+            cost[self.P] = 1.0
+            self.cost = cost
             return
-        T, cp, terms = self.T, self.cp, {}
+        T, cp = self.T, self.cp
         for c, t in cp.classes.items():
             for s, v in self.x[c].items():
-                terms[v] = float(t.time[s]) / T
-        for ys, cost in self.y.values():
-            for (i, j), v in ys.items():
-                terms[v] = float(cost[i, j]) / T
+                cost[v] = float(t.time[s]) / T
+        for ys, m in self.y.values():
+            cost[ys.ravel()] = m.ravel() / T
         for (g, c), ws in self.w.items():
             rec = cp.groups[g].rec.get(c)
             for s, v in ws.items():
                 if rec is not None and rec[s] != 0:
-                    terms[v] = float(rec[s]) / T
-        self.lp.setObjective(pulp.LpAffineExpression(list(terms.items())))
+                    cost[v] = float(rec[s]) / T
+        self.cost = cost
 
     @property
     def num_variables(self) -> int:
-        return len(self.columns)
+        return len(self._lo)
 
-    def run(self, time_limit: float, mip_gap: float) -> _Result:
-        """Solve; status is "optimal", "time_limit" or "infeasible" (SolverError otherwise)."""
+    def model(self) -> ArrayModel:
+        """The formulation as arrays, columns and rows in creation order."""
+        index = np.concatenate(self._index) if self._index else np.zeros(0, dtype=np.int32)
+        value = np.concatenate(self._value) if self._value else np.zeros(0)
+        return ArrayModel(cost=self.cost, col_lo=np.array(self._lo), col_up=np.array(self._up),
+                          integer=np.array(self._int, dtype=bool), row_lo=np.array(self._rlo),
+                          row_up=np.array(self._rup), starts=np.array(self._starts, dtype=np.int32),
+                          index=index.astype(np.int32), value=value, col_names=tuple(self.col_names),
+                          row_names=tuple(self.rows))
+
+    def run(self, time_limit: float, mip_gap: float, *, start: np.ndarray | None = None,
+            relax: bool = False) -> _Result:
+        """Solve (the LP relaxation with ``relax``); status is "optimal", "time_limit" or
+        "infeasible" (SolverError otherwise). ``start``: a feasible point to begin from."""
         if not self.cp.classes:  # everything was folded into constants: only the budget to check
             fits = self.peak or not self.memory or self.cp.const_static + self.cp.work_lb <= self.budget
             return _Result(status="optimal" if fits else "infeasible", picks={}, counts={}, gap=0.0, seconds=0.0)
-        solver = make_solver(time_limit, mip_gap, self.columns)
-        t0 = _time.perf_counter()
-        self.lp.solve(solver)
-        seconds = _time.perf_counter() - t0
-        status, gap = _status(self.lp, solver)
-        if status not in ("optimal", "time_limit", "infeasible"):
-            raise SolverError(f"the MIP solver ended with status {status!r} and no usable solution "
-                              f"after {seconds:.1f} s; raise Problem.time_limit (now {time_limit} s) "
+        out = solve_model(self.model(), time_limit, mip_gap, start=start, relax=relax)
+        if out.status not in ("optimal", "time_limit", "infeasible"):
+            raise SolverError(f"the MIP solver ended with status {out.status!r} and no usable solution "
+                              f"after {out.seconds:.1f} s; raise Problem.time_limit (now {time_limit} s) "
                               f"or Problem.mip_gap")
-        if status == "infeasible":
-            return _Result(status=status, picks={}, counts={}, gap=math.inf, seconds=seconds)
-        picks = {c: max(xs, key=lambda s: (xs[s].varValue, -s)) for c, xs in self.x.items()}
-        counts = {g: int(round(k.varValue)) for g, k in self.k.items()}
-        return _Result(status=status, picks=picks, counts=counts, gap=gap, seconds=seconds)
+        if out.status == "infeasible":
+            return _Result(status=out.status, picks={}, counts={}, gap=math.inf, seconds=out.seconds)
+        val = out.values
+        picks = {c: max(xs, key=lambda s: (val[xs[s]], -s)) for c, xs in self.x.items()}
+        counts = {g: int(round(val[k])) for g, k in self.k.items()}
+        return _Result(status=out.status, picks=picks, counts=counts, gap=out.gap, seconds=out.seconds,
+                       objective=out.objective * self.T, bound=out.bound * self.T, values=val)
 
     def decode(self, problem: Problem, res: _Result) -> tuple[dict[str, int], tuple[str, ...]]:
         """Node id -> strategy and checkpointed segment ids from an ILP result."""
@@ -277,29 +323,6 @@ def _groups(m: np.ndarray) -> tuple[list[list[int]], list[list[int]], np.ndarray
 
     rows, cols = split(m), split(m.T)
     return rows, cols, m[np.ix_([g[0] for g in rows], [g[0] for g in cols])]
-
-
-def _status(lp: pulp.LpProblem, solver) -> tuple[str, float]:
-    """(status, relative gap) after a solve, read from HiGHS when it was the solver."""
-    model = getattr(lp, "solverModel", None)
-    if model is not None and hasattr(model, "getModelStatus"):
-        import highspy
-
-        ms = model.getModelStatus()
-        names = {highspy.HighsModelStatus.kOptimal: "optimal", highspy.HighsModelStatus.kTimeLimit: "time_limit",
-                 highspy.HighsModelStatus.kInfeasible: "infeasible"}
-        info = model.getInfo()
-        status = names.get(ms, model.modelStatusToString(ms))
-        if status in ("optimal", "time_limit") and info.primal_solution_status != 2:  # 2: feasible
-            return "no feasible solution found", math.inf
-        gap = float(info.mip_gap) if math.isfinite(info.mip_gap) else math.inf
-        return status, max(gap, 0.0)
-    if lp.status == pulp.LpStatusInfeasible:
-        return "infeasible", math.inf
-    if lp.status == pulp.LpStatusOptimal:
-        optimal = lp.sol_status == pulp.LpSolutionOptimal
-        return ("optimal", 0.0) if optimal else ("time_limit", math.nan)
-    return pulp.LpStatus.get(lp.status, str(lp.status)), math.inf
 
 
 def solve(problem: Problem) -> Solution:

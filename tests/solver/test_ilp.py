@@ -117,9 +117,6 @@ def test_transient_row_prices_a_half_checkpoint_in_the_relaxation():
     # With one instance per segment group the transient row is tau >= sum act w (w = k x), no big M.
     # Its LP relaxation at 30 MiB is 5.7333 s: a half-checkpointed layer saves half its bytes but
     # lifts tau by as much. The big-M row (tau >= A(x) - M (1 - z)) let it reach 5.6667 s.
-    import pulp
-
-    from solver.compat import make_solver
     from solver.ilp import _Formulation
     from solver.reduce import reduce_problem
 
@@ -127,10 +124,8 @@ def test_transient_row_prices_a_half_checkpoint_in_the_relaxation():
     cp = reduce_problem(problem)
     form = _Formulation(cp, problem.memory_budget)
     assert not any(name.startswith("transient_ckpt[") for name in form.rows)
-    for v in form.columns:
-        v.cat = pulp.LpContinuous
-    form.lp.solve(make_solver(10, 0.0, form.columns))
-    relaxed = pulp.value(form.lp.objective) * form.T + cp.const_time
+    res = form.run(10, 0.0, relax=True)
+    relaxed = res.objective + cp.const_time
     assert relaxed == pytest.approx(5.0 + 11 / 15, abs=1e-9)
     assert relaxed <= solver.solve(problem).objective == pytest.approx(5.9)
 
