@@ -7,6 +7,7 @@ Every array is copied to a read-only float64 array and checked on construction; 
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -206,6 +207,28 @@ class Problem:
                 if b.shape != (self.nodes[index[k]].size,):
                     raise ValueError(f"segment {seg.id!r}: keep_bytes of {k!r} has {b.size} entries but the "
                                      f"node has {self.nodes[index[k]].size} strategies")
+
+    @cached_property
+    def digest(self) -> str:
+        """A hash of everything that decides the answer (nodes, arrays, edges, ties, segments,
+        budget, time limit, gap; not ``name``): equal digests, equal problems."""
+        h = hashlib.blake2b(digest_size=20)
+
+        def put(*parts) -> None:
+            for part in parts:
+                data = part.tobytes() if isinstance(part, np.ndarray) else repr(part).encode()
+                h.update(len(data).to_bytes(8, "little"))
+                h.update(data)
+
+        for n in self.nodes:
+            put(n.id, n.labels, n.time, n.comm, n.mem, n.act, n.work, n.recompute)
+        for e in self.edges:
+            put(e.src, e.dst, e.cost.shape, e.cost)
+        put(self.ties)
+        for seg in self.segments:
+            put(seg.id, seg.nodes, seg.keep, *seg.keep_bytes)
+        put(self.memory_budget, self.time_limit, self.mip_gap)
+        return h.hexdigest()
 
     @cached_property
     def node_index(self) -> dict[str, int]:
