@@ -31,7 +31,8 @@ def _vector(owner: str, name: str, value, size: int) -> np.ndarray:
     if arr.shape != (size,):
         raise ValueError(f"{owner}: {name} has {arr.size} entries but there are {size} strategies; "
                          f"give one value per strategy label")
-    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+    # min >= 0 is False for NaN and -inf; max finite rules out +inf (two reductions, no temporaries)
+    if size and not (arr.min() >= 0 and math.isfinite(arr.max())):
         raise ValueError(f"{owner}: {name} must be finite and >= 0, got {arr.tolist()}; "
                          f"drop a strategy instead of giving it an infinite cost")
     arr.setflags(write=False)
@@ -69,9 +70,9 @@ class Node:
         size = len(labels)
         for name in ("time", "comm", "mem", "act", "work", "recompute"):
             object.__setattr__(self, name, _vector(f"node {self.id!r}", name, getattr(self, name), size))
-        bad = np.nonzero(self.comm > self.time * (1 + 1e-9) + 1e-15)[0]
-        if bad.size:
-            s = int(bad[0])
+        over = self.comm > self.time * (1 + 1e-9) + 1e-15
+        if over.any():
+            s = int(np.argmax(over))
             raise ValueError(f"node {self.id!r}: comm[{s}]={self.comm[s]!r} exceeds time[{s}]={self.time[s]!r}; "
                              f"comm is the communication part of time, so time must include it")
 
@@ -94,7 +95,7 @@ class Edge:
 
     def __post_init__(self) -> None:
         cost = np.array(self.cost, dtype=np.float64)
-        if cost.ndim != 2 or not np.all(np.isfinite(cost)) or np.any(cost < 0):
+        if cost.ndim != 2 or (cost.size and not (cost.min() >= 0 and math.isfinite(cost.max()))):
             raise ValueError(f"edge {self.src!r}->{self.dst!r}: cost must be a finite, >= 0 matrix "
                              f"(S_src, S_dst), got shape {cost.shape}")
         cost.setflags(write=False)
