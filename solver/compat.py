@@ -95,10 +95,11 @@ def highs_options(time_limit: float, mip_gap: float) -> dict:
             "presolve_rule_off": 1 << 15, "mip_pscost_minreliable": 0}
 
 
-def solve_model(model: ArrayModel, time_limit: float, mip_gap: float, *, start: np.ndarray | None = None,
-                relax: bool = False, options: dict | None = None) -> MipResult:
-    """Solve ``model`` (its LP relaxation with ``relax``), starting from the feasible point
-    ``start`` when given (HiGHS only; CBC ignores it)."""
+def solve_model(model: ArrayModel, time_limit: float, mip_gap: float, *,
+                start: tuple[np.ndarray, np.ndarray] | None = None, relax: bool = False,
+                options: dict | None = None) -> MipResult:
+    """Solve ``model`` (its LP relaxation with ``relax``). ``start``: (columns, values) of a
+    feasible point, possibly partial (HiGHS completes the other columns); CBC ignores it."""
     if solver_name() == "HiGHS":
         return _solve_highs(model, time_limit, mip_gap, start, relax, options or {})
     return _solve_cbc(model, time_limit, mip_gap, relax)
@@ -128,7 +129,8 @@ def _solve_highs(model: ArrayModel, time_limit, mip_gap, start, relax, extra) ->
         lp.integrality_ = [highspy.HighsVarType(int(k)) for k in kinds]
     h.passModel(lp)
     if start is not None and not relax:
-        h.setSolution(int(start.size), np.arange(start.size, dtype=np.int32), np.asarray(start, dtype=np.float64))
+        cols, vals = start
+        h.setSolution(int(cols.size), np.asarray(cols, dtype=np.int32), np.asarray(vals, dtype=np.float64))
     t0 = _time.perf_counter()
     h.run()
     seconds = _time.perf_counter() - t0

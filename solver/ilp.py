@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time as _time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -59,7 +60,8 @@ import pulp
 from .compat import ArrayModel, solve_model
 from .evaluate import describe_terms, evaluate, memory_terms
 from .families import decompose
-from .model import Infeasible, Problem, Solution, SolverError, fmt_bytes
+from .heuristic import incumbent
+from .model import Infeasible, Problem, Solution, SolverError, SolverWarning, fmt_bytes
 from .reduce import Compact, reduce_problem
 
 __all__ = ["solve", "ilp_size", "infeasible_error"]
@@ -314,6 +316,23 @@ class _Formulation:
         return _Result(status=out.status, picks=picks, counts=counts, gap=out.gap, seconds=out.seconds,
                        objective=out.objective * scale, bound=out.bound * scale, values=val, integral=integral)
 
+    def start(self, problem: Problem, choice: dict[str, int], ckpt: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(columns, values) of the x and k columns of a known answer, for a MIP start; a class
+        whose chosen strategy was pruned is left out (HiGHS completes a partial start)."""
+        cols: list[int] = []
+        vals: list[float] = []
+        first = {c: problem.nodes[m[0]].id for c, m in enumerate(problem.classes)}
+        for c, xs in self.x.items():
+            s = choice[first[c]]
+            if s in xs:
+                cols += list(xs.values())
+                vals += [1.0 if t == s else 0.0 for t in xs]
+        picked = {problem.segments[g].id for g in range(len(problem.segments))} & set(ckpt)
+        for g, k in self.k.items():
+            cols.append(k)
+            vals.append(float(sum(problem.segments[i].id in picked for i in self.cp.groups[g].segments)))
+        return np.array(cols, dtype=np.int32), np.array(vals)
+
     def decode(self, problem: Problem, res: _Result) -> tuple[dict[str, int], tuple[str, ...]]:
         """Node id -> strategy and checkpointed segment ids from an ILP result."""
         per_class = self.cp.expand(res.picks)
@@ -395,11 +414,39 @@ def _solve_ilp(problem: Problem, *, lp_first: bool) -> Solution:
         seconds = lp.seconds
         if lp.status == "optimal" and lp.integral:
             return _solution(problem, form, lp, "optimal", 0.0, build, seconds)
+    known = incumbent(problem, lambda p: _solve_ilp(p, lp_first=True)) if problem.memory_budget else None
+    start = form.start(problem, known[0], known[1]) if known and form.x else None
+    build = _time.perf_counter() - t0
     left = max(problem.time_limit - seconds, 0.1 * problem.time_limit)
-    res = form.run(left, problem.mip_gap)
+    res = form.run(left, problem.mip_gap, start=start)
     if res.status == "infeasible":
+        if known is not None:
+            raise SolverError(f"problem {problem.name!r}: the MIP solver calls the budget infeasible, but "
+                              f"a known answer fits it ({known[2]!r} s); the solver's answer is wrong")
         raise infeasible_error(problem, cp)
-    return _solution(problem, form, res, res.status, res.gap, build, seconds + res.seconds)
+    sol = _solution(problem, form, res, res.status, res.gap, build, seconds + res.seconds)
+    return sol if known is None else _check_claim(problem, form, sol, known, res.bound + cp.const_time)
+
+
+def _check_claim(problem: Problem, form: _Formulation, sol: Solution, known, bound: float) -> Solution:
+    """The MIP's answer against a known feasible one: a solver that stops on a worse point than one
+    we hold (a claimed optimum above a known answer by more than its gap, or a weaker incumbent
+    at a time limit) is overruled, with a warning when it claimed optimality."""
+    choice, ckpt, objective = known
+    if objective >= sol.objective * (1 - 1e-12):
+        return sol
+    if sol.status == "optimal" and objective < sol.objective * (1 - problem.mip_gap) - 1e-15:
+        warnings.warn(f"problem {problem.name!r}: the MIP solver claimed {sol.objective!r} s optimal within a "
+                      f"gap of {problem.mip_gap}, but a known answer costs {objective!r} s; returning that one",
+                      SolverWarning, stacklevel=3)
+        status = "unproven"
+    else:
+        status = sol.status
+    ev = evaluate(problem, choice, ckpt)
+    gap = max(0.0, (ev.objective - bound) / ev.objective) if ev.objective > 0 and math.isfinite(bound) else math.nan
+    return dataclasses.replace(sol, choice=dict(choice), checkpointed=ckpt, objective=ev.objective, split=ev.split,
+                               peak_bytes=ev.peak_bytes, status=status, gap=gap if status != "unproven" else math.nan,
+                               stats={**sol.stats, "incumbent_kept": 1})
 
 
 def _solution(problem: Problem, form: _Formulation, res: _Result, status: str, gap: float, build: float,

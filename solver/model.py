@@ -14,7 +14,8 @@ from functools import cached_property
 
 import numpy as np
 
-__all__ = ["Node", "Edge", "Segment", "Problem", "Solution", "Infeasible", "SolverError", "fmt_bytes"]
+__all__ = ["Node", "Edge", "Segment", "Problem", "Solution", "Infeasible", "SolverError", "SolverWarning",
+           "fmt_bytes"]
 
 
 def fmt_bytes(n: float) -> str:
@@ -283,7 +284,8 @@ class Solution:
     peak_bytes: float
     """Predicted per-device peak: resident + kept activations + checkpoint inputs + transient."""
     status: str
-    """``"optimal"`` or ``"time_limit"`` (best found, see ``gap``)."""
+    """``"optimal"``, ``"time_limit"`` (best found, see ``gap``) or ``"unproven"`` (the MIP solver
+    claimed optimal a point worse than a known feasible answer, which is returned instead)."""
     gap: float
     """Relative optimality gap proven by the solver: about 0 when optimal with ``mip_gap=0``, at most
     ``mip_gap`` when optimal within it, larger after a time limit."""
@@ -316,3 +318,8 @@ class Infeasible(Exception):
 class SolverError(RuntimeError):
     """The MIP solver ended without a usable answer (e.g. the time limit ran out before any
     feasible solution was found)."""
+
+
+class SolverWarning(UserWarning):
+    """The MIP solver's answer was overruled (e.g. it claimed optimal a point worse than a known
+    feasible one); the solution returned is the better one, with status ``"unproven"``."""
