@@ -1,4 +1,5 @@
-r"""The joint sharding + checkpointing + memory ILP, solved by HiGHS through PuLP.
+r"""The joint sharding + checkpointing + memory ILP, built as numpy arrays and solved by HiGHS
+(highspy's array API; PuLP's CBC when highspy is missing, see ``solver.compat``).
 
 The ILP is built on the reduced problem of ``solver.reduce`` (tie classes ``C`` with their alive
 strategies ``s``, class edges ``e = (a, b)``) and the checkpoint groups of ``solver.families``
@@ -44,6 +45,12 @@ as ``solver.evaluate`` does. ``time_C``/``static_C``/``cov_C``/``work_C`` are a 
 member terms (``cov``: saved bytes of members inside some segment); ``act_GC``, ``rec_GC``,
 ``keep_GK`` are one instance's bytes and seconds of group G on class C. Counts are turned back into
 segment ids by ``solver.families.decompose``.
+
+Solve path (``solve``): answers are cached by ``Problem.digest``; with a budget the problem
+without it is solved first and its optimum kept when it fits (a budget only removes choices);
+without one the LP relaxation runs first and an integral optimum is returned as proven; otherwise
+the MIP runs from the Lagrangian incumbent of ``solver.heuristic``, and its claimed optimum is
+checked against that known answer (``_check_claim``).
 """
 from __future__ import annotations
 
