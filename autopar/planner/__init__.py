@@ -5,8 +5,10 @@
 1. ``profiler.profile``: capture the training graph on fake tensors, FLOPs/bytes/saved bytes per
    node, repeated layers.
 2. ``build.build``: strategies per node priced in seconds and bytes, followers merged, resharding
-   matrices, tied layers, checkpoint segments -> ``solver.Problem``.
-3. ``solver.solve``: the joint ILP (sharding + checkpointing + memory budget).
+   matrices, tied layers, checkpoint segments -> ``solver.Problem``. ``build_cached`` reuses a
+   build of the same profile and config that differed only in the budget or solver limits.
+3. ``solver.solve``: the joint ILP (sharding + checkpointing + memory budget); its answers are
+   cached by the problem's content, so a per-stage problem met again costs a hash.
 4. Pipeline candidates (``autopar.planner.pipeline``) are solved the same way on the other axis
    and compared by predicted step time; the best wins and the others are kept as runner-ups.
 5. ``to_plan``: the solution as a plain-data plan.
