@@ -304,8 +304,11 @@ class _Formulation:
         model = self._model = getattr(self, "_model", None) or self.model()
         # The relaxation runs without presolve: on sharding models presolve removes ~1% of the
         # rows and costs 4x the simplex itself (0.4 s of 0.5 s on Llama-3-8B 8x8).
-        out = solve_model(model, time_limit, mip_gap, start=start, relax=relax,
-                          options={"presolve": "off"} if relax else None)
+        # With a start, the primal heuristics that hunt for a first incumbent (feasibility jump,
+        # RINS, RENS) are dropped: on the GPT-2 frontier problems that saved 10-35% of the time.
+        options = ({"presolve": "off"} if relax else
+                   {f"mip_heuristic_run_{h}": False for h in ("feasibility_jump", "rins", "rens")} if start else None)
+        out = solve_model(model, time_limit, mip_gap, start=start, relax=relax, options=options)
         if relax and out.status != "optimal":  # the caller goes on to the MIP
             return _Result(status=out.status, picks={}, counts={}, gap=math.inf, seconds=out.seconds)
         if out.status not in ("optimal", "time_limit", "infeasible"):
