@@ -400,8 +400,8 @@ def solve(problem: Problem) -> Solution:
 def _solve(problem: Problem) -> Solution:
     """``solve`` without the cache. With a budget, the problem without it comes first (the exact
     reductions usually fold it to a handful of columns): when its optimum fits the budget it is
-    the optimum, since the budget only removes choices. Otherwise the budgeted MIP runs, and the
-    free optimum is a lower bound its answer is checked against."""
+    the optimum, since the budget only removes choices. Otherwise the budgeted MIP runs from the
+    Lagrangian incumbent, which its answer is then checked against."""
     if problem.memory_budget is not None:
         free = solve(dataclasses.replace(problem, memory_budget=None))
         if free.peak_bytes <= problem.memory_budget:
@@ -436,10 +436,10 @@ def _solve_ilp(problem: Problem, *, lp_first: bool) -> Solution:
                               f"a known answer fits it ({known[2]!r} s); the solver's answer is wrong")
         raise infeasible_error(problem, cp)
     sol = _solution(problem, form, res, res.status, res.gap, build, seconds + res.seconds)
-    return sol if known is None else _check_claim(problem, form, sol, known, res.bound + cp.const_time)
+    return sol if known is None else _check_claim(problem, sol, known, res.bound + cp.const_time)
 
 
-def _check_claim(problem: Problem, form: _Formulation, sol: Solution, known, bound: float) -> Solution:
+def _check_claim(problem: Problem, sol: Solution, known, bound: float) -> Solution:
     """The MIP's answer against a known feasible one: a solver that stops on a worse point than one
     we hold (a claimed optimum above a known answer by more than its gap, or a weaker incumbent
     at a time limit) is overruled, with a warning when it claimed optimality."""
