@@ -1,4 +1,5 @@
-r"""The joint sharding + checkpointing + memory ILP, solved by HiGHS through PuLP.
+r"""The joint sharding + checkpointing + memory ILP, built as numpy arrays and solved by HiGHS
+(highspy's array API; PuLP's CBC when highspy is missing, see ``solver.compat``).
 
 The ILP is built on the reduced problem of ``solver.reduce`` (tie classes ``C`` with their alive
 strategies ``s``, class edges ``e = (a, b)``) and the checkpoint groups of ``solver.families``
@@ -44,20 +45,30 @@ as ``solver.evaluate`` does. ``time_C``/``static_C``/``cov_C``/``work_C`` are a 
 member terms (``cov``: saved bytes of members inside some segment); ``act_GC``, ``rec_GC``,
 ``keep_GK`` are one instance's bytes and seconds of group G on class C. Counts are turned back into
 segment ids by ``solver.families.decompose``.
+
+Solve path (``solve``): answers are cached by ``Problem.digest``; with a budget the problem
+without it is solved first and its optimum kept when it fits (a budget only removes choices);
+without one the LP relaxation runs first and an integral optimum is returned as proven; otherwise
+the MIP runs from the Lagrangian incumbent of ``solver.heuristic``, and its claimed optimum is
+checked against that known answer (``_check_claim``).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time as _time
+import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 import pulp
 
-from .compat import make_solver
+from .compat import ArrayModel, solve_model
 from .evaluate import describe_terms, evaluate, memory_terms
 from .families import decompose
-from .model import Infeasible, Problem, Solution, SolverError, fmt_bytes
+from .heuristic import incumbent
+from .model import Infeasible, Problem, Solution, SolverError, SolverWarning, fmt_bytes
 from .reduce import Compact, reduce_problem
 
 __all__ = ["solve", "ilp_size", "infeasible_error"]
@@ -70,18 +81,31 @@ class _Result:
     counts: dict[int, int]
     gap: float
     seconds: float
+    objective: float = math.nan
+    """The ILP's own objective in seconds (bytes with ``peak``), without the folded constants."""
+    bound: float = -math.inf
+    """Proven lower bound of ``objective`` (same units)."""
+    values: np.ndarray | None = None
+    integral: bool = False
 
 
 class _Formulation:
-    """The ILP of the module docstring over ``cp``; with ``peak`` it minimises the peak bytes."""
+    """The ILP of the module docstring over ``cp`` as numpy arrays (``solver.compat.ArrayModel``);
+    with ``peak`` it minimises the peak bytes. Columns are ints in creation order and rows keep
+    their stable names in creation order: the same problem always gives the same model."""
 
     def __init__(self, cp: Compact, budget: float | None, *, peak: bool = False, name: str = ""):
-        self.cp, self.budget, self.peak = cp, budget, peak
+        self.cp, self.budget, self.peak, self.name = cp, budget, peak, name
         self.memory = budget is not None
-        self.lp = pulp.LpProblem(name or "autopar", pulp.LpMinimize)
-        self.rows: dict[str, pulp.LpConstraint] = {}
-        self.columns: list[pulp.LpVariable] = []  # creation order = HiGHS column order
-        self.pulp_names: set[str] = set()
+        self.rows: dict[str, int] = {}  # stable row name -> row index
+        self.col_names: list[str] = []
+        self._lo: list[float] = []
+        self._up: list[float] = []
+        self._int: list[bool] = []
+        self._starts, self._index, self._value = [0], [], []  # CSR rows, grown in blocks
+        self._rlo: list[float] = []
+        self._rup: list[float] = []
+        self.cost: np.ndarray | None = None
         cls = cp.classes.values()
         # Scales: seconds divided by the largest time coefficient and bytes by the largest byte
         # coefficient, so the matrix and costs span O(1) (HiGHS warns on tiny costs otherwise).
@@ -92,11 +116,11 @@ class _Formulation:
                      + [float(r.max()) for r in recs] + [1e-30])
         self.B = max([float((t.static + t.cov)[t.alive].max()) for t in cls]
                      + [float(t.work[t.alive].max()) for t in cls] + [float(b.max()) for b in byts] + [1.0])
-        self.x: dict[int, dict[int, pulp.LpVariable]] = {}
-        self.y: dict[tuple[int, int], tuple[dict[tuple[int, int], pulp.LpVariable], np.ndarray]] = {}
-        self.k: dict[int, pulp.LpVariable] = {}
-        self.w: dict[tuple[int, int], dict[int, pulp.LpVariable]] = {}
-        self.z: dict[int, pulp.LpVariable] = {}
+        self.x: dict[int, dict[int, int]] = {}
+        self.y: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.k: dict[int, int] = {}
+        self.w: dict[tuple[int, int], dict[int, int]] = {}
+        self.z: dict[int, int] = {}
         self.add_onehot()
         self.add_edges()
         if self.memory:
@@ -104,20 +128,40 @@ class _Formulation:
             self.add_memory()
         self.set_objective()
 
-    def var(self, name: str, low: float | None = 0.0, up: float | None = None, cat=pulp.LpContinuous):
-        v = self.lp.add_variable(name, low, up, cat)
-        self.columns.append(v)
-        return v
+    def var(self, name: str, low: float | None = 0.0, up: float | None = None, cat=pulp.LpContinuous) -> int:
+        """A new column (its index); ``cat`` is PuLP's category word (binary = integer in [0, 1])."""
+        self.col_names.append(name)
+        binary = cat == pulp.LpBinary
+        self._lo.append(-math.inf if low is None else float(low))
+        self._up.append(1.0 if binary else math.inf if up is None else float(up))
+        self._int.append(binary or cat == pulp.LpInteger)
+        return len(self.col_names) - 1
+
+    def block(self, count: int, low: float = 0.0, up: float = math.inf) -> int:
+        """``count`` continuous columns at once; returns the first index (the caller names them)."""
+        first = len(self._lo)
+        self._lo.extend([low] * count)
+        self._up.extend([up] * count)
+        self._int.extend([False] * count)
+        return first
 
     def row(self, name: str, terms: dict, sense: int, rhs: float) -> None:
-        """Add ``sum terms (sense) rhs`` under the stable ``name`` (kept verbatim in ``self.rows``)."""
-        pname = name.translate(str.maketrans("-+[] ", "_____"))
-        while pname in self.pulp_names:  # names equal after PuLP's sanitising get a suffix
-            pname += "'"
-        self.pulp_names.add(pname)
-        con = pulp.LpConstraint(pulp.LpAffineExpression(list(terms.items())), sense, pname, rhs)
-        self.rows[name] = con
-        self.lp.addConstraint(con)
+        """Add ``sum terms (sense) rhs`` under the stable ``name``; ``terms``: column -> coefficient."""
+        self.rows_block([name], [len(terms)], list(terms), list(terms.values()), sense, [rhs])
+
+    def rows_block(self, names: list[str], sizes, cols, coefs, sense: int, rhs) -> None:
+        """Several rows at once: row ``r`` has ``sizes[r]`` entries, taken in order from ``cols``
+        and ``coefs``; all share ``sense`` (PuLP's -1 <=, 0 =, 1 >=)."""
+        for name in names:
+            while name in self.rows:  # a repeated label: keep both rows, the later one primed
+                name += "'"
+            self.rows[name] = len(self.rows)
+        self._starts.extend((self._starts[-1] + np.cumsum(sizes)).tolist())
+        self._index.append(np.asarray(cols, dtype=np.int32))
+        self._value.append(np.asarray(coefs, dtype=np.float64))
+        rhs = [float(v) for v in rhs]
+        self._rlo.extend(rhs if sense != pulp.LpConstraintLE else [-math.inf] * len(rhs))
+        self._rup.extend(rhs if sense != pulp.LpConstraintGE else [math.inf] * len(rhs))
 
     def add_onehot(self) -> None:
         """x[C,s] binaries and onehot[C]."""
@@ -131,18 +175,21 @@ class _Formulation:
         for e, ((a, b), m) in enumerate(self.cp.edges.items()):
             sa, sb = sorted(self.x[a]), sorted(self.x[b])
             rows, cols, cost = _groups(m[np.ix_(sa, sb)])
-            ye = {(i, j): self.var(f"y_{e:06d}_{i:04d}_{j:04d}", 0.0, 1.0)
-                  for i in range(len(rows)) for j in range(len(cols))}
+            ni, nj = len(rows), len(cols)
+            first = self.block(ni * nj, 0.0, 1.0)
+            ye = np.arange(first, first + ni * nj).reshape(ni, nj)  # column of y[e,i,j]
+            self.col_names.extend(f"y_{e:06d}_{i:04d}_{j:04d}" for i in range(ni) for j in range(nj))
             self.y[(a, b)] = (ye, cost)
             tag = f"{self.cp.names[a]}->{self.cp.names[b]}"
-            for i, group in enumerate(rows):  # named by the group's first strategy
-                terms = {ye[(i, j)]: 1.0 for j in range(len(cols))}
-                terms.update({self.x[a][sa[s]]: -1.0 for s in group})
-                self.row(f"edge_src[{tag},{sa[group[0]]}]", terms, pulp.LpConstraintEQ, 0.0)
-            for j, group in enumerate(cols):
-                terms = {ye[(i, j)]: 1.0 for i in range(len(rows))}
-                terms.update({self.x[b][sb[t]]: -1.0 for t in group})
-                self.row(f"edge_dst[{tag},{sb[group[0]]}]", terms, pulp.LpConstraintEQ, 0.0)
+            # edge_src[e,i]: sum_j y[i,j] - sum_{s in I_i} x[a,s] = 0 (named by the group's first strategy)
+            xa = [[self.x[a][sa[s]] for s in g] for g in rows]
+            self.rows_block([f"edge_src[{tag},{sa[g[0]]}]" for g in rows], [nj + len(g) for g in xa],
+                            np.concatenate([np.concatenate([ye[i], g]) for i, g in enumerate(xa)]),
+                            np.concatenate([[1.0] * nj + [-1.0] * len(g) for g in xa]), pulp.LpConstraintEQ, [0.0] * ni)
+            xb = [[self.x[b][sb[t]] for t in g] for g in cols]
+            self.rows_block([f"edge_dst[{tag},{sb[g[0]]}]" for g in cols], [ni + len(g) for g in xb],
+                            np.concatenate([np.concatenate([ye[:, j], g]) for j, g in enumerate(xb)]),
+                            np.concatenate([[1.0] * ni + [-1.0] * len(g) for g in xb]), pulp.LpConstraintEQ, [0.0] * nj)
 
     def add_checkpoints(self) -> None:
         """k[G], w[G,C,s], z[G] with ck_count, ck_link, ck_any and ck_once."""
@@ -213,46 +260,88 @@ class _Formulation:
 
     def set_objective(self) -> None:
         """Seconds (divided by T): node time + resharding + recompute; or the peak P."""
+        cost = np.zeros(len(self._lo))
         if self.peak:
-            self.lp.setObjective(pulp.LpAffineExpression([(self.P, 1.0)]))
+            cost[self.P] = 1.0
+            self.cost = cost
             return
-        T, cp, terms = self.T, self.cp, {}
+        T, cp = self.T, self.cp
         for c, t in cp.classes.items():
             for s, v in self.x[c].items():
-                terms[v] = float(t.time[s]) / T
-        for ys, cost in self.y.values():
-            for (i, j), v in ys.items():
-                terms[v] = float(cost[i, j]) / T
+                cost[v] = float(t.time[s]) / T
+        for ys, m in self.y.values():
+            cost[ys.ravel()] = m.ravel() / T
         for (g, c), ws in self.w.items():
             rec = cp.groups[g].rec.get(c)
             for s, v in ws.items():
                 if rec is not None and rec[s] != 0:
-                    terms[v] = float(rec[s]) / T
-        self.lp.setObjective(pulp.LpAffineExpression(list(terms.items())))
+                    cost[v] = float(rec[s]) / T
+        self.cost = cost
 
     @property
     def num_variables(self) -> int:
-        return len(self.columns)
+        return len(self._lo)
 
-    def run(self, time_limit: float, mip_gap: float) -> _Result:
-        """Solve; status is "optimal", "time_limit" or "infeasible" (SolverError otherwise)."""
+    def model(self) -> ArrayModel:
+        """The formulation as arrays, columns and rows in creation order."""
+        index = np.concatenate(self._index) if self._index else np.zeros(0, dtype=np.int32)
+        value = np.concatenate(self._value) if self._value else np.zeros(0)
+        return ArrayModel(cost=self.cost, col_lo=np.array(self._lo), col_up=np.array(self._up),
+                          integer=np.array(self._int, dtype=bool), row_lo=np.array(self._rlo),
+                          row_up=np.array(self._rup), starts=np.array(self._starts, dtype=np.int32),
+                          index=index.astype(np.int32), value=value, col_names=tuple(self.col_names),
+                          row_names=tuple(self.rows))
+
+    def run(self, time_limit: float, mip_gap: float, *, start: np.ndarray | None = None,
+            relax: bool = False) -> _Result:
+        """Solve (the LP relaxation with ``relax``); status is "optimal", "time_limit" or
+        "infeasible" (SolverError otherwise). ``start``: a feasible point to begin from.
+        ``_Result.integral`` says whether the relaxation's optimum is already integral."""
         if not self.cp.classes:  # everything was folded into constants: only the budget to check
             fits = self.peak or not self.memory or self.cp.const_static + self.cp.work_lb <= self.budget
-            return _Result(status="optimal" if fits else "infeasible", picks={}, counts={}, gap=0.0, seconds=0.0)
-        solver = make_solver(time_limit, mip_gap, self.columns)
-        t0 = _time.perf_counter()
-        self.lp.solve(solver)
-        seconds = _time.perf_counter() - t0
-        status, gap = _status(self.lp, solver)
-        if status not in ("optimal", "time_limit", "infeasible"):
-            raise SolverError(f"the MIP solver ended with status {status!r} and no usable solution "
-                              f"after {seconds:.1f} s; raise Problem.time_limit (now {time_limit} s) "
+            return _Result(status="optimal" if fits else "infeasible", picks={}, counts={}, gap=0.0, seconds=0.0,
+                           integral=True)
+        model = self._model = getattr(self, "_model", None) or self.model()
+        # The relaxation runs without presolve: on sharding models presolve removes ~1% of the
+        # rows and costs 4x the simplex itself (0.4 s of 0.5 s on Llama-3-8B 8x8).
+        # With a start, the primal heuristics that hunt for a first incumbent (feasibility jump,
+        # RINS, RENS) are dropped: on the GPT-2 frontier problems that saved 10-35% of the time.
+        options = ({"presolve": "off"} if relax else
+                   {f"mip_heuristic_run_{h}": False for h in ("feasibility_jump", "rins", "rens")} if start else None)
+        out = solve_model(model, time_limit, mip_gap, start=start, relax=relax, options=options)
+        if relax and out.status != "optimal":  # the caller goes on to the MIP
+            return _Result(status=out.status, picks={}, counts={}, gap=math.inf, seconds=out.seconds)
+        if out.status not in ("optimal", "time_limit", "infeasible"):
+            raise SolverError(f"the MIP solver ended with status {out.status!r} and no usable solution "
+                              f"after {out.seconds:.1f} s; raise Problem.time_limit (now {time_limit} s) "
                               f"or Problem.mip_gap")
-        if status == "infeasible":
-            return _Result(status=status, picks={}, counts={}, gap=math.inf, seconds=seconds)
-        picks = {c: max(xs, key=lambda s: (xs[s].varValue, -s)) for c, xs in self.x.items()}
-        counts = {g: int(round(k.varValue)) for g, k in self.k.items()}
-        return _Result(status=status, picks=picks, counts=counts, gap=gap, seconds=seconds)
+        if out.status == "infeasible":
+            return _Result(status=out.status, picks={}, counts={}, gap=math.inf, seconds=out.seconds)
+        val = out.values
+        picks = {c: max(xs, key=lambda s: (val[xs[s]], -s)) for c, xs in self.x.items()}
+        counts = {g: int(round(val[k])) for g, k in self.k.items()}
+        scale = self.B if self.peak else self.T
+        ints = val[model.integer]
+        integral = bool(np.all(np.abs(ints - np.round(ints)) <= 1e-6))
+        return _Result(status=out.status, picks=picks, counts=counts, gap=out.gap, seconds=out.seconds,
+                       objective=out.objective * scale, bound=out.bound * scale, values=val, integral=integral)
+
+    def start(self, problem: Problem, choice: dict[str, int], ckpt: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(columns, values) of the x and k columns of a known answer, for a MIP start; a class
+        whose chosen strategy was pruned is left out (HiGHS completes a partial start)."""
+        cols: list[int] = []
+        vals: list[float] = []
+        first = {c: problem.nodes[m[0]].id for c, m in enumerate(problem.classes)}
+        for c, xs in self.x.items():
+            s = choice[first[c]]
+            if s in xs:
+                cols += list(xs.values())
+                vals += [1.0 if t == s else 0.0 for t in xs]
+        picked = {problem.segments[g].id for g in range(len(problem.segments))} & set(ckpt)
+        for g, k in self.k.items():
+            cols.append(k)
+            vals.append(float(sum(problem.segments[i].id in picked for i in self.cp.groups[g].segments)))
+        return np.array(cols, dtype=np.int32), np.array(vals)
 
     def decode(self, problem: Problem, res: _Result) -> tuple[dict[str, int], tuple[str, ...]]:
         """Node id -> strategy and checkpointed segment ids from an ILP result."""
@@ -279,47 +368,106 @@ def _groups(m: np.ndarray) -> tuple[list[list[int]], list[list[int]], np.ndarray
     return rows, cols, m[np.ix_([g[0] for g in rows], [g[0] for g in cols])]
 
 
-def _status(lp: pulp.LpProblem, solver) -> tuple[str, float]:
-    """(status, relative gap) after a solve, read from HiGHS when it was the solver."""
-    model = getattr(lp, "solverModel", None)
-    if model is not None and hasattr(model, "getModelStatus"):
-        import highspy
-
-        ms = model.getModelStatus()
-        names = {highspy.HighsModelStatus.kOptimal: "optimal", highspy.HighsModelStatus.kTimeLimit: "time_limit",
-                 highspy.HighsModelStatus.kInfeasible: "infeasible"}
-        info = model.getInfo()
-        status = names.get(ms, model.modelStatusToString(ms))
-        if status in ("optimal", "time_limit") and info.primal_solution_status != 2:  # 2: feasible
-            return "no feasible solution found", math.inf
-        gap = float(info.mip_gap) if math.isfinite(info.mip_gap) else math.inf
-        return status, max(gap, 0.0)
-    if lp.status == pulp.LpStatusInfeasible:
-        return "infeasible", math.inf
-    if lp.status == pulp.LpStatusOptimal:
-        optimal = lp.sol_status == pulp.LpSolutionOptimal
-        return ("optimal", 0.0) if optimal else ("time_limit", math.nan)
-    return pulp.LpStatus.get(lp.status, str(lp.status)), math.inf
+#: Solutions by ``Problem.digest``: planners solve the same per-stage problem for several
+#: pipeline shapes and micro-batch counts; a hit costs a hash instead of an ILP.
+_CACHE: OrderedDict[str, Solution | Infeasible] = OrderedDict()
+CACHE_SIZE = 64
+"""Most problems whose answers ``solve`` keeps (least recently used go first)."""
 
 
 def solve(problem: Problem) -> Solution:
     """Choose a strategy per node and the checkpointed segments minimising seconds per step under
-    ``problem.memory_budget``. Deterministic: the same problem always yields the same solution.
+    ``problem.memory_budget``. Deterministic: the same problem always yields the same solution
+    (answers are cached by the problem's content, ``Problem.digest``).
     Raises ``Infeasible`` (with ``min_budget`` and ``dominant``) when no choice fits the budget and
     ``SolverError`` when the time limit ends before any feasible solution is found."""
+    key = problem.digest
+    hit = _CACHE.get(key)
+    if hit is None:
+        try:
+            hit = _solve(problem)
+        except Infeasible as err:
+            hit = err
+        _CACHE[key] = hit
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    _CACHE.move_to_end(key)
+    if isinstance(hit, Infeasible):
+        raise Infeasible(str(hit), min_budget=hit.min_budget, dominant=hit.dominant)
+    return dataclasses.replace(hit, choice=dict(hit.choice), split=dict(hit.split), stats=dict(hit.stats))
+
+
+def _solve(problem: Problem) -> Solution:
+    """``solve`` without the cache. With a budget, the problem without it comes first (the exact
+    reductions usually fold it to a handful of columns): when its optimum fits the budget it is
+    the optimum, since the budget only removes choices. Otherwise the budgeted MIP runs from the
+    Lagrangian incumbent, which its answer is then checked against."""
+    if problem.memory_budget is not None:
+        free = solve(dataclasses.replace(problem, memory_budget=None))
+        if free.peak_bytes <= problem.memory_budget:
+            return dataclasses.replace(free, stats={**free.stats, "budget_binds": 0})
+        sol = _solve_ilp(problem, lp_first=False)
+        return dataclasses.replace(sol, stats={**sol.stats, "budget_binds": 1})
+    return _solve_ilp(problem, lp_first=True)
+
+
+def _solve_ilp(problem: Problem, *, lp_first: bool) -> Solution:
+    """Reduce, formulate and solve. With ``lp_first`` the LP relaxation runs first: on sharding
+    models without a budget it is usually integral, and then it is the optimum (its own bound)."""
     t0 = _time.perf_counter()
     cp = reduce_problem(problem)
     form = _Formulation(cp, problem.memory_budget, name=problem.name)
     build = _time.perf_counter() - t0
-    res = form.run(problem.time_limit, problem.mip_gap)
+    seconds = 0.0
+    if lp_first:
+        lp = form.run(problem.time_limit, 0.0, relax=True)
+        seconds = lp.seconds
+        if lp.status == "optimal" and lp.integral:
+            return _solution(problem, form, lp, "optimal", 0.0, build, seconds)
+    t1 = _time.perf_counter()
+    known = incumbent(problem, lambda p: _solve_ilp(p, lp_first=True)) if problem.memory_budget else None
+    start = form.start(problem, known[0], known[1]) if known and form.x else None
+    seconds += _time.perf_counter() - t1  # the incumbent's search counts as solving
+    left = max(problem.time_limit - seconds, 0.1 * problem.time_limit)
+    res = form.run(left, problem.mip_gap, start=start)
     if res.status == "infeasible":
+        if known is not None:
+            raise SolverError(f"problem {problem.name!r}: the MIP solver calls the budget infeasible, but "
+                              f"a known answer fits it ({known[2]!r} s); the solver's answer is wrong")
         raise infeasible_error(problem, cp)
+    sol = _solution(problem, form, res, res.status, res.gap, build, seconds + res.seconds)
+    return sol if known is None else _check_claim(problem, sol, known, res.bound + cp.const_time)
+
+
+def _check_claim(problem: Problem, sol: Solution, known, bound: float) -> Solution:
+    """The MIP's answer against a known feasible one: a solver that stops on a worse point than one
+    we hold (a claimed optimum above a known answer by more than its gap, or a weaker incumbent
+    at a time limit) is overruled, with a warning when it claimed optimality."""
+    choice, ckpt, objective = known
+    if objective >= sol.objective * (1 - 1e-12):
+        return sol
+    if sol.status == "optimal" and objective < sol.objective * (1 - problem.mip_gap) - 1e-15:
+        warnings.warn(f"problem {problem.name!r}: the MIP solver claimed {sol.objective!r} s optimal within a "
+                      f"gap of {problem.mip_gap}, but a known answer costs {objective!r} s; returning that one",
+                      SolverWarning, stacklevel=3)
+        status = "unproven"
+    else:
+        status = sol.status
+    ev = evaluate(problem, choice, ckpt)
+    gap = max(0.0, (ev.objective - bound) / ev.objective) if ev.objective > 0 and math.isfinite(bound) else math.nan
+    return dataclasses.replace(sol, choice=dict(choice), checkpointed=ckpt, objective=ev.objective, split=ev.split,
+                               peak_bytes=ev.peak_bytes, status=status, gap=gap if status != "unproven" else math.nan,
+                               stats={**sol.stats, "incumbent_kept": 1})
+
+
+def _solution(problem: Problem, form: _Formulation, res: _Result, status: str, gap: float, build: float,
+              seconds: float) -> Solution:
     choice, ckpt = form.decode(problem, res)
     ev = evaluate(problem, choice, ckpt)
     return Solution(choice=choice, checkpointed=ckpt, objective=ev.objective, split=ev.split,
-                    peak_bytes=ev.peak_bytes, status=res.status, gap=res.gap,
-                    num_variables=form.num_variables, num_constraints=len(form.rows),
-                    solve_seconds=res.seconds, build_seconds=build, stats=dict(cp.stats))
+                    peak_bytes=ev.peak_bytes, status=status, gap=gap, num_variables=form.num_variables,
+                    num_constraints=len(form.rows), solve_seconds=seconds, build_seconds=build,
+                    stats=dict(form.cp.stats))
 
 
 def ilp_size(problem: Problem) -> dict[str, int]:

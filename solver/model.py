@@ -7,13 +7,15 @@ Every array is copied to a read-only float64 array and checked on construction; 
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 
-__all__ = ["Node", "Edge", "Segment", "Problem", "Solution", "Infeasible", "SolverError", "fmt_bytes"]
+__all__ = ["Node", "Edge", "Segment", "Problem", "Solution", "Infeasible", "SolverError", "SolverWarning",
+           "fmt_bytes"]
 
 
 def fmt_bytes(n: float) -> str:
@@ -30,7 +32,8 @@ def _vector(owner: str, name: str, value, size: int) -> np.ndarray:
     if arr.shape != (size,):
         raise ValueError(f"{owner}: {name} has {arr.size} entries but there are {size} strategies; "
                          f"give one value per strategy label")
-    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+    # min >= 0 is False for NaN and -inf; max finite rules out +inf (two reductions, no temporaries)
+    if size and not (arr.min() >= 0 and math.isfinite(arr.max())):
         raise ValueError(f"{owner}: {name} must be finite and >= 0, got {arr.tolist()}; "
                          f"drop a strategy instead of giving it an infinite cost")
     arr.setflags(write=False)
@@ -68,9 +71,9 @@ class Node:
         size = len(labels)
         for name in ("time", "comm", "mem", "act", "work", "recompute"):
             object.__setattr__(self, name, _vector(f"node {self.id!r}", name, getattr(self, name), size))
-        bad = np.nonzero(self.comm > self.time * (1 + 1e-9) + 1e-15)[0]
-        if bad.size:
-            s = int(bad[0])
+        over = self.comm > self.time * (1 + 1e-9) + 1e-15
+        if over.any():
+            s = int(np.argmax(over))
             raise ValueError(f"node {self.id!r}: comm[{s}]={self.comm[s]!r} exceeds time[{s}]={self.time[s]!r}; "
                              f"comm is the communication part of time, so time must include it")
 
@@ -93,7 +96,7 @@ class Edge:
 
     def __post_init__(self) -> None:
         cost = np.array(self.cost, dtype=np.float64)
-        if cost.ndim != 2 or not np.all(np.isfinite(cost)) or np.any(cost < 0):
+        if cost.ndim != 2 or (cost.size and not (cost.min() >= 0 and math.isfinite(cost.max()))):
             raise ValueError(f"edge {self.src!r}->{self.dst!r}: cost must be a finite, >= 0 matrix "
                              f"(S_src, S_dst), got shape {cost.shape}")
         cost.setflags(write=False)
@@ -208,6 +211,28 @@ class Problem:
                                      f"node has {self.nodes[index[k]].size} strategies")
 
     @cached_property
+    def digest(self) -> str:
+        """A hash of everything that decides the answer (nodes, arrays, edges, ties, segments,
+        budget, time limit, gap; not ``name``): equal digests, equal problems."""
+        h = hashlib.blake2b(digest_size=20)
+
+        def put(*parts) -> None:
+            for part in parts:
+                data = part.tobytes() if isinstance(part, np.ndarray) else repr(part).encode()
+                h.update(len(data).to_bytes(8, "little"))
+                h.update(data)
+
+        for n in self.nodes:
+            put(n.id, n.labels, n.time, n.comm, n.mem, n.act, n.work, n.recompute)
+        for e in self.edges:
+            put(e.src, e.dst, e.cost.shape, e.cost)
+        put(self.ties)
+        for seg in self.segments:
+            put(seg.id, seg.nodes, seg.keep, *seg.keep_bytes)
+        put(self.memory_budget, self.time_limit, self.mip_gap)
+        return h.hexdigest()
+
+    @cached_property
     def node_index(self) -> dict[str, int]:
         """Node id -> position in ``nodes``."""
         return {n.id: i for i, n in enumerate(self.nodes)}
@@ -259,7 +284,8 @@ class Solution:
     peak_bytes: float
     """Predicted per-device peak: resident + kept activations + checkpoint inputs + transient."""
     status: str
-    """``"optimal"`` or ``"time_limit"`` (best found, see ``gap``)."""
+    """``"optimal"``, ``"time_limit"`` (best found, see ``gap``) or ``"unproven"`` (the MIP solver
+    claimed optimal a point worse than a known feasible answer, which is returned instead)."""
     gap: float
     """Relative optimality gap proven by the solver: about 0 when optimal with ``mip_gap=0``, at most
     ``mip_gap`` when optimal within it, larger after a time limit."""
@@ -292,3 +318,8 @@ class Infeasible(Exception):
 class SolverError(RuntimeError):
     """The MIP solver ended without a usable answer (e.g. the time limit ran out before any
     feasible solution was found)."""
+
+
+class SolverWarning(UserWarning):
+    """The MIP solver's answer was overruled (e.g. it claimed optimal a point worse than a known
+    feasible one); the solution returned is the better one, with status ``"unproven"``."""

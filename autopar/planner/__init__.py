@@ -5,15 +5,19 @@
 1. ``profiler.profile``: capture the training graph on fake tensors, FLOPs/bytes/saved bytes per
    node, repeated layers.
 2. ``build.build``: strategies per node priced in seconds and bytes, followers merged, resharding
-   matrices, tied layers, checkpoint segments -> ``solver.Problem``.
-3. ``solver.solve``: the joint ILP (sharding + checkpointing + memory budget).
+   matrices, tied layers, checkpoint segments -> ``solver.Problem``. ``build_cached`` reuses a
+   build of the same profile and config that differed only in the budget or solver limits.
+3. ``solver.solve``: the joint ILP (sharding + checkpointing + memory budget); its answers are
+   cached by the problem's content, so a per-stage problem met again costs a hash.
 4. Pipeline candidates (``autopar.planner.pipeline``) are solved the same way on the other axis
    and compared by predicted step time; the best wins and the others are kept as runner-ups.
 5. ``to_plan``: the solution as a plain-data plan.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -26,7 +30,7 @@ from autopar.planner.build import Built, Config, build, choices
 from autopar.planner.families import FAMILIES
 from autopar.units import parse_bytes
 
-__all__ = ["plan", "plan_profile", "FAMILIES", "InfeasibleBudget"]
+__all__ = ["plan", "plan_profile", "build_cached", "FAMILIES", "InfeasibleBudget"]
 
 
 def _as_mesh(mesh) -> Mesh:
@@ -94,7 +98,7 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="floa
 def _solve_flat(gp, cfg: Config):
     """The single-stage plan over every mesh axis, or the :class:`InfeasibleBudget` error."""
     t0 = time.perf_counter()
-    built = build(gp, cfg)
+    built = build_cached(gp, cfg)
     t_build = time.perf_counter() - t0
     try:
         sol = solver.solve(built.problem)
@@ -104,6 +108,44 @@ def _solve_flat(gp, cfg: Config):
             f"the smallest feasible budget is {_gib(err.min_budget)} ({err.dominant}). Raise the budget, "
             f"use more devices, or a smaller batch")
     return to_plan(gp, cfg, built, sol, sharding_axes=list(range(cfg.mesh.ndim)), build_seconds=t_build)
+
+
+#: Built problems by (profile, config without the budget and solver limits), least recent first.
+_BUILDS: "OrderedDict[tuple, tuple]" = OrderedDict()
+_BUILDS_SIZE = 8
+_SOLVER_FIELDS = ("memory_budget", "time_limit", "mip_gap")
+
+
+def build_cached(gp, cfg: Config) -> Built:
+    """``build(gp, cfg)``, reusing an earlier build of the same profile and config that differed
+    only in the budget or the solver's limits (those only enter ``Problem``'s own fields): a
+    memory frontier or a re-plan under a new budget rebuilds nothing."""
+    import weakref
+
+    key = (id(gp),) + tuple((f.name, _hashable(getattr(cfg, f.name))) for f in dataclasses.fields(cfg)
+                            if f.name not in _SOLVER_FIELDS)
+    hit = _BUILDS.get(key)
+    if hit is None or hit[0]() is not gp:
+        built = build(gp, cfg)
+        try:
+            _BUILDS[key] = (weakref.ref(gp), built)
+        except TypeError:  # a profile that cannot be weakly referenced: no memo
+            return built
+        while len(_BUILDS) > _BUILDS_SIZE:
+            _BUILDS.popitem(last=False)
+        return built
+    _BUILDS.move_to_end(key)
+    built = hit[1]
+    problem = dataclasses.replace(built.problem, **{f: getattr(cfg, f) for f in _SOLVER_FIELDS})
+    return dataclasses.replace(built, problem=problem)
+
+
+def _hashable(value):
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
 
 
 def _gib(b) -> str:
@@ -127,11 +169,18 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
     for sid in sol.checkpointed:
         checkpointed |= set(segs[sid].nodes)
     nodes: dict[str, NodePlan] = {}
+    text: dict[int, str | None] = {}  # id(placements) -> printed; strategy lists share their tuples
+
+    def f(x):
+        out = text.get(id(x), False)
+        if out is False:
+            out = text[id(x)] = None if x is None else pl.fmt(x)
+        return out
+
     for name in built.order:
         opt = built.options[name]
         s = opt.strategies[pick[name]]
-        f = lambda x: None if x is None else pl.fmt(x)  # noqa: E731
-        nodes[name] = NodePlan(strategy=s.name, inputs=[f(x) for x in s.inputs], outputs=[pl.fmt(x) for x in s.outputs],
+        nodes[name] = NodePlan(strategy=s.name, inputs=[f(x) for x in s.inputs], outputs=[f(x) for x in s.outputs],
                                input_grads=[f(x) for x in s.input_grads],
                                recompute=built.leader[name] in checkpointed and name in _segment_members(built, checkpointed),
                                time=float(opt.time[pick[name]]), comm=float(opt.comm[pick[name]]))
@@ -149,7 +198,7 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
     bd = {"compute": float(sol.split.get("compute", 0.0)), "comm": float(sol.split.get("comm", 0.0)),
           "reshard": float(sol.split.get("reshard", 0.0)), "recompute": float(sol.split.get("recompute", 0.0))}
     bd.update({f"mem_{k}": float(v) for k, v in mem.items()})
-    p = Plan(graph_hash=cap.graph_hash(), model=type(gp.captured).__name__, mesh=cfg.mesh.to_dict(),
+    p = Plan(graph_hash=_graph_hash(cap), model=type(gp.captured).__name__, mesh=cfg.mesh.to_dict(),
              sharding_axes=list(sharding_axes), nodes=nodes, params=params, memory_budget=cfg.memory_budget,
              optimizer=cfg.optimizer, dtype=cfg.dtype, pipeline=pipeline,
              step_time=float(sol.objective if step_time is None else step_time),
@@ -161,6 +210,28 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
     p.layers = _layer_rows(gp, p, built, pick)
     p.considered = _considered(gp, built, sol)
     return p
+
+
+_HASHES: dict[int, tuple] = {}
+
+
+def _graph_hash(cap) -> str:
+    """``cap.graph_hash()``, computed once per captured graph (the flat plan and every pipeline
+    candidate of one planning read it; it walks the whole graph)."""
+    import weakref
+
+    hit = _HASHES.get(id(cap))
+    if hit is not None and hit[0]() is cap:
+        return hit[1]
+    try:
+        ref = weakref.ref(cap)
+    except TypeError:  # not weak-referenceable: no memo
+        return cap.graph_hash()
+    for key in [k for k, (r, _) in _HASHES.items() if r() is None]:
+        del _HASHES[key]
+    value = cap.graph_hash()
+    _HASHES[id(cap)] = (ref, value)
+    return value
 
 
 def _considered(gp, built: Built, sol, top: int = 6) -> dict[str, list[dict]]:

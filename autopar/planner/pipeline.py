@@ -69,7 +69,7 @@ def _placeholders_to_first_user(gp, units: list[list[str]]) -> list[list[str]]:
 
 def pipeline_candidates(gp, cfg: Config, *, required: bool = False) -> list:
     """Plans (or the errors that stopped them) for every pipeline axis, best schedule per axis."""
-    from autopar.planner import InfeasibleBudget, to_plan
+    from autopar.planner import InfeasibleBudget, build_cached, to_plan
 
     gm = gp.captured.gm
     order = [n.name for n in gm.graph.nodes if n.op not in ("output", "get_attr")]
@@ -90,7 +90,7 @@ def pipeline_candidates(gp, cfg: Config, *, required: bool = False) -> list:
                            axis_names=tuple(mesh.axis_names[a] for a in other),
                            links=tuple(mesh.links[a] for a in other))
         sub_cfg = dataclasses.replace(cfg, mesh=sub, memory_budget=None, family=None)
-        built = build(gp, sub_cfg)
+        built = build_cached(gp, sub_cfg)
         sol = solver.solve(built.problem)
         best = _best_schedule(gp, cfg, built, sol, units, axis, p)
         if best is None:

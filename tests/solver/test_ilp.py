@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, assume, given, settings
 import solver
 from solver import Edge, Infeasible, Node, Problem, Segment
 from solver.brute import disjoint_subsets
+from solver.ilp import _solve
 
 from solver_problems import MiB, half_mib, problems, with_budget
 
@@ -74,7 +75,8 @@ def test_same_problem_same_solution(case):
     problem, frac = case
     assume(_small(problem))
     problem = with_budget(problem, None if frac > 1.2 else _budget(problem, max(frac, 0.0)))
-    assert solver.solve(problem) == solver.solve(problem)
+    # _solve: past the answer cache, so both answers really come from the solver
+    assert _solve(problem) == _solve(problem) == solver.solve(problem)
 
 
 def _chain(n: int, budget: float | None) -> Problem:
@@ -117,9 +119,6 @@ def test_transient_row_prices_a_half_checkpoint_in_the_relaxation():
     # With one instance per segment group the transient row is tau >= sum act w (w = k x), no big M.
     # Its LP relaxation at 30 MiB is 5.7333 s: a half-checkpointed layer saves half its bytes but
     # lifts tau by as much. The big-M row (tau >= A(x) - M (1 - z)) let it reach 5.6667 s.
-    import pulp
-
-    from solver.compat import make_solver
     from solver.ilp import _Formulation
     from solver.reduce import reduce_problem
 
@@ -127,10 +126,8 @@ def test_transient_row_prices_a_half_checkpoint_in_the_relaxation():
     cp = reduce_problem(problem)
     form = _Formulation(cp, problem.memory_budget)
     assert not any(name.startswith("transient_ckpt[") for name in form.rows)
-    for v in form.columns:
-        v.cat = pulp.LpContinuous
-    form.lp.solve(make_solver(10, 0.0, form.columns))
-    relaxed = pulp.value(form.lp.objective) * form.T + cp.const_time
+    res = form.run(10, 0.0, relax=True)
+    relaxed = res.objective + cp.const_time
     assert relaxed == pytest.approx(5.0 + 11 / 15, abs=1e-9)
     assert relaxed <= solver.solve(problem).objective == pytest.approx(5.9)
 
@@ -197,3 +194,46 @@ def test_cbc_fallback_gives_the_same_optimum(monkeypatch):
     with pytest.raises(Infeasible) as ref:
         solver.brute_force(_two_layers(8 * MiB))
     assert err.value.min_budget == ref.value.min_budget == 10 * MiB  # all S, both layers recomputed
+
+
+def test_answers_are_cached_by_content():
+    problem = _two_layers(36 * MiB)
+    first = solver.solve(problem)
+    again = solver.solve(_two_layers(36 * MiB))  # an equal problem built anew: same digest
+    assert again == first and again.choice is not first.choice
+    assert _two_layers(36 * MiB).digest == problem.digest != _two_layers(37 * MiB).digest
+    for _ in range(2):  # an infeasible answer is cached too, and raised afresh
+        with pytest.raises(Infeasible) as err:
+            solver.solve(_two_layers(8 * MiB))
+        assert err.value.min_budget == 10 * MiB
+
+
+def test_free_optimum_that_fits_is_the_answer():
+    """All R fits 45 MiB: the problem without its budget is solved and its answer kept."""
+    sol = solver.solve(_two_layers(45 * MiB))
+    assert sol.stats["budget_binds"] == 0 and sol.objective == pytest.approx(5.0)
+    assert solver.solve(_two_layers(36 * MiB)).stats["budget_binds"] == 1
+
+
+def test_claimed_optimum_above_a_known_answer_is_overruled(monkeypatch):
+    """A MIP solver that calls its worst point optimal (the objective negated behind its back) is
+    caught by the Lagrangian incumbent: the known answer comes back, flagged."""
+    import dataclasses
+
+    from solver import ilp
+
+    real = ilp.solve_model
+
+    def lying(model, time_limit, mip_gap, *, start=None, relax=False, options=None):
+        if relax:
+            return real(model, time_limit, mip_gap, relax=True, options=options)
+        out = real(dataclasses.replace(model, cost=-model.cost), time_limit, mip_gap, options=options)
+        return dataclasses.replace(out, objective=-out.objective, bound=-out.objective)
+
+    monkeypatch.setattr(ilp, "solve_model", lying)
+    problem = dataclasses.replace(_two_layers(36 * MiB), name="liar")
+    with pytest.warns(solver.SolverWarning, match="claimed"):
+        sol = ilp._solve(problem)
+    assert sol.status == "unproven" and math.isnan(sol.gap)
+    assert sol.objective == pytest.approx(solver.brute_force(problem).objective)
+    assert sol.peak_bytes <= problem.memory_budget
