@@ -164,8 +164,13 @@ def _unit_figures(built, sol, units, m: int):
     unit_of = {n: k for k, u in enumerate(units) for n in u}
     n = len(units)
     t, once = np.zeros(n), np.zeros(n)
-    for node in built.problem.nodes:
-        t[unit_of[node.id]] += float(node.time[sol.choice[node.id]])
+    own = dict.fromkeys(built.leader.values(), 0.0)
+    for x in built.order:  # every node in its own layer, even a follower whose leader is in another
+        tx = float(built.options[x].time[pick[x]])
+        t[unit_of[x]] += tx
+        own[built.leader[x]] += tx
+    for node in built.problem.nodes:  # the rest of a group's time: resharding inside it, the sink
+        t[unit_of[node.id]] += float(node.time[sol.choice[node.id]]) - own[node.id]
     for e in built.problem.edges:
         t[unit_of[e.dst]] += float(e.cost[sol.choice[e.src], sol.choice[e.dst]])
     for (src, dst), part in built.step_edges.items():
