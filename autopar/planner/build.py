@@ -301,6 +301,8 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
             # Data parallelism splits every op's work over the whole mesh where the op allows it.
             full = [s for s in allowed if s.divisor == cfg.mesh.size]
             allowed = full or allowed
+        elif cfg.family == "replicate" and node.op == "call_function":
+            allowed = [s for s in allowed if s.divisor == 1] or allowed  # no op splits its work
         if not allowed:
             t = _vals(node)[0]
             raise ValueError(

@@ -149,8 +149,16 @@ def _axis_plan(gp, cfg: Config, units, axis: int, counts: list[int]):
                    family=f"pp({p}) x {'tp' if sub.size > 1 else 'none'}({sub.size})")
     plan.mesh = cfg.mesh.to_dict()
     plan.memory_budget = cfg.memory_budget
-    plan.breakdown["bubble"] = float(best["cost"].bubble_time)
-    plan.breakdown["grad_sync"] = float(best["sync"])
+    # The solution's split is of one micro-batch through every stage: rescale its shares to the
+    # busiest device's m micro-batches, so that the parts add up to the step time.
+    bd = plan.breakdown
+    parts = ("compute", "comm", "reshard", "recompute")
+    busy = best["step"] - best["cost"].bubble_time - best["sync"]
+    total = sum(bd[k] for k in parts)
+    for k in parts:
+        bd[k] = float(bd[k] * busy / total) if total > 0 else 0.0
+    bd["bubble"] = float(best["cost"].bubble_time)
+    bd["grad_sync"] = float(best["sync"])
     plan.options["stage_times"] = [float(x) * m for x in best["dev_times"]]
     plan.options["stage_memory"] = best["split"]
     return plan
