@@ -110,7 +110,11 @@ class Micro:
         ins = [(p.name in self.scaled, t) for p, t in zip(node.all_input_nodes, _input_vals(node))]
         outs = _vals(node)
         flags = tuple(f for f, _ in ins)
-        return [s for s in strats if self._fits(s, ins, outs, flags)]
+        keep = [s for s in strats if self._fits(s, ins, outs, flags)]
+        if strats and not keep:
+            raise ValueError(f"no strategy of {node.name} divides a micro-batch of {self.batch // self.m} on mesh "
+                             f"{self.mesh_shape}; use fewer micro-batches or a larger batch")
+        return keep
 
     def _fits(self, s, ins, outs, flags) -> bool:
         key = (id(s), flags)

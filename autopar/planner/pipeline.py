@@ -99,8 +99,11 @@ def pipeline_candidates(gp, cfg: Config, *, required: bool = False) -> list:
                                   f"equal micro-batches of at least 2 samples; use a larger batch"))
             continue
         plan = _axis_plan(gp, cfg, units, axis, counts)
-        out.append(plan if plan is not None else
-                   InfeasibleBudget(f"no pipeline over axis {axis} fits the memory budget"))
+        if isinstance(plan, ValueError):
+            out.append(plan)
+        else:
+            out.append(plan if plan is not None else
+                       InfeasibleBudget(f"no pipeline over axis {axis} fits the memory budget"))
     if required and not any(not isinstance(c, Exception) for c in out):
         why = "; ".join(str(c) for c in out if isinstance(c, Exception))
         raise ValueError("no pipeline plan is possible: the mesh has no axis of size >= 2 that the model's "
@@ -117,17 +120,19 @@ def _sub_mesh(mesh, axis: int):
 
 def _axis_plan(gp, cfg: Config, units, axis: int, counts: list[int]):
     """The best pipelined plan over ``axis`` (every count of ``counts`` up to the first slower
-    one, every schedule), or None when none fits the memory budget."""
+    one, every schedule); None when none fits the memory budget, the ValueError when no count
+    has strategies that divide its micro-batch."""
     from autopar.planner import to_plan
 
     other, sub = _sub_mesh(cfg.mesh, axis)
     p = cfg.mesh.shape[axis]
-    best = None
+    best, err = None, None
     for m in counts:
         sub_cfg = dataclasses.replace(cfg, mesh=sub, memory_budget=None, family=None, micro_batches=m)
         try:
             built = build(gp, sub_cfg)
-        except ValueError:  # some op has no strategy that divides this micro-batch
+        except ValueError as e:  # some op has no strategy that divides this micro-batch
+            err = err or ValueError(f"no pipeline over axis {axis} with {m} micro-batches: {e}")
             continue
         sol = solver.solve(built.problem)
         found = _best_schedule(gp, cfg, built, sol, units, axis, m)
@@ -138,7 +143,7 @@ def _axis_plan(gp, cfg: Config, units, axis: int, counts: list[int]):
         if best is None or (found["step"], found["peak"]) < (best["step"], best["peak"]):
             best = dict(found, built=built, sol=sol, sub_cfg=sub_cfg)
     if best is None:
-        return None
+        return err
     built, m = best["built"], best["m"]
     planned = set(built.order)
     stages = [[n for k in range(lo, hi) for n in units[k] if n in planned] for lo, hi in best["bounds"]]
