@@ -274,6 +274,9 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
     options, order = {}, []
     memo: dict[tuple, list[Strategy]] = {}
     priced_memo: dict[tuple, Option] = {}
+    # Signatures per graph: one planning builds a graph's options many times (the flat problem,
+    # forced families, every pipeline candidate and micro-batch count).
+    sigs = gm.meta.setdefault("autopar_signatures", {})
     for node in gm.graph.nodes:
         if node.op in ("output", "get_attr"):
             continue
@@ -281,7 +284,10 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
             continue  # e.g. the unused twin of a tied weight: the graph reads it through its alias
         kind = kinds.get(node.name)
         try:
-            key = (_signature(node, kind), tuple(cfg.mesh.shape))
+            sig = sigs.get((node.name, kind))
+            if sig is None:
+                sig = sigs[(node.name, kind)] = _signature(node, kind)
+            key = (sig, tuple(cfg.mesh.shape))
             strats = memo.get(key) or _STRATEGY_CACHE.get(key)
         except Exception:  # an unhashable argument: no memo for this node
             key, strats = None, None
