@@ -26,8 +26,9 @@ good as every hand-written family). Where a pipeline wins, RATIO only says that 
 search found it; FLAT RATIO = best single-stage baseline / the free search's own single-stage
 candidate (read from ``Plan.alternatives``) tests the sharding ILP alone. ``pp floor`` is a lower
 bound on a pipelined plan's step time from kernel launch floors alone (micro-batches x ops per
-stage x ``kernel_floor``); a prediction below it (marked ``?``) is certainly too optimistic: the
-pipeline pricing divides full-batch times by the micro-batch count, floors and latencies included. A ratio below 1 (beyond the solver's proven gap) is a search
+stage x ``kernel_floor``); a prediction below it (marked ``?``) is certainly too optimistic (the
+planner prices every micro-batch at its own size, floors and latencies in full, so none should
+be). A ratio below 1 (beyond the solver's proven gap) is a search
 bug and is listed at the end with both plans' cost split. ``OOM`` marks a family that does not fit
 the budget (with the least budget it would need), ``n/a`` a family that cannot place some tensor
 (e.g. a batch or a weight dim that does not divide by the mesh).
@@ -96,20 +97,22 @@ def _pipeline_floor(gp, p, mesh) -> float:
     """A lower bound on a pipelined plan's step time from kernel launch floors alone (0 when flat).
 
     Every device runs each of its stages once per micro-batch, and every op with work costs at
-    least ``kernel_floor`` per forward and per backward, whatever the micro-batch size. The planner
-    prices a micro-batch as the full batch's time divided by m (see autopar/planner/pipeline.py),
-    which drops that floor m-fold; a prediction under this bound is certainly too low.
+    least ``kernel_floor`` per forward and per backward, whatever the micro-batch size (nodes
+    without a tensor output, such as metadata asserts, launch no kernel); a prediction under this
+    bound is certainly too low.
     """
     pp = p.pipeline
     if pp is None:
         return 0.0
     floor = mesh.device.kernel_floor
+    graph = {n.name: n for n in gp.captured.gm.graph.nodes}
     per_stage = []
     for names in pp.stages:
         kernels = 0
         for n in names:
             prof = gp.nodes.get(n)
-            if prof is None or prof.op in ("placeholder", "output"):
+            val = graph[n].meta.get("val") if n in graph else None
+            if prof is None or prof.op in ("placeholder", "output") or val is None:
                 continue
             kernels += (prof.fwd_flops > 0 or prof.fwd_bytes > 0) + (prof.bwd_flops > 0 or prof.bwd_bytes > 0)
         per_stage.append(kernels * floor)

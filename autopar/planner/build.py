@@ -71,6 +71,12 @@ class Config:
     mip_gap: float = 1e-3
     """Relative optimality gap at which the solver stops: plans within 0.1% of the optimum's
     predicted step time (proving the last fraction can take HiGHS most of its time)."""
+    micro_batches: int = 1
+    """Price one micro-batch of ``batch / micro_batches`` (pipeline stages; see ``Micro``): ops that
+    depend on the user inputs run at the micro-batch size with their kernel floor and collective
+    latencies in full; ops on parameters alone, and parameter gathers, run whole per micro-batch;
+    gradient reductions of replicated parameters run once per step (charged ``1 / micro_batches``
+    each, their full seconds kept in ``Built.step_edges``). 1: the whole batch at once."""
 
 
 @dataclasses.dataclass
@@ -99,6 +105,10 @@ class Built:
     """node -> map from its leader's strategy index to its own."""
     order: list[str]
     """All planned node names in graph order."""
+    step_edges: dict = dataclasses.field(default_factory=dict)
+    """With ``micro_batches > 1``: (producer leader, consumer leader) -> matrix of the seconds that
+    run once per step (gradient reductions of replicated parameters), of which the problem's edge
+    costs carry ``1 / micro_batches``; a pair with one leader is that group's own (diagonal)."""
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -150,8 +160,9 @@ def _kinds(captured) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------- 1. options
-def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config) -> tuple[float, ...]:
-    """(time, comm, mem, act, work, recompute) of one strategy of one node."""
+def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: float = 1.0) -> tuple[float, ...]:
+    """(time, comm, mem, act, work, recompute) of one strategy of one node; ``scale``: the share of
+    the batch one run of the op sees (``1 / micro_batches`` for ops on the inputs, see ``Micro``)."""
     mesh, shape = cfg.mesh, cfg.mesh.shape
     outs = _vals(node)
     act_scale = 0.5 if cfg.dtype == "bf16-mixed" else 1.0
@@ -172,9 +183,12 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config) -> tuple[
         return 0.0, 0.0, local, 0.0, 0.0, 0.0
     div = max(1, strat.divisor)
     dt = "bf16" if cfg.dtype == "bf16-mixed" else (outs[0].dtype if outs else "fp32")
-    fwd = compute_time(prof.fwd_flops / div, prof.fwd_bytes / div, mesh, dt)
-    bwd = compute_time(prof.bwd_flops / div, prof.bwd_bytes / div, mesh, dt) if prof.bwd_flops or prof.bwd_bytes else 0.0
-    comm = sum(collective_time(c.kind, c.nbytes, mesh, c.axes) for c in strat.comm)
+    # One micro-batch: a share ``scale`` of the FLOPs, bytes and collective bytes; every kernel
+    # still costs at least its floor and every collective its full latency.
+    fwd = compute_time(prof.fwd_flops * scale / div, prof.fwd_bytes * scale / div, mesh, dt)
+    bwd = (compute_time(prof.bwd_flops * scale / div, prof.bwd_bytes * scale / div, mesh, dt)
+           if prof.bwd_flops or prof.bwd_bytes else 0.0)
+    comm = sum(collective_time(c.kind, c.nbytes * scale, mesh, c.axes) for c in strat.comm)
     # Saved activations scale like the op's tensors: local/global bytes of its non-parameter inputs
     # and outputs under this strategy.
     glob = loc = 0.0
@@ -185,8 +199,8 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config) -> tuple[
         glob += _nbytes(t.shape, t.dtype)
         loc += _local_bytes(t, p, shape)
     frac = loc / glob if glob else 1.0
-    act = prof.saved_bytes * frac * act_scale
-    work = sum(_local_bytes(t, p, shape) for t, p in zip(outs, strat.outputs)) * act_scale
+    act = prof.saved_bytes * frac * act_scale * scale
+    work = sum(_local_bytes(t, p, shape) for t, p in zip(outs, strat.outputs)) * act_scale * scale
     return fwd + bwd + comm, comm, 0.0, act, work, fwd
 
 
@@ -250,8 +264,9 @@ def _signature(node, kind) -> tuple:
     return (node.op, str(node.target), kind, sig(node.args), sig(node.kwargs), outs, len(node.users) > 0)
 
 
-def node_options(gm, gp, cfg: Config) -> tuple[dict[str, Option], list[str]]:
-    """Strategies and prices of every node (placeholders and ops), in graph order."""
+def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dict[str, Option], list[str]]:
+    """Strategies and prices of every node (placeholders and ops), in graph order; with ``micro``,
+    at the micro-batch size (strategies that do not divide a micro-batch are left out)."""
     from autopar.planner.families import predicate
 
     kinds = _kinds(gp.captured)
@@ -259,6 +274,9 @@ def node_options(gm, gp, cfg: Config) -> tuple[dict[str, Option], list[str]]:
     options, order = {}, []
     memo: dict[tuple, list[Strategy]] = {}
     priced_memo: dict[tuple, Option] = {}
+    # Signatures per graph: one planning builds a graph's options many times (the flat problem,
+    # forced families, every pipeline candidate and micro-batch count).
+    sigs = gm.meta.setdefault("autopar_signatures", {})
     for node in gm.graph.nodes:
         if node.op in ("output", "get_attr"):
             continue
@@ -266,7 +284,10 @@ def node_options(gm, gp, cfg: Config) -> tuple[dict[str, Option], list[str]]:
             continue  # e.g. the unused twin of a tied weight: the graph reads it through its alias
         kind = kinds.get(node.name)
         try:
-            key = (_signature(node, kind), tuple(cfg.mesh.shape))
+            sig = sigs.get((node.name, kind))
+            if sig is None:
+                sig = sigs[(node.name, kind)] = _signature(node, kind)
+            key = (sig, tuple(cfg.mesh.shape))
             strats = memo.get(key) or _STRATEGY_CACHE.get(key)
         except Exception:  # an unhashable argument: no memo for this node
             key, strats = None, None
@@ -279,10 +300,15 @@ def node_options(gm, gp, cfg: Config) -> tuple[dict[str, Option], list[str]]:
                 _STRATEGY_CACHE[key] = strats
         allowed = _allowed(strats, node, kind, pred)
         allowed = _pinned(allowed, node, kind, gp, cfg.pin)
+        scale = 1.0 if micro is None else micro.scale(node.name)
+        if micro is not None:
+            allowed = micro.valid(allowed, node)
         if cfg.family in ("dp", "zero3") and node.op == "call_function":
             # Data parallelism splits every op's work over the whole mesh where the op allows it.
             full = [s for s in allowed if s.divisor == cfg.mesh.size]
             allowed = full or allowed
+        elif cfg.family == "replicate" and node.op == "call_function":
+            allowed = [s for s in allowed if s.divisor == 1] or allowed  # no op splits its work
         if not allowed:
             t = _vals(node)[0]
             raise ValueError(
@@ -290,10 +316,10 @@ def node_options(gm, gp, cfg: Config) -> tuple[dict[str, Option], list[str]]:
                 f"{tuple(t.shape)} on mesh {cfg.mesh.shape}: no placement of that family divides it; "
                 f"choose another family or a batch size divisible by the mesh")
         prof = gp.nodes.get(node.name)
-        pkey = None if key is None else (key, id(allowed[0]), len(allowed), _prof_key(prof))
+        pkey = None if key is None else (key, id(allowed[0]), len(allowed), _prof_key(prof), scale)
         opt = priced_memo.get(pkey) if pkey is not None else None
         if opt is None:
-            priced = np.array([_price(node, s, prof, kind, cfg) for s in allowed], dtype=float).reshape(-1, 6)
+            priced = np.array([_price(node, s, prof, kind, cfg, scale) for s in allowed], dtype=float).reshape(-1, 6)
             opt = Option(node.name, allowed, *[priced[:, i].copy() for i in range(6)])
             if pkey is not None:
                 priced_memo[pkey] = opt
@@ -447,9 +473,10 @@ def _in_grad(strat: Strategy, j: int):
     return strat.input_grads[j] if j < len(strat.input_grads) else None
 
 
-def edges(gm, options, leader, follow, mesh: Mesh):
+def edges(gm, options, leader, follow, mesh: Mesh, micro: "Micro | None" = None):
     """Resharding edges between groups, plus the cost of edges inside a group folded into the
-    group's own time vector (returned as ``inner``: leader -> extra seconds per choice)."""
+    group's own time vector (returned as ``inner``: leader -> extra seconds per choice); with
+    ``micro``, priced per micro-batch (``Micro.matrix``)."""
     pricer = _EdgePricer(mesh)
     edge_memo: dict[tuple, np.ndarray] = {}
     acc: dict[tuple[str, str], np.ndarray] = {}
@@ -468,13 +495,17 @@ def edges(gm, options, leader, follow, mesh: Mesh):
             if t is None:
                 continue
             # Twins share options and follow maps: one matrix per distinct (producer, consumer) pair.
-            ekey = (id(popt), id(opt), idx, j, fs.tobytes(), fu.tobytes(), tuple(t.shape), t.dtype)
+            ekey = (id(popt), id(opt), idx, j, fs.tobytes(), fu.tobytes(), tuple(t.shape), t.dtype,
+                    micro and micro.kind(prod.name))
             m = edge_memo.get(ekey)
             if m is None:
                 outs = [_out_pl(popt, s, idx) for s in fs]           # per leader(prod) choice
                 ins = [_in_pl(opt.strategies[u], j) for u in fu]     # per leader(node) choice
                 grads = [_in_grad(opt.strategies[u], j) for u in fu]
-                m = edge_memo[ekey] = pricer.matrix(outs, ins, grads, t)
+                m = edge_memo[ekey] = (pricer.matrix(outs, ins, grads, t) if micro is None
+                                       else micro.matrix(pricer, prod.name, outs, ins, grads, t))
+            if micro is not None:
+                micro.note(ls, lu, m)
             if ls == lu:
                 inner[lu] = inner[lu] + np.diag(m)
             else:
@@ -586,9 +617,14 @@ def _segments(gm, gp, options, leader, follow, mesh_shape) -> tuple:
 def build(gp, cfg: Config) -> Built:
     """The whole pass pipeline (see the module docstring for the order and why)."""
     gm = gp.captured.gm
-    options, order = node_options(gm, gp, cfg)
+    from autopar.planner.micro import Micro  # imports this module's helpers
+
+    micro = Micro(gm, gp, cfg) if cfg.micro_batches != 1 else None
+    options, order = node_options(gm, gp, cfg, micro)
     leader, follow = merge_followers(gm, options, cfg.merge_followers)
-    acc, inner, pricer = edges(gm, options, leader, follow, cfg.mesh)
+    if micro is not None:
+        micro.leader = leader
+    acc, inner, pricer = edges(gm, options, leader, follow, cfg.mesh, micro)
     extra = sink_costs(gm, options, leader, follow, pricer)
     groups = _group_vectors(options, leader, follow, inner, extra)
     nodes = []
@@ -605,7 +641,8 @@ def build(gp, cfg: Config) -> Built:
                              segments=segs, memory_budget=cfg.memory_budget, time_limit=cfg.time_limit,
                              mip_gap=cfg.mip_gap,
                              name=type(gp.captured).__name__)
-    return Built(problem=problem, options=options, leader=leader, follow=follow, order=order)
+    return Built(problem=problem, options=options, leader=leader, follow=follow, order=order,
+                 step_edges={} if micro is None else micro.step)
 
 
 def choices(built: Built, solution) -> dict[str, int]:

@@ -8,20 +8,30 @@ baselines of ``benchmarks/plan_quality.py`` fair: each one is optimal within its
 
 Family names (``autopar.plan(..., force=NAME)``):
 
-- ``replicate``: everything replicated (one device's work on every device).
+- ``replicate``: everything replicated (one device's work on every device: no op splits its compute).
 - ``dp``: batch split over every axis, parameters replicated (DDP).
-- ``zero3``: batch split over every axis, parameters stored sharded over every axis (FSDP/ZeRO-3).
+- ``zero3``: batch split over every axis, parameters stored sharded over every axis (FSDP/ZeRO-3);
+  a small parameter no even shard fits (ViT's ``head.bias`` (1000,) on 32 devices) may stay
+  replicated on some axes (FSDP would flatten and pad it).
 - ``megatron`` / ``megatron-axis1``: Megatron 1D tensor parallel on the inner axis (axis 1), data
   parallel on the outer; ``megatron-axis0``: tensor parallel on axis 0, data parallel on axis 1.
 - ``tp``: 1D tensor parallel over the whole mesh (no data parallelism).
 - ``atp-col-first`` / ``atp-row-first``: ATP 2D tensor parallelism; column-first shards a weight's
   output dim on axis 0 and its input dim on axis 1, row-first the reverse.
+
+In the tensor-parallel families a parameter is a matrix when it has two or more dims of size > 1
+(ViT's ``cls_token`` (1, 1, D) is a vector); a matrix dim that no shard divides on an axis (ViT's
+``pos_embed`` (1, 197, D) on 2 devices) leaves the parameter replicated on that axis.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 from typing import Callable, Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar import placement as pl
 
 FAMILIES = ("replicate", "dp", "zero3", "megatron", "megatron-axis0", "megatron-axis1", "tp",
             "atp-col-first", "atp-row-first")
@@ -62,18 +72,52 @@ def _all(*preds: Predicate) -> Predicate:
     return lambda kind, pls, shape: all(p(kind, pls, shape) for p in preds)
 
 
-def _tp_weight(axis_dims: dict[int, int | None]) -> Callable[[int, object, tuple], bool]:
+def _matrix_dims(shape: tuple) -> list[int]:
+    """The dims of size > 1: a size-1 dim (the leading 1 of ``(1, 1, D)``) is no matrix dim."""
+    return [d for d, n in enumerate(shape) if n != 1]
+
+
+def _tp_weight(axis_dims: dict[int, int | None], mesh_shape) -> Callable[[int, object, tuple], bool]:
     """Parameter rule for tensor parallelism: on each axis in ``axis_dims`` a matrix parameter
-    (2-D or more) is sharded (on the given dim, or any dim when None); vectors may stay replicated."""
+    (two or more dims of size > 1) is sharded on the given matrix dim (0: the first dim of size
+    > 1, nn.Linear's output dim), or any dim when None; vectors may stay replicated, and so may a
+    matrix whose dim does not divide by the axis."""
     def rule(a, p, shape):
         if _is(p, Partial):
             return False
         if a not in axis_dims:
             return _is(p, Replicate)
-        if len(shape) < 2:
+        dims = _matrix_dims(shape)
+        if len(dims) < 2:
             return True
         want = axis_dims[a]
-        return isinstance(p, _Free) or (_is(p, Shard) and (want is None or p.dim == want))
+        fit = [d for d in (dims if want is None else [dims[want]]) if shape[d] % mesh_shape[a] == 0]
+        if not fit:
+            return _is(p, Replicate)
+        return isinstance(p, _Free) or (_is(p, Shard) and p.dim % len(shape) in fit)
+    return rule
+
+
+@functools.lru_cache(maxsize=4096)
+def _shards_everywhere(shape: tuple, mesh_shape: tuple) -> bool:
+    """Some placement shards ``shape`` evenly on every mesh axis of size > 1."""
+    axes = [a for a, n in enumerate(mesh_shape) if n > 1]
+    for dims in itertools.product(range(len(shape)), repeat=len(axes)):
+        pls = [Replicate()] * len(mesh_shape)
+        for a, d in zip(axes, dims):
+            pls[a] = Shard(d)
+        if pl.fits(shape, pls, mesh_shape):
+            return True
+    return not axes
+
+
+def _zero3_param(mesh_shape) -> Callable[[int, object, tuple], bool]:
+    """Parameter rule of ZeRO-3: sharded on every axis; one that no even shard fits on every axis
+    may stay replicated on some (the ILP keeps as much sharded as pays)."""
+    def rule(a, p, shape):
+        if _is(p, Shard) or len(shape) == 0:
+            return True
+        return _is(p, Replicate) and not _shards_everywhere(tuple(shape), tuple(mesh_shape))
     return rule
 
 
@@ -81,7 +125,7 @@ def predicate(family: str, mesh_shape) -> Predicate:
     """The placeholder constraint of ``family`` on a mesh of ``mesh_shape``. Axes of size 1 are
     left free: nothing can be split over them, so every family allows whatever they hold."""
     shape = tuple(mesh_shape)
-    inner = _predicate(family, len(shape))
+    inner = _predicate(family, shape)
     trivial = [a for a, n in enumerate(shape) if n == 1]
     if not trivial:
         return inner
@@ -96,24 +140,25 @@ class _Free:
 _FREE = _Free()
 
 
-def _predicate(family: str, ndim: int) -> Predicate:
+def _predicate(family: str, mesh_shape: tuple) -> Predicate:
+    ndim = len(mesh_shape)
     every = tuple(range(ndim))
     if family == "replicate":
         return lambda kind, pls, shape: all(_is(p, Replicate) for p in pls)
     if family == "dp":
         return _all(_batch_split_on(every), _params(lambda a, p, s: _is(p, Replicate)))
     if family == "zero3":
-        return _all(_batch_split_on(every), _params(lambda a, p, s: _is(p, Shard) or len(s) == 0))
+        return _all(_batch_split_on(every), _params(_zero3_param(mesh_shape)))
     if family in ("megatron", "megatron-axis1", "megatron-axis0"):
         tp_axis = 0 if family == "megatron-axis0" else ndim - 1
         dp_axes = tuple(a for a in every if a != tp_axis)
-        return _all(_batch_split_on(dp_axes), _params(_tp_weight({tp_axis: None})))
+        return _all(_batch_split_on(dp_axes), _params(_tp_weight({tp_axis: None}, mesh_shape)))
     if family == "tp":
-        return _all(_batch_split_on(()), _params(_tp_weight({a: None for a in every})))
+        return _all(_batch_split_on(()), _params(_tp_weight({a: None for a in every}, mesh_shape)))
     if family in ("atp-col-first", "atp-row-first"):
         if ndim != 2:
             raise ValueError(f"family {family!r} needs a 2D mesh, got {ndim} axes")
         # nn.Linear weight is (out, in): dim 0 is the output (column) dim.
         dims = {0: 0, 1: 1} if family == "atp-col-first" else {0: 1, 1: 0}
-        return _all(_batch_split_on(()), _params(_tp_weight(dims)))
+        return _all(_batch_split_on(()), _params(_tp_weight(dims, mesh_shape)))
     raise ValueError(f"unknown plan family {family!r}; choose one of {', '.join(FAMILIES)}")

@@ -1,32 +1,40 @@
 """Pipeline candidates: stages along one mesh axis, sharding solved on the other.
 
-For each mesh axis ``a`` of size ``p > 1`` the sharding + checkpointing ILP is solved on the 1-D
-sub-mesh of the other axis (the same problem for every stage, since stages are contiguous runs of
-the same repeated layers); per-layer seconds, resident bytes and saved activations are read off
-that solution; then for each micro-batch count ``m`` and schedule the layers are cut into stages by
-the DP of ``solver.pipeline.partition`` (slowest stage minimised, every stage within the memory
-budget with its schedule's micro-batches in flight) and priced by
-``solver.pipeline.schedule_cost``. The activations a stage sends to the next one are charged as a
-point-to-point send on axis ``a`` per micro-batch, forward and backward.
+For each mesh axis ``a`` of size ``p > 1`` and each micro-batch count ``m`` the runtime can run
+(``p``, ``2p``, ``4p``, ``8p`` that cut the batch into equal micro-batches of at least
+``micro.MIN_MICRO_BATCH``), the sharding ILP is solved on the 1-D sub-mesh of the other axis with
+every op priced at the micro-batch size (``Config.micro_batches``, ``autopar.planner.micro``: the
+kernel floor per op per micro-batch, activation collectives with ``1 / m`` of the bytes and their
+full latency, parameter gathers whole per micro-batch, gradient sums of replicated parameters
+once per step). It is the same problem for every stage (stages are contiguous runs of the same
+repeated layers). Per-layer seconds of one micro-batch, resident bytes and the saved activations
+of one micro-batch are read off that solution, each resharding edge charged to its consumer's
+layer; for each schedule the layers are cut into stages by the DP of
+``solver.pipeline.partition`` (slowest stage minimised, every stage within the memory budget with
+its schedule's micro-batches in flight) and priced by ``solver.pipeline.schedule_cost``. The
+activations a stage sends to the next one are a point-to-point send on axis ``a`` per
+micro-batch, forward and backward. The step time adds, once, the slowest device's gradient sums
+(``GradSync`` after the last micro-batch) and the sum over axis ``a`` of the gradients of
+parameters used by several stages (a tied embedding), as ``autopar.runtime`` runs them.
 
-Known approximation: per-micro-batch seconds are the full-batch seconds divided by ``m`` (kernel
-floors and per-micro-batch latencies are not re-priced), and gradient synchronisation is counted
-once per micro-batch group like the rest of the layer's time.
+Counts are tried in increasing order and the search stops at the first one that is slower than
+the best so far: per op, ``(m + p - 1) * max(work / m, floor)`` is convex in ``m``, so the step
+time falls while the bubble shrinks faster than the floors add up, then rises.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
 import solver
+from autopar import placement as pl
 from autopar.costs.collectives import collective_time
 from autopar.plan import Pipeline
-from autopar.planner.build import Config, build, choices
+from autopar.planner.build import Config, _vals, choices
+from autopar.planner.micro import batch_size, microbatch_counts
 
 SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved-1f1b")
-
 
 def _units(gp, order: list[str]) -> list[list[str]] | None:
     """Nodes grouped per repeated layer (prefix joins the first, suffix the last), or None."""
@@ -68,8 +76,8 @@ def _placeholders_to_first_user(gp, units: list[list[str]]) -> list[list[str]]:
 
 
 def pipeline_candidates(gp, cfg: Config, *, required: bool = False) -> list:
-    """Plans (or the errors that stopped them) for every pipeline axis, best schedule per axis."""
-    from autopar.planner import InfeasibleBudget, build_cached, to_plan
+    """Plans (or the errors that stopped them) for every pipeline axis, best count and schedule per axis."""
+    from autopar.planner import InfeasibleBudget
 
     gm = gp.captured.gm
     order = [n.name for n in gm.graph.nodes if n.op not in ("output", "get_attr")]
@@ -80,97 +88,169 @@ def pipeline_candidates(gp, cfg: Config, *, required: bool = False) -> list:
         return []
     units = _placeholders_to_first_user(gp, units)
     out = []
-    mesh = cfg.mesh
+    mesh, batch = cfg.mesh, batch_size(gp)
     for axis in range(mesh.ndim):
         p = mesh.shape[axis]
         if p < 2 or len(units) < p:
             continue
-        other = [a for a in range(mesh.ndim) if a != axis]
-        sub = mesh.replace(shape=tuple(mesh.shape[a] for a in other),
-                           axis_names=tuple(mesh.axis_names[a] for a in other),
-                           links=tuple(mesh.links[a] for a in other))
-        sub_cfg = dataclasses.replace(cfg, mesh=sub, memory_budget=None, family=None)
-        built = build_cached(gp, sub_cfg)
-        sol = solver.solve(built.problem)
-        best = _best_schedule(gp, cfg, built, sol, units, axis, p)
-        if best is None:
-            out.append(InfeasibleBudget(f"no pipeline over axis {axis} fits the memory budget"))
+        counts = microbatch_counts(batch, (p, 2 * p, 4 * p, 8 * p))
+        if not counts:
+            out.append(ValueError(f"no pipeline over axis {axis}: a batch of {batch} does not cut into {p} or more "
+                                  f"equal micro-batches of at least 2 samples; use a larger batch"))
             continue
-        sched, m, v, bounds, cost, stage_mem, dev_times, split = best
-        planned = set(built.order)
-        stages = [[n for k in range(lo, hi) for n in units[k] if n in planned] for lo, hi in bounds]
-        plan = to_plan(gp, sub_cfg, built, sol, sharding_axes=other,
-                       pipeline=Pipeline(axis=axis, stages=stages, microbatches=m, schedule=sched, virtual_stages=v),
-                       step_time=cost.step_time, peak_bytes=max(stage_mem),
-                       family=f"pp({p}) x {'tp' if sub.size > 1 else 'none'}({sub.size})")
-        plan.mesh = mesh.to_dict()
-        plan.memory_budget = cfg.memory_budget
-        plan.breakdown["bubble"] = float(cost.bubble_time)
-        plan.options["stage_times"] = [float(x) * m for x in dev_times]
-        plan.options["stage_memory"] = split
-        out.append(plan)
+        plan = _axis_plan(gp, cfg, units, axis, counts)
+        if isinstance(plan, ValueError):
+            out.append(plan)
+        else:
+            out.append(plan if plan is not None else
+                       InfeasibleBudget(f"no pipeline over axis {axis} fits the memory budget"))
     if required and not any(not isinstance(c, Exception) for c in out):
+        why = "; ".join(str(c) for c in out if isinstance(c, Exception))
         raise ValueError("no pipeline plan is possible: the mesh has no axis of size >= 2 that the model's "
-                         "repeated layers can be cut along")
+                         "repeated layers can be cut along" + (f" ({why})" if why else ""))
     return out
 
 
-def _unit_figures(built, sol, units, gp, cfg):
-    pick = choices(built, sol)
-    reshard_share = sol.split.get("reshard", 0.0)
-    own_total = sum(float(built.options[n].time[pick[n]]) for n in built.order) or 1.0
-    t, mem, act, out_bytes = [], [], [], []
-    for u in units:
-        tu = sum(float(built.options[n].time[pick[n]]) for n in u if n in pick)
-        t.append(tu + reshard_share * tu / own_total)
-        mem.append(sum(float(built.options[n].mem[pick[n]]) for n in u if n in pick))
-        act.append(sum(float(built.options[n].act[pick[n]]) for n in u if n in pick))
-        last = [n for n in u if n in pick and not built.options[n].strategies[0].inputs == ()]
-        out_bytes.append(float(built.options[last[-1]].work[pick[last[-1]]]) if last else 0.0)
-    return np.array(t), np.array(mem), np.array(act), np.array(out_bytes)
+def _sub_mesh(mesh, axis: int):
+    other = [a for a in range(mesh.ndim) if a != axis]
+    return other, mesh.replace(shape=tuple(mesh.shape[a] for a in other),
+                               axis_names=tuple(mesh.axis_names[a] for a in other),
+                               links=tuple(mesh.links[a] for a in other))
 
 
-def _best_schedule(gp, cfg, built, sol, units, axis, p):
-    t, mem, act, sent = _unit_figures(built, sol, units, gp, cfg)
-    batch = _batch(gp)
-    best = None
-    for m in sorted({p, 2 * p, 4 * p, 8 * p}):
-        if batch is not None and (batch % m or batch < m):
+def _axis_plan(gp, cfg: Config, units, axis: int, counts: list[int]):
+    """The best pipelined plan over ``axis`` (every count of ``counts`` up to the first slower
+    one, every schedule); None when none fits the memory budget, the ValueError when no count
+    has strategies that divide its micro-batch."""
+    from autopar.planner import build_cached, to_plan
+
+    other, sub = _sub_mesh(cfg.mesh, axis)
+    p = cfg.mesh.shape[axis]
+    best, err = None, None
+    for m in counts:
+        sub_cfg = dataclasses.replace(cfg, mesh=sub, memory_budget=None, family=None, micro_batches=m)
+        try:
+            built = build_cached(gp, sub_cfg)
+        except ValueError as e:  # some op has no strategy that divides this micro-batch
+            err = err or ValueError(f"no pipeline over axis {axis} with {m} micro-batches: {e}")
             continue
-        send = np.array([2 * collective_time("send", b / m, cfg.mesh, (axis,)) for b in sent])
-        for sched in SCHEDULE_CHOICES:
-            vs = [1] if sched != "interleaved-1f1b" else [v for v in (2, 4) if p * v <= len(units)]
-            for v in vs:
-                try:
-                    part = solver.pipeline.partition(t / m, mem, p * v, memory_budget=cfg.memory_budget if v == 1 else None,
-                                                     layer_act=act / m,
-                                                     in_flight=list(solver.pipeline.in_flight(sched, p, m, v)) if v == 1
-                                                     else None, send_times=send)
-                except solver.Infeasible:
-                    continue
-                dev_times = [sum(part.stage_times[c] for c in range(d, p * v, p)) for d in range(p)]
-                cost = solver.pipeline.schedule_cost(sched, dev_times, m, virtual_stages=v)
-                flight = solver.pipeline.in_flight(sched, p, m, v)
-                stage_mem, split = [], []
-                for d in range(p):
-                    chunks = range(d, p * v, p)
-                    res = sum(mem[lo:hi].sum() for c in chunks for lo, hi in [part.bounds[c]])
-                    a = sum(act[lo:hi].sum() for c in chunks for lo, hi in [part.bounds[c]]) / m
-                    stage_mem.append(float(res + flight[d] * a))
-                    split.append({"params": float(res), "activations": float(flight[d] * a)})
-                if cfg.memory_budget is not None and max(stage_mem) > cfg.memory_budget:
-                    continue
-                key = (cost.step_time, max(stage_mem))
-                if best is None or key < (best[4].step_time, max(best[5])):
-                    best = (sched, m, v, part.bounds, cost, stage_mem, dev_times, split)
+        sol = solver.solve(built.problem)
+        found = _best_schedule(gp, cfg, built, sol, units, axis, m)
+        if found is None:
+            continue  # over the budget: more micro-batches hold fewer activations
+        if best is not None and found["step"] > best["step"]:
+            break
+        if best is None or (found["step"], found["peak"]) < (best["step"], best["peak"]):
+            best = dict(found, built=built, sol=sol, sub_cfg=sub_cfg)
+    if best is None:
+        return err
+    built, m = best["built"], best["m"]
+    planned = set(built.order)
+    stages = [[n for k in range(lo, hi) for n in units[k] if n in planned] for lo, hi in best["bounds"]]
+    plan = to_plan(gp, best["sub_cfg"], built, best["sol"], sharding_axes=other,
+                   pipeline=Pipeline(axis=axis, stages=stages, microbatches=m, schedule=best["sched"],
+                                     virtual_stages=best["v"]),
+                   step_time=best["step"], peak_bytes=best["peak"],
+                   family=f"pp({p}) x {'tp' if sub.size > 1 else 'none'}({sub.size})")
+    plan.mesh = cfg.mesh.to_dict()
+    plan.memory_budget = cfg.memory_budget
+    # The solution's split is of one micro-batch through every stage: rescale its shares to the
+    # busiest device's m micro-batches, so that the parts add up to the step time.
+    bd = plan.breakdown
+    parts = ("compute", "comm", "reshard", "recompute")
+    busy = best["step"] - best["cost"].bubble_time - best["sync"]
+    total = sum(bd[k] for k in parts)
+    for k in parts:
+        bd[k] = float(bd[k] * busy / total) if total > 0 else 0.0
+    bd["bubble"] = float(best["cost"].bubble_time)
+    bd["grad_sync"] = float(best["sync"])
+    plan.options["stage_times"] = [float(x) * m for x in best["dev_times"]]
+    plan.options["stage_memory"] = best["split"]
+    return plan
+
+
+def _unit_figures(built, sol, units, m: int):
+    """Per layer (unit), arrays over units: seconds of one micro-batch (its groups' own time and
+    the resharding into them), seconds once per step (gradient sums), resident bytes, saved
+    activation bytes of one micro-batch, and bytes of its last output (what a stage sends)."""
+    pick = choices(built, sol)
+    unit_of = {n: k for k, u in enumerate(units) for n in u}
+    n = len(units)
+    t, once = np.zeros(n), np.zeros(n)
+    own = dict.fromkeys(built.leader.values(), 0.0)
+    for x in built.order:  # every node in its own layer, even a follower whose leader is in another
+        tx = float(built.options[x].time[pick[x]])
+        t[unit_of[x]] += tx
+        own[built.leader[x]] += tx
+    for node in built.problem.nodes:  # the rest of a group's time: resharding inside it, the sink
+        t[unit_of[node.id]] += float(node.time[sol.choice[node.id]]) - own[node.id]
+    for e in built.problem.edges:
+        t[unit_of[e.dst]] += float(e.cost[sol.choice[e.src], sol.choice[e.dst]])
+    for (src, dst), part in built.step_edges.items():
+        once[unit_of[dst]] += float(part[sol.choice[dst]] if src == dst else part[sol.choice[src], sol.choice[dst]])
+    t -= once / m  # the problem charged each gradient sum 1/m per micro-batch; it runs once
+    mem, act, out_bytes = np.zeros(n), np.zeros(n), np.zeros(n)
+    for k, u in enumerate(units):
+        names = [x for x in u if x in pick]
+        mem[k] = sum(float(built.options[x].mem[pick[x]]) for x in names)
+        act[k] = sum(float(built.options[x].act[pick[x]]) for x in names)
+        last = [x for x in names if built.options[x].strategies[0].inputs != ()]
+        out_bytes[k] = float(built.options[last[-1]].work[pick[last[-1]]]) if last else 0.0
+    return t, once, mem, act, out_bytes
+
+
+def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int) -> dict | None:
+    """The fastest schedule (and virtual stage count) for ``m`` micro-batches within the budget."""
+    t, once, mem, act, sent = _unit_figures(built, sol, units, m)
+    send = np.array([2 * collective_time("send", b, cfg.mesh, (axis,)) for b in sent])
+    p = cfg.mesh.shape[axis]
+    shared = _shared_params(gp, built, sol, units, _sub_mesh(cfg.mesh, axis)[1].shape)
+    best = None
+    for sched in SCHEDULE_CHOICES:
+        vs = [1] if sched != "interleaved-1f1b" else [v for v in (2, 4) if p * v <= len(units)]
+        for v in vs:
+            flight = solver.pipeline.in_flight(sched, p, m, v)
+            try:
+                part = solver.pipeline.partition(t, mem, p * v, memory_budget=cfg.memory_budget if v == 1 else None,
+                                                 layer_act=act, in_flight=list(flight) if v == 1 else None,
+                                                 send_times=send)
+            except solver.Infeasible:
+                continue
+            chunks = [[part.bounds[c] for c in range(d, p * v, p)] for d in range(p)]
+            dev_times = [sum(part.stage_times[c] for c in range(d, p * v, p)) for d in range(p)]
+            cost = solver.pipeline.schedule_cost(sched, dev_times, m, virtual_stages=v)
+            stage_mem, split = [], []
+            for d in range(p):
+                res = sum(mem[lo:hi].sum() for lo, hi in chunks[d])
+                a = sum(act[lo:hi].sum() for lo, hi in chunks[d])  # one micro-batch
+                stage_mem.append(float(res + flight[d] * a))
+                split.append({"params": float(res), "activations": float(flight[d] * a)})
+            if cfg.memory_budget is not None and max(stage_mem) > cfg.memory_budget:
+                continue
+            stage_of = {k: c for c, (lo, hi) in enumerate(part.bounds) for k in range(lo, hi)}
+            sync = max(sum(once[lo:hi].sum() for lo, hi in chunks[d]) for d in range(p))
+            sync += sum(collective_time("all_reduce", b, cfg.mesh, (axis,))
+                        for us, b in shared if len({stage_of[k] for k in us}) > 1)
+            found = dict(sched=sched, m=m, v=v, bounds=part.bounds, cost=cost, step=cost.step_time + sync,
+                         sync=sync, peak=max(stage_mem), dev_times=dev_times, split=split)
+            if best is None or (found["step"], found["peak"]) < (best["step"], best["peak"]):
+                best = found
     return best
 
 
-def _batch(gp) -> int | None:
-    cap = gp.captured
-    for name in cap.user_inputs:
-        node = next((n for n in cap.gm.graph.nodes if n.name == name), None)
-        val = node.meta.get("val") if node is not None else None
-        if val is not None and getattr(val, "ndim", 0) >= 1:
-            return int(val.shape[0])
-    return None
+def _shared_params(gp, built, sol, units, sub_shape) -> list[tuple[set[int], float]]:
+    """Per parameter: the units that read it and its local gradient bytes. One read by several
+    stages (a tied embedding) has its gradient summed over the pipeline axis once per step."""
+    pick = choices(built, sol)
+    unit_of = {n: k for k, u in enumerate(units) for n in u}
+    out = []
+    for node in gp.captured.gm.graph.nodes:
+        if node.name not in gp.captured.params or node.name not in pick or not _vals(node):
+            continue
+        users = {unit_of[u.name] for u in node.users if u.name in unit_of}
+        if len(users) < 2:
+            continue
+        val = _vals(node)[0]
+        placed = built.options[node.name].strategies[pick[node.name]].outputs[0]
+        out.append((users, float(np.prod(pl.local_shape(tuple(val.shape), placed, sub_shape))) * val.element_size()))
+    return out

@@ -1,0 +1,165 @@
+"""Pricing one micro-batch of a pipeline stage (``Config.micro_batches = m > 1``).
+
+A pipelined step runs every stage ``m`` times on ``batch / m`` samples. What each run costs
+(``autopar/runtime/pipeline.py`` runs the stage graph once per micro-batch, ``GradSync`` reduces
+gradients once after the last one):
+
+- an op that depends on the user inputs (its activations carry the batch) does ``1 / m`` of the
+  FLOPs and bytes, and still costs at least ``Device.kernel_floor`` per forward and per backward;
+  its in-op collectives move ``1 / m`` of the bytes and pay their full latency;
+- an op on parameters alone (a weight's transpose, a mask from constants) runs whole every time;
+- resharding an activation moves ``1 / m`` of its bytes, with every step's full latency;
+- a parameter stored sharded is gathered whole in every micro-batch's forward and its gradient
+  reduce-scattered in every backward (the gather's backward, part of the stage graph);
+- a parameter stored replicated gets a Partial gradient from split ops, summed once per step by
+  ``GradSync``: in the per-micro-batch problem it is charged ``1 / m`` (so the ILP weighs it
+  against ``m`` micro-batches of work), and its full seconds are kept in ``Built.step_edges`` for
+  the pipeline's step time.
+
+The micro-batch must also be runnable: at least ``MIN_MICRO_BATCH`` samples (a batch of 1 makes
+``torch.export`` specialise size-1 dims, so the micro-batch capture no longer matches the plan's
+graph), and every sharded dim of an activation must divide at the micro-batch size. Which dims
+carry the batch is not recorded in the graph; a dim whose global size is a multiple of the batch
+is taken to (``(batch, seq, hidden)``, ``(batch * seq, hidden)``, ``(3, batch, heads, seq, d)``):
+that is safe (a batch dim is always such a multiple) and at worst also checks a hidden dim that
+happens to be one (it then must divide by ``m`` times the shard count).
+"""
+from __future__ import annotations
+
+import numpy as np
+from torch.distributed.tensor import Replicate
+
+from autopar import placement as pl
+from autopar.planner.build import _input_vals, _vals
+
+#: Fewest samples in one micro-batch (see the module docstring).
+MIN_MICRO_BATCH = 2
+
+
+def batch_size(gp) -> int | None:
+    """The global batch: dim 0 of the first user input with a dim, or None."""
+    cap = gp.captured
+    for name in cap.user_inputs:
+        node = next((n for n in cap.gm.graph.nodes if n.name == name), None)
+        val = node.meta.get("val") if node is not None else None
+        if val is not None and getattr(val, "ndim", 0) >= 1:
+            return int(val.shape[0])
+    return None
+
+
+def microbatch_counts(batch: int | None, candidates) -> list[int]:
+    """The counts of ``candidates`` that cut ``batch`` into equal micro-batches the runtime can run."""
+    if batch is None:
+        return []
+    return sorted({m for m in candidates if m >= 1 and batch % m == 0 and batch // m >= MIN_MICRO_BATCH})
+
+
+def depends_on_inputs(gm, inputs: set[str]) -> set[str]:
+    """Names of the nodes whose value depends on a user input (the inputs included)."""
+    out = set()
+    for node in gm.graph.nodes:
+        if node.name in inputs or any(a.name in out for a in node.all_input_nodes):
+            out.add(node.name)
+    return out
+
+
+class _Scaled:
+    """A tensor's shape and dtype with ``1 / m`` of its bytes per element: what the resharding
+    search needs to price one micro-batch (latencies in full, bytes ``/ m``)."""
+
+    def __init__(self, t, m: int):
+        self.shape, self.dtype, self._size = t.shape, t.dtype, t.element_size() / m
+
+    def element_size(self) -> float:
+        return self._size
+
+
+class Micro:
+    """What runs per micro-batch and what once per step (see the module docstring)."""
+
+    def __init__(self, gm, gp, cfg):
+        m, batch = int(cfg.micro_batches), batch_size(gp)
+        if batch is None:
+            raise ValueError("micro-batching needs a user input with a batch dim (dim 0); this graph has none")
+        if m < 1 or batch % m or batch // m < MIN_MICRO_BATCH:
+            raise ValueError(f"micro_batches={m} does not cut the batch of {batch} into equal micro-batches of at "
+                             f"least {MIN_MICRO_BATCH}; use a count in {microbatch_counts(batch, range(1, batch + 1))}")
+        cap = gp.captured
+        self.m, self.batch, self.mesh_shape = m, batch, tuple(cfg.mesh.shape)
+        self.params = set(cap.params)
+        self.scaled = depends_on_inputs(gm, set(cap.user_inputs))
+        self.leader: dict[str, str] = {}
+        self.step: dict[tuple[str, str], np.ndarray] = {}
+        self._once: dict[int, np.ndarray] = {}   # id(edge matrix) -> its once-per-step part
+        self._keep: list = []                    # keeps those ids alive
+        self._ok: dict[tuple, bool] = {}
+
+    # ------------------------------------------------------------------ ops
+    def scale(self, name: str) -> float:
+        """The share of the batch one run of node ``name`` sees."""
+        return 1.0 / self.m if name in self.scaled else 1.0
+
+    def shape(self, shape) -> tuple[int, ...]:
+        """The micro-batch shape of an activation of global ``shape`` (batch dims divided by m)."""
+        return tuple(d // self.m if d and d % self.batch == 0 else d for d in shape)
+
+    def valid(self, strats: list, node) -> list:
+        """The strategies of ``node`` whose placements still divide at the micro-batch size."""
+        if node.name not in self.scaled:
+            return strats
+        ins = [(p.name in self.scaled, t) for p, t in zip(node.all_input_nodes, _input_vals(node))]
+        outs = _vals(node)
+        flags = tuple(f for f, _ in ins)
+        keep = [s for s in strats if self._fits(s, ins, outs, flags)]
+        if strats and not keep:
+            raise ValueError(f"no strategy of {node.name} divides a micro-batch of {self.batch // self.m} on mesh "
+                             f"{self.mesh_shape}; use fewer micro-batches or a larger batch")
+        return keep
+
+    def _fits(self, s, ins, outs, flags) -> bool:
+        key = (id(s), flags)
+        ok = self._ok.get(key)
+        if ok is None:
+            ok = all(pl.fits(self.shape(t.shape), p, self.mesh_shape) for t, p in zip(outs, s.outputs))
+            ok = ok and all(p is None or not f or not hasattr(t, "shape") or
+                            pl.fits(self.shape(t.shape), p, self.mesh_shape)
+                            for (f, t), p in zip(ins, s.inputs))
+            self._ok[key] = ok
+            self._keep.append(s)
+        return ok
+
+    # ------------------------------------------------------------------ edges
+    def kind(self, name: str) -> str:
+        """``"act"`` (carries the batch), ``"param"`` (a parameter or a view of one) or ``"const"``."""
+        if name in self.scaled:
+            return "act"
+        return "param" if self.leader.get(name, name) in self.params else "const"
+
+    def matrix(self, pricer, name: str, outs, ins, grads, t) -> np.ndarray:
+        """The resharding matrix of an edge out of node ``name``, per micro-batch."""
+        kind = self.kind(name)
+        if kind == "act":
+            return pricer.matrix(outs, ins, grads, _Scaled(t, self.m))
+        full = pricer.matrix(outs, ins, grads, t)
+        if kind != "param":
+            return full
+        # Rows where the parameter is stored replicated: the gradient part is GradSync's sum,
+        # once per step.
+        fwd = pricer.matrix(outs, ins, [None] * len(grads), t)
+        replicated = np.array([[all(isinstance(p, Replicate) for p in o)] for o in outs], dtype=float)
+        once = (full - fwd) * replicated
+        if not once.any():
+            return full
+        out = full - once + once / self.m
+        self._once[id(out)] = once
+        self._keep.append(out)
+        return out
+
+    def note(self, src: str, dst: str, m: np.ndarray) -> None:
+        """Record the once-per-step part of edge matrix ``m`` between leaders ``src`` and ``dst``."""
+        once = self._once.get(id(m))
+        if once is None:
+            return
+        key = (src, dst)
+        part = np.diag(once) if src == dst else once
+        self.step[key] = self.step[key] + part if key in self.step else part.copy()

@@ -1,0 +1,134 @@
+"""Pipeline candidates priced at the micro-batch size (autopar/planner/pipeline.py, micro.py):
+kernel floors per micro-batch, runnable micro-batch sizes, and m = 1 equal to the flat figures."""
+import functools
+
+import pytest
+
+import profiler
+import solver
+from autopar import placement as pl
+from autopar import zoo
+from autopar.mesh import Mesh
+from autopar.planner import pipeline as pp
+from autopar.planner import plan_profile
+from autopar.planner.build import Config, build
+from autopar.planner.micro import MIN_MICRO_BATCH, Micro, microbatch_counts
+
+
+@functools.lru_cache(maxsize=None)
+def _gp(name, batch):
+    ex = zoo.build(name, device="meta", batch=batch)
+    return profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+
+
+def _kernel_floor(gp, plan, mesh) -> float:
+    """m x (kernels of one micro-batch on the busiest device) x kernel_floor: no pipelined step can
+    be faster, whatever the micro-batch size (every forward and backward kernel costs the floor)."""
+    pipe = plan.pipeline
+    graph = {n.name: n for n in gp.captured.gm.graph.nodes}
+    per_stage = []
+    for names in pipe.stages:
+        kernels = 0
+        for n in names:
+            prof = gp.nodes.get(n)
+            if prof is None or prof.op in ("placeholder", "output") or not pp._vals(graph[n]):
+                continue  # no tensor out (a metadata assert): no kernel
+            kernels += (prof.fwd_flops > 0 or prof.fwd_bytes > 0) + (prof.bwd_flops > 0 or prof.bwd_bytes > 0)
+        per_stage.append(kernels)
+    p = mesh.shape[pipe.axis]
+    busiest = max(sum(per_stage[c] for c in range(d, len(per_stage), p)) for d in range(p))
+    return pipe.microbatches * busiest * mesh.device.kernel_floor
+
+
+@pytest.mark.parametrize("name,shape,cluster", [("gpt2", (2, 4), "h100"), ("bert", (4, 2), "pcie")])
+def test_pipelined_plan_is_never_below_its_kernel_floor(name, shape, cluster):
+    gp, mesh = _gp(name, 16), Mesh(shape, cluster=cluster)
+    plan = plan_profile(gp, mesh, force="pp-tp", dtype="bf16-mixed")
+    floor = _kernel_floor(gp, plan, mesh)
+    assert floor > 0
+    assert plan.step_time >= floor
+    # The bubble is (p - 1) slowest-stage micro-batches on top.
+    p = mesh.shape[plan.pipeline.axis]
+    assert plan.step_time >= floor * (plan.pipeline.microbatches + p - 1) / plan.pipeline.microbatches * 0.999
+
+
+def test_flat_plan_wins_where_dividing_by_m_picked_a_pipeline():
+    # GPT-2 (zoo size) at batch 16 on an h100 2x4: dividing full-batch seconds by m priced a
+    # pp(2) x tp(4) plan with 16 micro-batches of one sample at 0.34 ms against 0.49 ms flat;
+    # every kernel costs its floor in each micro-batch, so the flat plan is really faster.
+    gp, mesh = _gp("gpt2", 16), Mesh((2, 4), cluster="h100")
+    plan = plan_profile(gp, mesh, dtype="bf16-mixed")
+    assert plan.pipeline is None
+    piped = plan_profile(gp, mesh, force="pp-tp", dtype="bf16-mixed")
+    assert piped.step_time > plan.step_time
+    assert piped.step_time >= _kernel_floor(gp, piped, mesh)
+    assert 16 // piped.pipeline.microbatches >= MIN_MICRO_BATCH
+
+
+def _units(gp):
+    order = [n.name for n in gp.captured.gm.graph.nodes if n.op not in ("output", "get_attr")]
+    return pp._placeholders_to_first_user(gp, pp._units(gp, order))
+
+
+def test_one_micro_batch_prices_exactly_the_flat_plan():
+    gp = _gp("gpt2", 8)
+    mesh = Mesh((2, 4), cluster="a100")
+    _, sub = pp._sub_mesh(mesh, 0)
+    flat = plan_profile(gp, sub, pipeline=False)
+    built = build(gp, Config(mesh=sub, micro_batches=1))
+    sol = solver.solve(built.problem)
+    t, once, *_ = pp._unit_figures(built, sol, _units(gp), 1)
+    assert not once.any() and not built.step_edges
+    assert t.sum() == pytest.approx(flat.step_time, rel=1e-12)
+    assert t.sum() == pytest.approx(sol.objective, rel=1e-12)
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_micro_batch_figures_add_up_and_cost_at_least_the_whole_batch(m):
+    gp = _gp("gpt2", 8)
+    _, sub = pp._sub_mesh(Mesh((2, 4), cluster="h100"), 0)
+    whole = solver.solve(build(gp, Config(mesh=sub)).problem)
+    built = build(gp, Config(mesh=sub, micro_batches=m))
+    sol = solver.solve(built.problem)
+    t, once, *_ = pp._unit_figures(built, sol, _units(gp), m)
+    # The problem charges each once-per-step gradient sum 1/m per micro-batch.
+    assert t.sum() + once.sum() / m == pytest.approx(sol.objective, rel=1e-9)
+    # m runs of a micro-batch never beat one run of the whole batch: max(x / m, floor) * m >= x.
+    assert m * t.sum() + once.sum() >= whole.objective * (1 - 2e-3)
+
+
+def test_micro_batches_keep_every_sharded_dim_divisible():
+    gp = _gp("gpt2", 8)
+    _, sub = pp._sub_mesh(Mesh((2, 4), cluster="h100"), 0)
+    users = {n.name: len(n.users) for n in gp.captured.gm.graph.nodes}
+    inp = next(n for n in gp.captured.user_inputs if users.get(n))  # token ids (8, 16)
+    split = lambda built: {pl.fmt(s.outputs[0]) for s in built.options[inp].strategies}  # noqa: E731
+    assert "S(0)" in split(build(gp, Config(mesh=sub, micro_batches=2)))   # micro-batch 4 splits 4 ways
+    built = build(gp, Config(mesh=sub, micro_batches=4))                   # micro-batch 2 does not
+    assert "S(0)" not in split(built)
+    micro = Micro(gp.captured.gm, gp, Config(mesh=sub, micro_batches=4))
+    for node in gp.captured.gm.graph.nodes:
+        opt = built.options.get(node.name)
+        if opt is None or node.name not in micro.scaled:
+            continue
+        for s in opt.strategies:
+            for t, p in zip(pp._vals(node), s.outputs):
+                assert pl.fits(micro.shape(t.shape), p, sub.shape), (node.name, pl.fmt(p))
+
+
+def test_micro_batch_counts_the_runtime_can_run():
+    assert microbatch_counts(4, (2, 4, 8, 16)) == [2]          # a micro-batch of 1 is never planned
+    assert microbatch_counts(64, (8, 16, 32, 64)) == [8, 16, 32]
+    assert microbatch_counts(12, (8,)) == []
+    assert microbatch_counts(None, (2,)) == []
+    gp = _gp("gpt2", 4)
+    plan = plan_profile(gp, Mesh((2, 2), cluster="h100"), force="pp-tp")
+    assert plan.pipeline.microbatches == 2
+    with pytest.raises(ValueError, match="micro_batches=4 does not cut the batch of 4"):
+        build(gp, Config(mesh=Mesh((2,), cluster="h100"), micro_batches=4))
+
+
+def test_no_pipeline_when_the_batch_cannot_be_cut():
+    gp = _gp("gpt2", 2)  # two layers, two stages: two micro-batches of one sample would be needed
+    with pytest.raises(ValueError, match="a batch of 2 does not cut into 2 or more equal micro-batches"):
+        plan_profile(gp, Mesh((2, 1), cluster="h100"), force="pp-tp")
