@@ -35,6 +35,7 @@ from autopar.costs.compute import compute_time
 from autopar.costs.reshard import _search as search_from  # Dijkstra from one source, cached
 from autopar.mesh import Mesh
 from autopar.strategies import Strategy, strategies_for
+from autopar.strategies.base import requires_grad
 
 #: Resharding that no collective sequence achieves is priced at this many seconds (never chosen).
 FORBIDDEN = 1.0e4
@@ -66,6 +67,9 @@ class Config:
     """Offer activation checkpointing of repeated layers."""
     merge_followers: bool = True
     """Merge view/pointwise followers into their producers (see module docstring)."""
+    chunks: tuple[int, ...] = (1, 2, 4)
+    """Overlap chunk counts offered to matmuls next to a collective (``autopar.planner.overlap``);
+    ``(1,)`` turns chunking off."""
     time_limit: float = 60.0
     """Solver time limit, seconds."""
     mip_gap: float = 1e-3
@@ -99,6 +103,8 @@ class Built:
     """node -> map from its leader's strategy index to its own."""
     order: list[str]
     """All planned node names in graph order."""
+    overlap: list = dataclasses.field(default_factory=list)
+    """``autopar.planner.overlap.Site`` per node whose chunk count the solve decides."""
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -240,7 +246,9 @@ def _signature(node, kind) -> tuple:
     def sig(a):
         if isinstance(a, torch.fx.Node):
             v = _vals(a)
-            return ("node", tuple((tuple(t.shape), t.dtype) for t in v))
+            # Whether it needs a gradient too: strategies name no gradient placement for one that
+            # does not (a user input), and a twin that does must not share them.
+            return ("node", tuple((tuple(t.shape), t.dtype) for t in v), requires_grad(a))
         if isinstance(a, (list, tuple)):
             return tuple(sig(x) for x in a)
         if isinstance(a, dict):
@@ -589,6 +597,10 @@ def build(gp, cfg: Config) -> Built:
     options, order = node_options(gm, gp, cfg)
     leader, follow = merge_followers(gm, options, cfg.merge_followers)
     acc, inner, pricer = edges(gm, options, leader, follow, cfg.mesh)
+    # Once the edge matrices exist, before groups sum them: chunked overlap adds its discount.
+    from autopar.planner.overlap import add_overlap
+
+    sites = add_overlap(gm, gp, options, leader, follow, acc, inner, cfg, cfg.chunks)
     extra = sink_costs(gm, options, leader, follow, pricer)
     groups = _group_vectors(options, leader, follow, inner, extra)
     nodes = []
@@ -605,7 +617,7 @@ def build(gp, cfg: Config) -> Built:
                              segments=segs, memory_budget=cfg.memory_budget, time_limit=cfg.time_limit,
                              mip_gap=cfg.mip_gap,
                              name=type(gp.captured).__name__)
-    return Built(problem=problem, options=options, leader=leader, follow=follow, order=order)
+    return Built(problem=problem, options=options, leader=leader, follow=follow, order=order, overlap=sites)
 
 
 def choices(built: Built, solution) -> dict[str, int]:

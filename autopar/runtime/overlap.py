@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+from torch.distributed.tensor import Partial
 
 from autopar.runtime.reshard import apply_steps
 
@@ -56,13 +57,40 @@ class _Pending:
         return out
 
 
-def chunk_dim_ok(dim: int, ndim: int, placements: Sequence, steps: Sequence) -> bool:
-    """``dim`` can carry the chunks: no placement shards it and no step gathers or scatters it."""
-    from torch.distributed.tensor import Shard
+aten = torch.ops.aten
 
-    if any(isinstance(p, Shard) and p.dim % ndim == dim for p in placements):
-        return False
-    return all(getattr(s, "dim", None) != dim and getattr(s, "dim2", None) != dim for s in steps)
+#: Matmul-like targets that can run chunked, and which argument is the activation.
+ACTIVATION_ARG = {aten.linear.default: 0, aten.mm.default: 0, aten.matmul.default: 0, aten.bmm.default: 0,
+                  aten.addmm.default: 1}
+
+
+def chunked_edge(out_placements: Sequence) -> str:
+    """Which edge a chunked node runs in pieces: ``"output"`` (the edge to its single consumer)
+    when its output is Partial on some axis, else ``"input"`` (its activation's edge). The
+    planner prices exactly this edge (``autopar.planner.overlap``)."""
+    return "output" if any(isinstance(p, Partial) for p in out_placements) else "input"
+
+
+def blocked_dims(ndim: int, placement_lists: Sequence, steps: Sequence) -> set[int]:
+    """Dims that cannot carry chunks: sharded by some placement, or gathered, scattered or
+    exchanged by some step."""
+    out = set()
+    for pls in placement_lists:
+        # Only Shard placements (and their strided kin) have a dim; getattr is much cheaper than
+        # isinstance on torch's placement classes.
+        out.update(p.dim % ndim for p in pls if getattr(p, "dim", None) is not None)
+    for s in steps:
+        out.update(d % ndim for d in (getattr(s, "dim", None), getattr(s, "dim2", None)) if d is not None)
+    return out
+
+
+def chunk_dim(local_shape: Sequence[int], k: int, blocked) -> int | None:
+    """The chunk dim for k chunks: the first dim but the last that is not ``blocked`` (see
+    :func:`blocked_dims`) and whose local size divides by k; None when there is none."""
+    for d in range(len(local_shape) - 1):
+        if d not in blocked and local_shape[d] % k == 0 and local_shape[d] >= k:
+            return d
+    return None
 
 
 class ChunkedOp(nn.Module):
