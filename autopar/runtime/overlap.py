@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.tensor import Partial
@@ -30,10 +31,14 @@ _ASYNC = {"all_reduce", "all_gather", "reduce_scatter"}
 
 
 class _Pending:
-    """A collective step list launched on one tensor; ``wait()`` gives the result."""
+    """A collective step list launched on one tensor; ``wait()`` gives the result.
 
-    def __init__(self, x: torch.Tensor, steps, dm):
-        self.out = x
+    ``owned``: the caller hands over ``x`` (a fresh chunk result nothing else reads), so a single
+    all-reduce runs in place, asynchronously (``torch.distributed.all_reduce(async_op=True)``),
+    instead of through a functional collective, which copies its input first."""
+
+    def __init__(self, x: torch.Tensor, steps, dm, owned: bool = False):
+        self.out, self.work = x, None
         self.steps = tuple(steps)
         self.dm = dm
         self.async_ = len(self.steps) == 1 and self.steps[0].kind in _ASYNC and dm.size(self.steps[0].axis) > 1
@@ -41,7 +46,10 @@ class _Pending:
             s = self.steps[0]
             group = (dm, s.axis)
             x = x.contiguous()
-            if s.kind == "all_reduce":
+            if s.kind == "all_reduce" and owned:
+                self.work = dist.all_reduce(x, group=dm.get_group(s.axis), async_op=True)
+                self.out = x
+            elif s.kind == "all_reduce":
                 self.out = funcol.all_reduce(x, "sum", group)
             elif s.kind == "all_gather":
                 self.out = funcol.all_gather_tensor(x, s.dim, group)
@@ -51,6 +59,9 @@ class _Pending:
             self.out = apply_steps(x, self.steps, dm)
 
     def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
         out = self.out
         if isinstance(out, funcol.AsyncCollectiveTensor):
             out = out.wait()
@@ -140,7 +151,7 @@ class _Chunked(torch.autograd.Function):
             else:
                 yi = mod.op(*args)
                 chunks_in.append(xi.detach())
-            pieces.append(_Pending(yi.detach(), mod.out_fwd, mod.dm))  # reduce chunk i now
+            pieces.append(_Pending(yi.detach(), mod.out_fwd, mod.dm, owned=True))  # reduce chunk i now
         out = torch.cat([p.wait() for p in pieces], dim=mod.dim)
         if not mod.keep_graphs:
             tensors = [t for t in xs if isinstance(t, torch.Tensor)]
@@ -184,7 +195,8 @@ class _Chunked(torch.autograd.Function):
             gs = torch.autograd.grad(yi, want, pend.wait(), allow_unused=True) if want else ()
             for j, gj in zip(idx, gs):
                 if j == mod.x_index:
-                    outgoing.append(_Pending(gj if gj is not None else torch.zeros_like(xi), mod.in_bwd, mod.dm))
+                    outgoing.append(_Pending(gj if gj is not None else torch.zeros_like(xi), mod.in_bwd, mod.dm,
+                                                 owned=True))
                 elif gj is not None:
                     grads_in[j] = gj if grads_in[j] is None else grads_in[j] + gj
         if ctx.needs[mod.x_index] and outgoing:
