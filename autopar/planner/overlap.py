@@ -19,7 +19,10 @@ backward), with the node's compute and the edge's communication cut into k piece
     T(k) = k c_k + k m_k - (k - 1) min(c_k, m_k)
 
 that is, a two-stage pipeline: all chunks' compute and messages, less what runs at the same time;
-only the first chunk's compute and the last chunk's message are never hidden. ``T(1) = c + m`` is
+only the first chunk's compute and the last chunk's message are never hidden. The runtime
+launches a direction's messages asynchronously only when that direction is one all-reduce,
+all-gather or reduce-scatter; any other step list runs synchronously per chunk and is priced
+``k c_k + k m_k`` (nothing hidden). ``T(1) = c + m`` is
 what the ILP charges without chunking (``c`` in the node's time vector, ``m`` in the edge matrix).
 
 Why no new ILP variables: offering ``(s, k)`` for every k as separate options of ``v`` changes
@@ -46,7 +49,7 @@ from autopar import placement as pl
 from autopar.costs.compute import compute_time
 from autopar.costs.collectives import collective_time
 from autopar.costs.reshard import grad_placements, local_bytes, reshard
-from autopar.runtime.overlap import ACTIVATION_ARG, blocked_dims, chunk_dim, chunked_edge
+from autopar.runtime.overlap import ACTIVATION_ARG, ASYNC_KINDS, blocked_dims, chunk_dim, chunked_edge
 
 #: Chunk counts the planner offers by default.
 CHUNKS = (1, 2, 4)
@@ -93,7 +96,10 @@ def _edge(src, dst, shape, item, mesh, ks):
     touched = frozenset(blocked_dims(len(shape), (), r.steps))
     if not msgs:
         return touched, None
-    return touched, tuple(sum(collective_time(kd, b / k, mesh, a) for kd, b, a in msgs) for k in ks)
+    # The runtime launches a lone all-reduce / all-gather / reduce-scatter asynchronously; any
+    # other step list runs synchronously per chunk, hiding nothing (priced with c = 0 below).
+    hides = len(r.steps) == 1 and r.steps[0].kind in ASYNC_KINDS
+    return touched, tuple((sum(collective_time(kd, b / k, mesh, a) for kd, b, a in msgs), hides) for k in ks)
 
 
 class _Pricer:
@@ -144,7 +150,8 @@ class _Pricer:
         local = self.locals.get((xt, xshape))
         if local is None:
             local = self.locals[(xt, xshape)] = pl.local_shape(xshape, x_pl, self.cfg.mesh.shape)
-        return tuple(((fm[i] if fm else 0.0), (bm[i] if bm else 0.0))
+        none = (0.0, True)
+        return tuple(((fm[i] if fm else none), (bm[i] if bm else none))
                      if k == 1 or chunk_dim(local, k, blocked) is not None else None
                      for i, k in enumerate(self.ks))
 
@@ -166,7 +173,8 @@ class _Pricer:
         for k, c, m in zip(self.ks, kern, comm):
             if m is None:
                 continue
-            t = pipeline_time(c[0], m[0], k) + pipeline_time(c[1], m[1], k)
+            # m: per direction (one chunk's message seconds, whether they run asynchronously).
+            t = sum(pipeline_time(cd, md, k) if hides else k * (cd + md) for cd, (md, hides) in zip(c, m))
             if base is None:
                 base = best = t
             elif t < best - 1e-12:

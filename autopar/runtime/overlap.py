@@ -27,7 +27,8 @@ from torch.distributed.tensor import Partial
 
 from autopar.runtime.reshard import apply_steps
 
-_ASYNC = {"all_reduce", "all_gather", "reduce_scatter"}
+#: Step kinds a chunk launches asynchronously (when it is the edge's only step).
+ASYNC_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter"})
 
 
 class _Pending:
@@ -41,7 +42,7 @@ class _Pending:
         self.out, self.work = x, None
         self.steps = tuple(steps)
         self.dm = dm
-        self.async_ = len(self.steps) == 1 and self.steps[0].kind in _ASYNC and dm.size(self.steps[0].axis) > 1
+        self.async_ = len(self.steps) == 1 and self.steps[0].kind in ASYNC_KINDS and dm.size(self.steps[0].axis) > 1
         if self.async_:
             s = self.steps[0]
             group = (dm, s.axis)
