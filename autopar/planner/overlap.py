@@ -54,6 +54,10 @@ from autopar.runtime.overlap import ACTIVATION_ARG, ASYNC_KINDS, blocked_dims, c
 #: Chunk counts the planner offers by default.
 CHUNKS = (1, 2, 4)
 
+#: Savings below this many seconds per node are dropped (k = 1): they change no plan that matters,
+#: and every distinct entry they add to an edge matrix keeps the solver from merging strategies.
+MIN_SAVING = 1e-6
+
 
 @dataclasses.dataclass
 class Site:
@@ -261,7 +265,9 @@ def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer):
             except ValueError:  # a placement pair no resharding reaches: the edge is forbidden anyway
                 continue
             if comm is not None:
-                D[r, c], K[r, c] = pricer.best(comp, comm)
+                d, k = pricer.best(comp, comm)
+                if d < -MIN_SAVING:
+                    D[r, c], K[r, c] = d, k
     ri, ci = np.ix_(np.where(row_of < 0, len(rows), row_of), np.where(col_of < 0, len(cols), col_of))
     return D[ri, ci], K[ri, ci]
 
