@@ -1,28 +1,31 @@
 """Chunked overlap (ATP): a row-parallel MLP on 2 gloo processes with k = 1, 2, 4 chunks.
 
-    python benchmarks/overlap.py [--batch 2048] [--dim 1024] [--hidden 32] [--depth 4] [--steps 10]
+    python benchmarks/overlap.py [--batch 4096] [--dim 512] [--hidden 16] [--depth 4] [--steps 10]
 
 The model is ``--depth`` MLP blocks ``Linear(dim, hidden) -> GELU -> Linear(hidden, dim)`` with a
 cross-entropy loss over ``dim`` classes, tensor parallel on 2 processes (Megatron's layout: each
 block's first weight split by output features, its second by input features), so each block's
 second matmul gives a partial sum that is all-reduced in forward, and the gradient of each
-block's input (but the first's) is all-reduced in backward.
+block's input (but the first's) is all-reduced in backward. A small hidden size keeps the
+matmuls cheap next to the (batch, dim) all-reduces.
 Chunking splits the batch into k pieces and launches each piece's all-reduce as soon as it is
 ready, so the next piece's matmuls run while it travels.
 
-Two implementations are measured side by side (forward + backward per step, median over
-``--steps`` after warm-up, each step started together and timed on the slower rank):
+Side by side (forward + backward per step, median over ``--steps`` after warm-up, each step
+started together and timed on the slower rank):
 
-- ``autopar``: Megatron's placement of the model as an autopar plan (weights split, batch
-  replicated; see ``_autopar_modules``) with ``NodePlan.chunks = k`` on every matmul, run by
-  ``ParallelModule``. This is what a k chosen by the planner would buy.
-- ``reference``: the same MLP written by hand with chunked asynchronous all-reduces
-  (``torch.distributed.all_reduce(async_op=True)``) in forward and backward. It shows what
-  chunking can gain on this machine.
+- ``autopar k``: the planner's Megatron plan on the mesh ``autopar.calibrate`` measured (every
+  matmul held to Megatron's strategy, everything else the ILP's; see ``_megatron_plan``) with
+  ``NodePlan.chunks = k`` on every matmul, run by ``ParallelModule``;
+- ``autopar planner``: the same plan with the chunk counts the planner chose itself;
+- ``reference k``: the same MLP written by hand with chunked asynchronous all-reduces
+  (``torch.distributed.all_reduce(async_op=True)``) in forward and backward, chunk c of one
+  block feeding chunk c of the next. It shows what chunking can gain on this machine.
 
 The communication share of a step is the time of the step's all-reduces run alone (same sizes)
-over the k = 1 step; the step without them is printed too. Judged: where communication is at least 30% of the k = 1 step, the best k > 1
-should be at least 20% faster than k = 1 (RATIO = t(k=1) / t(best k>1) >= 1.25).
+over the k = 1 step; the step without them is printed too. Judged: where communication is at
+least 30% of the k = 1 step, the best k > 1 should be at least 20% faster than k = 1
+(RATIO = t(k=1) / t(best k>1) >= 1.25).
 """
 from __future__ import annotations
 
@@ -140,37 +143,62 @@ def _gelu_grad(a):
     return cdf + a * pdf
 
 
+def _megatron_plan(gp, mesh, mm):
+    """The planner's best plan on ``mesh`` among those where every matmul takes Megatron's
+    strategy (colwise, then rowwise, per block) and the weights sit as Megatron puts them; every
+    other op, every resharding and every chunk count is the ILP's choice. (Left free, the ILP
+    splits the batch and gathers the small weights instead on this host, which leaves no
+    collective next to a matmul to overlap.)"""
+    import dataclasses
+
+    import numpy as np
+
+    import solver
+    from autopar.planner import to_plan
+    from autopar.planner.build import Config, build
+
+    cfg = Config(mesh=mesh, family="tp")
+    built = build(gp, cfg)
+    want = {n: ("colwise", "rowwise")[i % 2] for i, n in enumerate(mm)}
+    nodes = tuple(dataclasses.replace(nd, time=nd.time + np.array([0.0 if lab == want[nd.id] else 1e3
+                                                                    for lab in nd.labels]))
+                  if nd.id in want else nd for nd in built.problem.nodes)
+    built = dataclasses.replace(built, problem=dataclasses.replace(built.problem, nodes=nodes))
+    sol = solver.solve(built.problem)
+    plan = to_plan(gp, cfg, built, sol, sharding_axes=[0], family="megatron (matmuls fixed)")
+    return plan
+
+
 def _autopar_modules(model, x, y, dm, ks):
-    """ParallelModule per k: Megatron's placement of the MLP with ``chunks=k`` on every matmul.
+    """The planner's Megatron plan (:func:`_megatron_plan`) on the calibrated mesh
+    (``autopar.calibrate``), chunk counts its own; and one copy per forced k with ``chunks = k``
+    on every matmul.
 
-    The plan is placed by hand (``autopar.codegen.manual.plan_from_placements``): first weight
-    and bias split by output features, second weight by input features, input replicated. (The
-    planner's best plan of the ``megatron`` family for this model on the CPU preset turns to a
-    batch split after the first matmul, which leaves no row-parallel matmul to chunk.) The codegen
-    chunks each matmul with the resharding of its activation input and of its output where it can,
-    and records why not elsewhere (``LocalSignature.chunking``)."""
-    from profiler.capture import capture
-
-    from autopar.codegen.manual import plan_from_placements
-    from autopar.mesh import Mesh
-    from autopar.plan import Plan
-    from autopar.runtime.module import ParallelModule
+    Returns ({k or "planner": ParallelModule}, the planner's chunk count per matmul, mesh line)."""
     import torch.nn.functional as F
 
-    cap = capture(model, (x,), None, loss_fn=F.cross_entropy, target=y)
-    params = {}
-    for i in range(0, len(model), 3):
-        params.update({f"{i}.weight": "S(0)", f"{i}.bias": "S(0)", f"{i + 2}.weight": "S(1)"})
-    base = plan_from_placements(cap, Mesh((dm.size(),), axis_names=("tp",), cluster="cpu"), params=params,
-                                name="megatron by hand")
+    import profiler
+    from autopar import calibrate
+    from autopar.plan import Plan
+    from autopar.runtime.module import ParallelModule
+
+    mesh = calibrate(dm)
+    gp = profiler.profile(model, (x,), loss_fn=F.cross_entropy, target=y)
+    cap = gp.captured
     mm = [n.name for n in cap.gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
-    out = {}
+    plan = _megatron_plan(gp, mesh, mm)
+    chosen = {n: plan.nodes[n].chunks for n in mm}
+    out = {"planner": ParallelModule(model, cap, plan, dm)}
     for k in ks:
-        plan = Plan.from_json(base.to_json())
+        forced = Plan.from_json(plan.to_json())
         for n in mm:
-            plan.nodes[n].chunks = k
-        out[k] = ParallelModule(model, cap, plan, dm)
-    return out, mm
+            forced.nodes[n].chunks = k
+        out[k] = ParallelModule(model, cap, forced, dm)
+    link = mesh.links[0]
+    desc = (f"calibrated mesh: alpha {link.alpha * 1e6:.0f} us, beta {link.beta / 1e9:.2f} GB/s, "
+            f"{mesh.device.fp32_flops / 1e9:.0f} GFLOP/s fp32; plan: "
+            + ", ".join(f"{n} {plan.nodes[n].strategy} {plan.nodes[n].outputs[0]}" for n in mm))
+    return out, chosen, desc
 
 
 def worker(rank, world, batch, dim, hidden, depth, warmup, steps):
@@ -183,13 +211,14 @@ def worker(rank, world, batch, dim, hidden, depth, warmup, steps):
     dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     ref = ChunkedRowParallelMLP(model, rank, world, dm.get_group(0))
     _check_reference(ref, model, x, y, rank, world)
-    pms, row_nodes = _autopar_modules(model, x, y, dm, KS)
+    pms, chosen, desc = _autopar_modules(model, x, y, dm, KS)
     bufs = [torch.randn(batch, dim) for _ in range(2 * depth - 1)]  # the step's all-reduces, alone
     sides = {("compute only", 1): lambda: ref.step(x, y, 1, comm=False),
              ("comm only", 1): lambda: [dist.all_reduce(b, group=dm.get_group(0)) for b in bufs]}
     for k in KS:
         sides[("reference", k)] = (lambda k=k: ref.step(x, y, k))
         sides[("autopar", k)] = (lambda k=k: _pm_step(pms[k], x, y))
+    sides[("autopar", "planner")] = lambda: _pm_step(pms["planner"], x, y)
     times = {s: [] for s in sides}
     for i in range(warmup + steps):
         for s, fn in sides.items():  # alternate: drift hits every side alike
@@ -201,9 +230,8 @@ def worker(rank, world, batch, dim, hidden, depth, warmup, steps):
             if i >= warmup:
                 times[s].append(float(dt))
     med = {f"{s[0]}|{s[1]}": statistics.median(v) for s, v in times.items()}
-    # What the codegen did with each k (a runtime without chunking has no such record).
-    chunking = {k: dict(getattr(pm.signature, "chunking", None) or {}) for k, pm in pms.items()}
-    return {"seconds": med, "row_nodes": row_nodes, "chunking": chunking} if rank == 0 else None
+    chunking = {str(k): dict(pm.signature.chunking) for k, pm in pms.items()}
+    return {"seconds": med, "chosen": chosen, "mesh": desc, "chunking": chunking} if rank == 0 else None
 
 
 def _check_reference(ref, model, x, y, rank, world) -> None:
@@ -233,9 +261,9 @@ def _pm_step(pm, x, y):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=2048)
-    ap.add_argument("--dim", type=int, default=1024)
-    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--depth", type=int, default=4, help="MLP blocks")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -247,22 +275,30 @@ def main():
     t1 = s["reference|1"]
     share = min(1.0, s["comm only|1"] / t1)
     print(f"row-parallel MLP, {args.depth} blocks, batch {args.batch}, dim {args.dim}, hidden {args.hidden}, "
-          f"2 gloo processes; "
-          f"ms per forward + backward (median of {args.steps})")
+          f"2 gloo processes; ms per forward + backward (median of {args.steps})")
+    print(res["mesh"])
     print(f"communication share of the k=1 step (reference): {share:.0%} (its {2 * args.depth - 1} all-reduces "
           f"alone {s['comm only|1'] * 1e3:.1f} ms; the step without them {s['compute only|1'] * 1e3:.1f} ms)")
     print(f"{'k':>3} {'reference ms':>13} {'autopar ms':>11}")
     for k in KS:
         print(f"{k:>3} {s[f'reference|{k}'] * 1e3:>13.1f} {s[f'autopar|{k}'] * 1e3:>11.1f}")
+    best_of = {}
     for side in ("reference", "autopar"):
-        best = min(KS[1:], key=lambda k: s[f"{side}|{k}"])
+        best = best_of[side] = min(KS[1:], key=lambda k: s[f"{side}|{k}"])
         ratio = s[f"{side}|1"] / s[f"{side}|{best}"]
         verdict = "met" if ratio >= 1.25 else ("not met" if share >= 0.3 else "n/a: communication < 30%")
         print(f"{side:<10} best k={best}: RATIO t(k=1) / t(k={best}) = {ratio:.3f} (target >= 1.25; {verdict})")
-    print(f"autopar chunks set on {res['row_nodes']}")
-    for k in KS[1:]:
-        how = res["chunking"].get(k) or res["chunking"].get(str(k))
-        print(f"  k={k}: codegen says {how or 'nothing (the runtime does not read NodePlan.chunks)'}")
+    measured = min(KS, key=lambda k: s[f"autopar|{k}"])
+    by_k = {}
+    for n, k in res["chosen"].items():
+        by_k.setdefault(k, []).append(n)
+    top = max(by_k)
+    print(f"planner's chunk counts (calibrated mesh): " + "; ".join(f"k={k} on {', '.join(v)}" for k, v in sorted(by_k.items())))
+    print(f"  its plan {s['autopar|planner'] * 1e3:.1f} ms, t(k=1) / t(planner) = {s['autopar|1'] / s['autopar|planner']:.3f}; "
+          f"fastest uniform k measured: {measured}; the planner's largest k: {top} "
+          f"({'matches' if top == measured else 'differs'})")
+    for k, how in res["chunking"].items():
+        print(f"  {k}: codegen says {sorted(set(how.values())) or 'nothing chunked'}")
     print(f"total {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

@@ -73,6 +73,8 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="floa
         raise ValueError(f"unknown plan family {force!r}; choose one of {', '.join(FAMILIES + ('pp-tp',))}")
     cfg = Config(mesh=mesh, optimizer=optimizer, dtype=dtype, family=force if force != "pp-tp" else None,
                  memory_budget=budget, checkpoint=checkpoint, time_limit=time_limit, pin=dict(pin or {}))
+    if "chunks" in options:  # overlap chunk counts offered, e.g. chunks=(1,) to plan without chunking
+        cfg.chunks = tuple(int(k) for k in options.pop("chunks"))
     candidates = []
     if force != "pp-tp":
         candidates.append(_solve_flat(gp, cfg))
@@ -184,6 +186,10 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
                                input_grads=[f(x) for x in s.input_grads],
                                recompute=built.leader[name] in checkpointed and name in _segment_members(built, checkpointed),
                                time=float(opt.time[pick[name]]), comm=float(opt.comm[pick[name]]))
+    from autopar.planner.overlap import chunk_counts
+
+    for name, k in chunk_counts(built.overlap, pick).items():
+        nodes[name].chunks = k
     cap = gp.captured
     params = {}
     n_axes = len(sharding_axes)

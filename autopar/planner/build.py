@@ -35,6 +35,7 @@ from autopar.costs.compute import compute_time
 from autopar.costs.reshard import _search as search_from  # Dijkstra from one source, cached
 from autopar.mesh import Mesh
 from autopar.strategies import Strategy, strategies_for
+from autopar.strategies.base import requires_grad
 
 #: Resharding that no collective sequence achieves is priced at this many seconds (never chosen).
 FORBIDDEN = 1.0e4
@@ -66,6 +67,9 @@ class Config:
     """Offer activation checkpointing of repeated layers."""
     merge_followers: bool = True
     """Merge view/pointwise followers into their producers (see module docstring)."""
+    chunks: tuple[int, ...] = (1, 2, 4)
+    """Overlap chunk counts offered to matmuls next to a collective (``autopar.planner.overlap``);
+    ``(1,)`` turns chunking off."""
     time_limit: float = 60.0
     """Solver time limit, seconds."""
     mip_gap: float = 1e-3
@@ -109,6 +113,8 @@ class Built:
     """With ``micro_batches > 1``: (producer leader, consumer leader) -> matrix of the seconds that
     run once per step (gradient reductions of replicated parameters), of which the problem's edge
     costs carry ``1 / micro_batches``; a pair with one leader is that group's own (diagonal)."""
+    overlap: list = dataclasses.field(default_factory=list)
+    """``autopar.planner.overlap.Site`` per node whose chunk count the solve decides."""
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -254,7 +260,9 @@ def _signature(node, kind) -> tuple:
     def sig(a):
         if isinstance(a, torch.fx.Node):
             v = _vals(a)
-            return ("node", tuple((tuple(t.shape), t.dtype) for t in v))
+            # Whether it needs a gradient too: strategies name no gradient placement for one that
+            # does not (a user input), and a twin that does must not share them.
+            return ("node", tuple((tuple(t.shape), t.dtype) for t in v), requires_grad(a))
         if isinstance(a, (list, tuple)):
             return tuple(sig(x) for x in a)
         if isinstance(a, dict):
@@ -625,6 +633,12 @@ def build(gp, cfg: Config) -> Built:
     if micro is not None:
         micro.leader = leader
     acc, inner, pricer = edges(gm, options, leader, follow, cfg.mesh, micro)
+    # Once the edge matrices exist, before groups sum them: chunked overlap adds its discount.
+    # Pipeline stage problems (priced per micro-batch) are not chunked: the discount is derived
+    # from full-batch op figures, and stage modules run their edges whole.
+    from autopar.planner.overlap import add_overlap
+
+    sites = add_overlap(gm, gp, options, leader, follow, acc, inner, cfg, cfg.chunks) if micro is None else []
     extra = sink_costs(gm, options, leader, follow, pricer)
     groups = _group_vectors(options, leader, follow, inner, extra)
     nodes = []
@@ -642,7 +656,7 @@ def build(gp, cfg: Config) -> Built:
                              mip_gap=cfg.mip_gap,
                              name=type(gp.captured).__name__)
     return Built(problem=problem, options=options, leader=leader, follow=follow, order=order,
-                 step_edges={} if micro is None else micro.step)
+                 step_edges={} if micro is None else micro.step, overlap=sites)
 
 
 def choices(built: Built, solution) -> dict[str, int]:

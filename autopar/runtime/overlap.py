@@ -20,27 +20,37 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+from torch.distributed.tensor import Partial
 
 from autopar.runtime.reshard import apply_steps
 
-_ASYNC = {"all_reduce", "all_gather", "reduce_scatter"}
+#: Step kinds a chunk launches asynchronously (when it is the edge's only step).
+ASYNC_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter"})
 
 
 class _Pending:
-    """A collective step list launched on one tensor; ``wait()`` gives the result."""
+    """A collective step list launched on one tensor; ``wait()`` gives the result.
 
-    def __init__(self, x: torch.Tensor, steps, dm):
-        self.out = x
+    ``owned``: the caller hands over ``x`` (a fresh chunk result nothing else reads), so a single
+    all-reduce runs in place, asynchronously (``torch.distributed.all_reduce(async_op=True)``),
+    instead of through a functional collective, which copies its input first."""
+
+    def __init__(self, x: torch.Tensor, steps, dm, owned: bool = False):
+        self.out, self.work = x, None
         self.steps = tuple(steps)
         self.dm = dm
-        self.async_ = len(self.steps) == 1 and self.steps[0].kind in _ASYNC and dm.size(self.steps[0].axis) > 1
+        self.async_ = len(self.steps) == 1 and self.steps[0].kind in ASYNC_KINDS and dm.size(self.steps[0].axis) > 1
         if self.async_:
             s = self.steps[0]
             group = (dm, s.axis)
             x = x.contiguous()
-            if s.kind == "all_reduce":
+            if s.kind == "all_reduce" and owned:
+                self.work = dist.all_reduce(x, group=dm.get_group(s.axis), async_op=True)
+                self.out = x
+            elif s.kind == "all_reduce":
                 self.out = funcol.all_reduce(x, "sum", group)
             elif s.kind == "all_gather":
                 self.out = funcol.all_gather_tensor(x, s.dim, group)
@@ -50,19 +60,49 @@ class _Pending:
             self.out = apply_steps(x, self.steps, dm)
 
     def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
         out = self.out
         if isinstance(out, funcol.AsyncCollectiveTensor):
             out = out.wait()
         return out
 
 
-def chunk_dim_ok(dim: int, ndim: int, placements: Sequence, steps: Sequence) -> bool:
-    """``dim`` can carry the chunks: no placement shards it and no step gathers or scatters it."""
-    from torch.distributed.tensor import Shard
+aten = torch.ops.aten
 
-    if any(isinstance(p, Shard) and p.dim % ndim == dim for p in placements):
-        return False
-    return all(getattr(s, "dim", None) != dim and getattr(s, "dim2", None) != dim for s in steps)
+#: Matmul-like targets that can run chunked, and which argument is the activation.
+ACTIVATION_ARG = {aten.linear.default: 0, aten.mm.default: 0, aten.matmul.default: 0, aten.bmm.default: 0,
+                  aten.addmm.default: 1}
+
+
+def chunked_edge(out_placements: Sequence) -> str:
+    """Which edge a chunked node runs in pieces: ``"output"`` (the edge to its single consumer)
+    when its output is Partial on some axis, else ``"input"`` (its activation's edge). The
+    planner prices exactly this edge (``autopar.planner.overlap``)."""
+    return "output" if any(isinstance(p, Partial) for p in out_placements) else "input"
+
+
+def blocked_dims(ndim: int, placement_lists: Sequence, steps: Sequence) -> set[int]:
+    """Dims that cannot carry chunks: sharded by some placement, or gathered, scattered or
+    exchanged by some step."""
+    out = set()
+    for pls in placement_lists:
+        # Only Shard placements (and their strided kin) have a dim; getattr is much cheaper than
+        # isinstance on torch's placement classes.
+        out.update(p.dim % ndim for p in pls if getattr(p, "dim", None) is not None)
+    for s in steps:
+        out.update(d % ndim for d in (getattr(s, "dim", None), getattr(s, "dim2", None)) if d is not None)
+    return out
+
+
+def chunk_dim(local_shape: Sequence[int], k: int, blocked) -> int | None:
+    """The chunk dim for k chunks: the first dim but the last that is not ``blocked`` (see
+    :func:`blocked_dims`) and whose local size divides by k; None when there is none."""
+    for d in range(len(local_shape) - 1):
+        if d not in blocked and local_shape[d] % k == 0 and local_shape[d] >= k:
+            return d
+    return None
 
 
 class ChunkedOp(nn.Module):
@@ -112,7 +152,7 @@ class _Chunked(torch.autograd.Function):
             else:
                 yi = mod.op(*args)
                 chunks_in.append(xi.detach())
-            pieces.append(_Pending(yi.detach(), mod.out_fwd, mod.dm))  # reduce chunk i now
+            pieces.append(_Pending(yi.detach(), mod.out_fwd, mod.dm, owned=True))  # reduce chunk i now
         out = torch.cat([p.wait() for p in pieces], dim=mod.dim)
         if not mod.keep_graphs:
             tensors = [t for t in xs if isinstance(t, torch.Tensor)]
@@ -156,7 +196,8 @@ class _Chunked(torch.autograd.Function):
             gs = torch.autograd.grad(yi, want, pend.wait(), allow_unused=True) if want else ()
             for j, gj in zip(idx, gs):
                 if j == mod.x_index:
-                    outgoing.append(_Pending(gj if gj is not None else torch.zeros_like(xi), mod.in_bwd, mod.dm))
+                    outgoing.append(_Pending(gj if gj is not None else torch.zeros_like(xi), mod.in_bwd, mod.dm,
+                                                 owned=True))
                 elif gj is not None:
                     grads_in[j] = gj if grads_in[j] is None else grads_in[j] + gj
         if ctx.needs[mod.x_index] and outgoing:

@@ -1,0 +1,332 @@
+"""Chunked overlap in the planner (ATP): which matmuls run in k chunks, and what that saves.
+
+A matmul-like node ``v`` (``linear``, ``mm``, ``matmul``, ``bmm``, ``addmm`` with an activation
+input) at strategy ``s`` chunks exactly one resharding edge, fixed by ``s`` alone; the codegen
+applies the same rule (:func:`autopar.runtime.overlap.chunked_edge`):
+
+- ``"output"``: when ``s``'s output is Partial on some mesh axis, the edge to ``v``'s single
+  consumer (the reduction of the partial sum, forward; its gradient steps, backward);
+- ``"input"``: otherwise the edge of ``v``'s activation input (a gather forward; the reduction of
+  the input gradient backward, e.g. Megatron's ``f``).
+
+The chunk dim ``d`` is the first dim of the activation, other than its last, that neither ``s``'s
+input and output placements nor any step of the chunked edge (forward or backward) shard, and
+whose local size divides by k (:func:`autopar.runtime.overlap.chunk_dim`). Per direction (forward,
+backward), with the node's compute and the edge's communication cut into k pieces:
+
+    c_k = compute_time(flops / k, bytes / k)          one chunk's kernel (it pays the kernel floor)
+    m_k = the edge's steps priced on one chunk         one chunk's messages (each pays alpha)
+    T(k) = k c_k + k m_k - (k - 1) min(c_k, m_k)
+
+that is, a two-stage pipeline: all chunks' compute and messages, less what runs at the same time;
+only the first chunk's compute and the last chunk's message are never hidden. The runtime
+launches a direction's messages asynchronously only when that direction is one all-reduce,
+all-gather or reduce-scatter; any other step list runs synchronously per chunk and is priced
+``k c_k + k m_k`` (nothing hidden). ``T(1) = c + m`` is
+what the ILP charges without chunking (``c`` in the node's time vector, ``m`` in the edge matrix).
+
+Why no new ILP variables: offering ``(s, k)`` for every k as separate options of ``v`` changes
+only ``v``'s time and the chunked edge's matrix (memory is the same: chunks save the same
+activations, and the transient can only shrink, which we do not count). Since the chunked edge is
+fixed by ``s``, the part of the objective that depends on k is a function of ``s``, k and the
+choice ``x`` of the node at the other end of that edge only, so the best k for each pair ``(s, x)``
+is ``argmin_k T(s, k, x)`` whatever the rest of the plan is, and the ILP with k-options has the
+same optimum as the ILP whose chunked-edge matrix gets ``D(s, x) = min_k T(s, k, x) - T(s, 1, x)``
+added (duplicated options are dominated by the best of their copies). That is what
+:func:`add_overlap` does; :func:`chunk_counts` reads k back after the solve as that argmin.
+
+An input edge that the producer may chunk itself (the producer is a candidate whose single
+consumer is ``v``) is never offered on the consumer's side: one edge is chunked by one node.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from autopar import placement as pl
+from autopar.costs.compute import compute_time
+from autopar.costs.collectives import collective_time
+from autopar.costs.reshard import grad_placements, local_bytes, reshard
+from autopar.runtime.overlap import ACTIVATION_ARG, ASYNC_KINDS, blocked_dims, chunk_dim, chunked_edge
+
+#: Chunk counts the planner offers by default.
+CHUNKS = (1, 2, 4)
+
+#: Savings below this many seconds per node are dropped (k = 1): they change no plan that matters,
+#: and every distinct entry they add to an edge matrix keeps the solver from merging strategies.
+MIN_SAVING = 1e-6
+
+
+@dataclasses.dataclass
+class Site:
+    """One node whose chunk count the solve decides."""
+
+    node: str
+    """The matmul-like node."""
+    other: str
+    """The node at the other end of the chunked edge (consumer or activation producer)."""
+    node_is_src: bool
+    """True when the chunked edge goes ``node -> other`` (output case)."""
+    k: np.ndarray
+    """Best chunk count per (node's own strategy, other's own strategy); 1 where nothing pays."""
+
+
+def _vals(node) -> list:
+    v = node.meta.get("val")
+    flat = v if isinstance(v, (list, tuple)) else [v]
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def pipeline_time(c: float, m: float, k: int) -> float:
+    """Two-stage pipeline of k chunks: ``k c + k m - (k - 1) min(c, m)`` (c, m per chunk)."""
+    return k * c + k * m - (k - 1) * min(c, m)
+
+
+def _edge(src, dst, shape, item, mesh, ks):
+    """One direction of the chunked edge as the codegen runs it: (dims its steps touch, seconds
+    of one chunk's messages per chunk count). A chunk of 1/k of a dim no step touches sends 1/k
+    of each collective's bytes (``costs.reshard.step_cost``'s convention), paying alpha each."""
+    if src is None or dst is None or src == dst:
+        return frozenset(), None
+    r = reshard(src, dst, shape, item, mesh)
+    msgs = []
+    for step, state in zip(r.steps, r.states):
+        if step.kind in ("slice", "zero_partial", "noop"):
+            continue
+        b = local_bytes(shape, state, mesh.shape, item)
+        msgs.append((step.kind, b * mesh.shape[step.axis] if step.kind == "all_gather" else b, step.axis))
+    touched = frozenset(blocked_dims(len(shape), (), r.steps))
+    if not msgs:
+        return touched, None
+    # The runtime launches a lone all-reduce / all-gather / reduce-scatter asynchronously; any
+    # other step list runs synchronously per chunk, hiding nothing (priced with c = 0 below).
+    hides = len(r.steps) == 1 and r.steps[0].kind in ASYNC_KINDS
+    return touched, tuple((sum(collective_time(kd, b / k, mesh, a) for kd, b, a in msgs), hides) for k in ks)
+
+
+class _Pricer:
+    """The chunked edge's messages and chunk dims per placement pair, kernel times per chunk
+    count, memoised on the printed placements (twin layers share every answer)."""
+
+    def __init__(self, cfg, chunks):
+        self.cfg, self.ks = cfg, (1, *sorted({k for k in chunks if k > 1}))
+        self.texts: dict[int, tuple] = {}
+        self.edges: dict[tuple, tuple] = {}
+        self.sharded: dict[tuple, frozenset] = {}
+        self.locals: dict[tuple, tuple] = {}
+        self.kernels: dict[tuple, tuple] = {}
+
+    def text(self, pls) -> str | None:
+        if pls is None:
+            return None
+        hit = self.texts.get(id(pls))
+        if hit is None:
+            hit = self.texts[id(pls)] = (pl.fmt(pls), pls)  # keeps pls alive: ids stay unique
+        return hit[0]
+
+    def _edge(self, src, dst, st, dt, shape, item):
+        key = (st, dt, shape, item)
+        hit = self.edges.get(key)
+        if hit is None:
+            hit = self.edges[key] = _edge(src, dst, shape, item, self.cfg.mesh, self.ks)
+        return hit
+
+    def _blocked(self, pls, text, ndim) -> frozenset:
+        key = (text, ndim)
+        hit = self.sharded.get(key)
+        if hit is None:
+            hit = self.sharded[key] = frozenset(blocked_dims(ndim, (pls,), ()))
+        return hit
+
+    def comm(self, texts, xshape, x_pl, out_pl, shape, item, fwd_pls, bwd_pls):
+        """Per chunk count: (forward, backward) seconds of one chunk's messages, or None where no
+        chunk dim qualifies; None overall when the edge sends nothing. ``texts``: the printed
+        x, out, src, dst, gradient dst, gradient src placements."""
+        xt, ot, st, dt, gdt, gst = texts
+        ftouch, fm = self._edge(*fwd_pls, st, dt, shape, item)
+        btouch, bm = self._edge(*bwd_pls, gdt, gst, shape, item)
+        if fm is None and bm is None:
+            return None  # only free steps (slices): nothing to hide
+        ndim = len(xshape)
+        blocked = self._blocked(x_pl, xt, ndim) | self._blocked(out_pl, ot, ndim) | ftouch | btouch
+        local = self.locals.get((xt, xshape))
+        if local is None:
+            local = self.locals[(xt, xshape)] = pl.local_shape(xshape, x_pl, self.cfg.mesh.shape)
+        none = (0.0, True)
+        return tuple(((fm[i] if fm else none), (bm[i] if bm else none))
+                     if k == 1 or chunk_dim(local, k, blocked) is not None else None
+                     for i, k in enumerate(self.ks))
+
+    def kernel(self, comp) -> tuple:
+        """Per chunk count: (forward, backward) seconds of one chunk's kernel,
+        ``compute_time(flops / k, bytes / k)``."""
+        hit = self.kernels.get(comp)
+        if hit is None:
+            mesh = self.cfg.mesh
+            hit = self.kernels[comp] = tuple(
+                tuple(compute_time(f / k, b / k, mesh, dt) if f or b else 0.0 for f, b, dt in comp) for k in self.ks)
+        return hit
+
+    def best(self, comp, comm) -> tuple[float, int]:
+        """(``D`` = min_k T(k) - T(1), the argmin k) of one kernel and one edge."""
+        kern = self.kernel(comp)
+        base = best = None
+        pick = 1
+        for k, c, m in zip(self.ks, kern, comm):
+            if m is None:
+                continue
+            # m: per direction (one chunk's message seconds, whether they run asynchronously).
+            t = sum(pipeline_time(cd, md, k) if hides else k * (cd + md) for cd, (md, hides) in zip(c, m))
+            if base is None:
+                base = best = t
+            elif t < best - 1e-12:
+                best, pick = t, k
+        return best - base, pick
+
+
+def _comp(prof, strat, out, cfg):
+    """Per direction (flops, bytes, dtype) of one strategy on the local shard (as ``_price``)."""
+    div = max(1, strat.divisor)
+    dt = "bf16" if cfg.dtype == "bf16-mixed" else out.dtype
+    return ((prof.fwd_flops / div, prof.fwd_bytes / div, dt), (prof.bwd_flops / div, prof.bwd_bytes / div, dt))
+
+
+def _candidates(gm, options):
+    """(node, activation producer, its position among the node's inputs, consumer or None)."""
+    out = []
+    for v in gm.graph.nodes:
+        pos = ACTIVATION_ARG.get(v.target)
+        if pos is None or v.name not in options or pos >= len(v.args):
+            continue
+        x = v.args[pos]
+        ins = v.all_input_nodes
+        if not isinstance(x, torch.fx.Node) or ins.count(x) != 1 or len(_vals(x)) != 1:
+            continue
+        outs = _vals(v)
+        if len(outs) != 1 or outs[0].dim() != _vals(x)[0].dim() or outs[0].dim() < 2:
+            continue
+        users = list(v.users)
+        consumer = users[0] if len(users) == 1 and users[0].op != "output" else None
+        out.append((v, x, ins.index(x), consumer))
+    return out
+
+
+def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer):
+    """(D, K) over (v's own strategies, other's own strategies); each distinct pair of placements
+    is priced once, then each distinct kernel against it."""
+    xv, ov = _vals(x)[0], _vals(v)[0]
+    j = other.all_input_nodes.index(v) if role == "output" else 0
+    t = ov if role == "output" else xv
+    shape, item, xshape = tuple(t.shape), t.element_size(), tuple(xv.shape)
+    diff = t.dtype.is_floating_point
+    text = pricer.text
+    # Columns: the other end's placements on the edge. As the ILP's edge prices it
+    # (``build._EdgePricer.matrix``): no gradient move where the consumer's strategy names no
+    # input-gradient placement.
+    cols: dict[tuple, list] = {}
+    col_of = np.full(len(oopt.strategies), -1)
+    for u, su in enumerate(oopt.strategies):
+        if role == "output":
+            if j >= len(su.inputs) or su.inputs[j] is None:
+                continue
+            ends = (su.inputs[j], su.input_grads[j] if j < len(su.input_grads) else None)
+        else:
+            ends = (su.outputs[0], None)
+        ck = (text(ends[0]), text(ends[1]))
+        col_of[u] = cols.setdefault(ck, (len(cols), ends))[0]
+    # Rows: v's placements (activation, output, activation gradient) and its kernel.
+    rows: dict[tuple, tuple] = {}
+    row_of = np.full(len(opt.strategies), -1)
+    for s, st in enumerate(opt.strategies):
+        if chunked_edge(st.outputs[0]) != role or xi >= len(st.inputs) or st.inputs[xi] is None:
+            continue
+        gin = st.input_grads[xi] if xi < len(st.input_grads) else None
+        comp = _comp(prof, st, ov, cfg)
+        rk = (text(st.inputs[xi]), text(st.outputs[0]), text(gin), comp)
+        row_of[s] = rows.setdefault(rk, (len(rows), (st.inputs[xi], st.outputs[0], gin)))[0]
+    D = np.zeros((len(rows) + 1, len(cols) + 1))   # the last row/column: not on this edge
+    K = np.ones(D.shape, dtype=int)
+    for (xt, ot, gt, comp), (r, (x_pl, out_pl, gin)) in rows.items():
+        for (at, bt), (c, (a, b)) in cols.items():
+            if role == "output":
+                src, dst, gdst, texts = out_pl, a, b, (ot, at, bt)
+            else:
+                src, dst, gdst, texts = a, x_pl, gin, (at, xt, gt)
+            if not diff or gdst is None:
+                gdst, texts = None, texts[:2] + (None,)
+            gsrc_t = None if gdst is None else texts[0].replace("P", "R")  # grad_of(src), printed
+            if texts[0] == texts[1] and texts[2] == gsrc_t:
+                continue  # the edge moves nothing
+            bwd = (gdst, grad_placements(src)) if gdst is not None else (None, None)
+            try:
+                comm = pricer.comm((xt, ot, *texts, gsrc_t), xshape, x_pl, out_pl, shape, item, (src, dst), bwd)
+            except ValueError:  # a placement pair no resharding reaches: the edge is forbidden anyway
+                continue
+            if comm is not None:
+                d, k = pricer.best(comp, comm)
+                if d < -MIN_SAVING:
+                    D[r, c], K[r, c] = d, k
+    ri, ci = np.ix_(np.where(row_of < 0, len(rows), row_of), np.where(col_of < 0, len(cols), col_of))
+    return D[ri, ci], K[ri, ci]
+
+
+def add_overlap(gm, gp, options, leader, follow, acc, inner, cfg, chunks=CHUNKS) -> list[Site]:
+    """Fold the chunking discount ``D`` (module docstring) into the edge matrices ``acc`` (keyed
+    (producer leader, consumer leader)) and the in-group edge costs ``inner``, in place; return the
+    sites whose k :func:`chunk_counts` reads back."""
+    if not any(k > 1 for k in chunks):
+        return []
+    pricer = _Pricer(cfg, chunks)
+    cands = _candidates(gm, options)
+    out_side = {v.name for v, _, _, c in cands if c is not None}
+    memo: dict[tuple, tuple] = {}
+    sites = []
+    for v, x, xi, consumer in cands:
+        prof = gp.nodes.get(v.name)
+        if prof is None:
+            continue
+        opt = options[v.name]
+        for role, other in (("output", consumer), ("input", x)):
+            if other is None or other.name not in options:
+                continue
+            # The producer chunks this edge itself when it can (its single consumer is v); a
+            # parameter as the activation has no batch-like dim worth chunking.
+            if role == "input" and (x.name in out_side or x.name in gp.captured.params):
+                continue
+            oopt = options[other.name]
+            key = (id(opt), id(oopt), role, xi, tuple(_vals(v)[0].shape), tuple(_vals(x)[0].shape),
+                   prof.fwd_flops, prof.bwd_flops, prof.fwd_bytes, prof.bwd_bytes)
+            if key not in memo:
+                memo[key] = _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer)
+            D, K = memo[key]
+            if (K == 1).all():
+                continue
+            _fold(D, v.name, other.name, role == "output", leader, follow, acc, inner)
+            sites.append(Site(node=v.name, other=other.name, node_is_src=role == "output", k=K))
+    return sites
+
+
+def _fold(D, node, other, node_is_src, leader, follow, acc, inner):
+    src, dst = (node, other) if node_is_src else (other, node)
+    M = D if node_is_src else D.T                      # (src own strategies, dst own strategies)
+    M = M[follow[src]][:, follow[dst]]                 # (src leader choices, dst leader choices)
+    ls, ld = leader[src], leader[dst]
+    if ls == ld:
+        inner[ls] = inner[ls] + np.diag(M)
+    elif (ls, ld) in acc:
+        acc[(ls, ld)] = acc[(ls, ld)] + M
+    else:
+        acc[(ls, ld)] = M.copy()
+
+
+def chunk_counts(sites: list[Site], pick: dict[str, int]) -> dict[str, int]:
+    """Each site's chunk count under the chosen strategies (``pick``: node -> own strategy index);
+    only nodes with k > 1 are listed."""
+    out = {}
+    for site in sites:
+        k = int(site.k[pick[site.node], pick[site.other]])
+        if k > 1:
+            out[site.node] = k
+    return out

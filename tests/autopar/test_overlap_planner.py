@@ -1,0 +1,169 @@
+"""The planner's overlap chunk counts (``autopar.planner.overlap``).
+
+A Megatron MLP on a 1-D mesh of 2 (``force="tp"``: column-parallel then row-parallel linears):
+with links whose bandwidth time is comparable with the matmuls' compute the planner chunks the
+row-parallel matmuls (k > 1) and its predicted step time drops by exactly the pipeline formula's
+saving; with a link whose latency dominates it keeps k = 1. The plan it chose trains with the
+numbers of one device on 2 simulated ranks, and k survives the plan's JSON.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.costs.compute import compute_time
+from autopar.costs.reshard import reshard_cost
+from autopar.mesh import Link, Mesh
+from autopar.plan import Plan
+from autopar.planner.overlap import pipeline_time
+
+DIM, HIDDEN, BATCH, WORLD = 256, 512, 512, 2
+BANDWIDTH_BOUND = Link(alpha=1e-6, beta=1e8)  # one (BATCH, DIM) fp32 all-reduce: about 5 ms
+LATENCY_BOUND = Link(alpha=1e-1, beta=1e12)   # 100 ms per message, bandwidth free
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM),
+                         nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, DIM, generator=g), torch.randint(0, DIM, (BATCH,), generator=g)
+
+
+_PLANS: dict = {}
+
+
+def _plan(link: Link, chunks=(1, 2, 4)) -> Plan:
+    key = (link, chunks)
+    if key not in _PLANS:
+        x, y = _batch()
+        mesh = Mesh((WORLD,), axis_names=("tp",), cluster="cpu", links=[link])
+        _PLANS[key] = autopar.plan(_model(), mesh, (x,), loss_fn=F.cross_entropy, target=y, force="tp",
+                                   pipeline=False, chunks=chunks)
+    return _PLANS[key]
+
+
+def test_pipeline_formula():
+    # k c + k m - (k - 1) min(c, m): only the first chunk's compute and last message stay exposed.
+    assert pipeline_time(3.0, 1.0, 1) == 4.0
+    assert pipeline_time(1.0, 1.0, 4) == 5.0
+    assert pipeline_time(2.0, 0.5, 2) == 4.0 + 1.0 - 0.5
+
+
+def test_bandwidth_bound_links_chunk_the_row_parallel_matmuls():
+    p, p1 = _plan(BANDWIDTH_BOUND), _plan(BANDWIDTH_BOUND, chunks=(1,))
+    rows = [n for n, np_ in p.nodes.items() if np_.strategy == "rowwise"]
+    assert len(rows) == 2, {n: np_.strategy for n, np_ in p.nodes.items()}
+    assert all(p.nodes[n].chunks > 1 for n in rows), {n: p.nodes[n].chunks for n in rows}
+    assert all(np_.chunks == 1 for n, np_ in p.nodes.items() if n not in rows)
+    assert all(q.chunks == 1 for q in p1.nodes.values())
+    assert p.step_time < p1.step_time
+
+
+def test_objective_saves_exactly_the_pipeline_formula():
+    """The chunked problem prices the solved choice below the unchunked one by exactly
+    T(1) - T(k) of each chunked node, T from the formula on its compute and its consumer edge."""
+    import profiler
+    import solver
+    from autopar.costs.reshard import grad_placements
+    from autopar.planner.build import Config, build, choices
+    from autopar.planner.overlap import chunk_counts
+
+    x, y = _batch()
+    gp = profiler.profile(_model(), (x,), loss_fn=F.cross_entropy, target=y)
+    mesh = Mesh((WORLD,), axis_names=("tp",), cluster="cpu", links=[BANDWIDTH_BOUND])
+    b, b1 = build(gp, Config(mesh=mesh, family="tp")), build(gp, Config(mesh=mesh, family="tp", chunks=(1,)))
+    sol = solver.solve(b.problem)
+    ev = solver.evaluate(b.problem, sol.choice, sol.checkpointed)
+    ev1 = solver.evaluate(b1.problem, sol.choice, sol.checkpointed)
+    pick = choices(b, sol)
+    ks = chunk_counts(b.overlap, pick)
+    assert len(ks) == 2, ks
+    nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
+    saved = 0.0
+    for name, k in ks.items():
+        st, prof = b.options[name].strategies[pick[name]], gp.nodes[name]
+        consumer = next(iter(nodes[name].users))
+        j = consumer.all_input_nodes.index(nodes[name])
+        su = b.options[consumer.name].strategies[pick[consumer.name]]
+        out, dst, gdst = st.outputs[0], su.inputs[j], su.input_grads[j]
+        t = {}
+        for kk in (1, k):
+            shape = (BATCH // kk, DIM)
+            c_f = compute_time(prof.fwd_flops / st.divisor / kk, prof.fwd_bytes / st.divisor / kk, mesh)
+            c_b = compute_time(prof.bwd_flops / st.divisor / kk, prof.bwd_bytes / st.divisor / kk, mesh)
+            m_f = reshard_cost(out, dst, shape, 4, mesh)
+            m_b = reshard_cost(gdst, grad_placements(out), shape, 4, mesh)
+            t[kk] = pipeline_time(c_f, m_f, kk) + pipeline_time(c_b, m_b, kk)
+        assert t[k] < t[1]
+        saved += t[1] - t[k]
+    assert ev.objective == pytest.approx(sol.objective, rel=1e-9)
+    assert ev1.objective - ev.objective == pytest.approx(saved, rel=1e-6)
+
+
+def test_latency_bound_link_keeps_one_chunk():
+    p, p1 = _plan(LATENCY_BOUND), _plan(LATENCY_BOUND, chunks=(1,))
+    assert all(np_.chunks == 1 for np_ in p.nodes.values())
+    assert p.step_time == pytest.approx(p1.step_time, rel=1e-12)
+
+
+def test_plan_json_round_trips_chunks():
+    p = _plan(BANDWIDTH_BOUND)
+    back = Plan.from_json(p.to_json())
+    assert {n: q.chunks for n, q in back.nodes.items()} == {n: q.chunks for n, q in p.nodes.items()}
+    assert max(q.chunks for q in back.nodes.values()) > 1
+
+
+@pytest.fixture(scope="module")
+def tp_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    yield init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    dist.destroy_process_group()
+
+
+def test_planner_chunked_plan_trains_like_one_device(tp_mesh):
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+
+    from autopar.runtime.module import ParallelModule
+    from profiler.capture import capture
+
+    r = lambda t: t.reconcile() if isinstance(t, LocalTensor) else t  # noqa: E731
+    plan = _plan(BANDWIDTH_BOUND)
+    model, (x, y) = _model(), _batch()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    cap = capture(model, (x,), None, loss_fn=F.cross_entropy, target=y)
+    with LocalTensorMode(WORLD):
+        pm = ParallelModule(model, cap, plan, tp_mesh)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        for step in range(3):
+            loss = r(pm.train_step(x, target=y)).item()
+            ref_loss = F.cross_entropy(ref(x), y)
+            ref_loss.backward()
+            assert abs(loss - ref_loss.item()) / abs(ref_loss.item()) < 1e-5, (step, loss, ref_loss.item())
+            if step == 0:
+                grads = {k: r(v) for k, v in pm.full_grads().items()}
+                for k, p in ref.named_parameters():
+                    err = ((grads[k] - p.grad).norm() / p.grad.norm()).item()
+                    assert err < 1e-5, (k, err)
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    chunked = {n: how for n, how in pm.signature.chunking.items() if "chunks along" in how}
+    assert set(chunked) == {n for n, q in plan.nodes.items() if q.chunks > 1}, pm.signature.chunking
+    assert all("output edge" in how for how in chunked.values()), chunked
