@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -96,14 +97,28 @@ def _solve_flat(gp, cfg: Config):
     t0 = time.perf_counter()
     built = build(gp, cfg)
     t_build = time.perf_counter() - t0
-    try:
-        sol = solver.solve(built.problem)
-    except solver.Infeasible as err:
-        return InfeasibleBudget(
-            f"no plan fits the memory budget of {_gib(cfg.memory_budget)} per device on mesh {cfg.mesh.shape}: "
-            f"the smallest feasible budget is {_gib(err.min_budget)} ({err.dominant}). Raise the budget, "
-            f"use more devices, or a smaller batch")
-    return to_plan(gp, cfg, built, sol, sharding_axes=list(range(cfg.mesh.ndim)), build_seconds=t_build)
+    budget = cfg.memory_budget
+    for _ in range(4):
+        try:
+            sol = solver.solve(built.problem)
+        except solver.Infeasible as err:
+            return InfeasibleBudget(
+                f"no plan fits the memory budget of {_gib(cfg.memory_budget)} per device on mesh {cfg.mesh.shape}: "
+                f"the smallest feasible budget is {_gib(err.min_budget)} ({err.dominant}). Raise the budget, "
+                f"use more devices, or a smaller batch")
+        p = to_plan(gp, cfg, built, sol, sharding_axes=list(range(cfg.mesh.ndim)), build_seconds=t_build)
+        if budget is None or p.peak_bytes <= budget:
+            return p
+        # The ILP's row is a linear bound of the step's peak; where the liveness simulation of the
+        # chosen plan still exceeds the budget, solve again with the row tightened by the excess.
+        row = built.problem.memory_budget - (p.peak_bytes - budget) - 1e-3 * budget
+        if row <= 0:
+            break
+        built.problem = dataclasses.replace(built.problem, memory_budget=row)
+    return InfeasibleBudget(
+        f"no plan found whose simulated per-device peak fits the memory budget of {_gib(budget)} on mesh "
+        f"{cfg.mesh.shape} (the last one peaks at {_gib(p.peak_bytes)}). Raise the budget, use more devices, "
+        f"or a smaller batch")
 
 
 def _gib(b) -> str:
@@ -145,7 +160,12 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
             params[alias] = nodes[ph].outputs[0]
     for fqn in cap.params.values():  # parameters the graph never reads stay replicated
         params.setdefault(fqn, "R" * n_axes)
-    mem = _memory_split(built, pick, gp)
+    recompute = {n for n, np_ in nodes.items() if np_.recompute}
+    est = None
+    if peak_bytes is None:  # a flat plan: the per-rank liveness simulation is its peak
+        est = simulated_peak(gp, cfg, built, pick, recompute)
+        peak_bytes = est.peak
+    mem = _memory_split(built, pick, gp, est, float(sol.peak_bytes))
     bd = {"compute": float(sol.split.get("compute", 0.0)), "comm": float(sol.split.get("comm", 0.0)),
           "reshard": float(sol.split.get("reshard", 0.0)), "recompute": float(sol.split.get("recompute", 0.0))}
     bd.update({f"mem_{k}": float(v) for k, v in mem.items()})
@@ -197,7 +217,19 @@ def _segment_members(built: Built, checkpointed_leaders: set) -> set:
     return {n for n in built.order if built.leader[n] in checkpointed_leaders}
 
 
-def _memory_split(built: Built, pick, gp) -> dict[str, float]:
+def simulated_peak(gp, cfg: Config, built: Built, pick, recompute: set[str]):
+    """The per-rank ``profiler.memory.MemoryEstimate`` of the chosen strategies
+    (``autopar.planner.memory.rank_peak``)."""
+    from autopar.planner.memory import rank_peak
+
+    strategy_of = {n: built.options[n].strategies[pick[n]] for n in built.order}
+    return rank_peak(gp, strategy_of, cfg.mesh, recompute=recompute, optimizer=cfg.optimizer, dtype=cfg.dtype)
+
+
+def _memory_split(built: Built, pick, gp, est=None, ilp_peak: float = 0.0) -> dict[str, float]:
+    """Bytes at the predicted peak by kind: parameters (+ their gradients and optimizer state),
+    activations, transient, inputs and buffers; with the simulation ``est``, its breakdown at the
+    peak and the ILP's linear bound ``ilp_bound`` (what the budget row held)."""
     kinds = {**{k: "param" for k in gp.captured.params}, **{k: "buffer" for k in gp.captured.buffers}}
     params = other = act = 0.0
     work = 0.0
@@ -210,7 +242,12 @@ def _memory_split(built: Built, pick, gp) -> dict[str, float]:
             other += opt.mem[t]
         act += opt.act[t]
         work = max(work, opt.work[t])
-    return {"params": params, "activations": act, "transient": work, "inputs_buffers": other}
+    out = {"params": params, "activations": act, "transient": work, "inputs_buffers": other}
+    if est is not None:
+        out = {"params": float(est.params + est.grads + est.optimizer_state), "activations": float(est.activations),
+               "transient": 0.0, "inputs_buffers": float(est.inputs + est.buffers), "grads": float(est.grads),
+               "optimizer": float(est.optimizer_state), "ilp_bound": ilp_peak}
+    return out
 
 
 def _row_key(gp, name: str, path: str) -> str:
