@@ -45,7 +45,9 @@ def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, t
          checkpoint: bool = True, pipeline: bool | str = "auto", time_limit: float = 60.0,
          **options: Any) -> Plan:
     """Plan ``model`` for ``mesh`` (see the module docstring). ``force`` restricts the search to a
-    plan family (``autopar.planner.FAMILIES``); ``memory_budget`` is bytes or a size string."""
+    plan family (``autopar.planner.FAMILIES``); ``memory_budget`` is bytes or a size string;
+    ``checkpoint``: offer activation checkpointing of repeated layers (True), not (False), or
+    checkpoint every repeated layer (``"all"``)."""
     import profiler
 
     if not isinstance(example_inputs, (tuple, list)):
@@ -68,11 +70,12 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="floa
     budget = parse_bytes(memory_budget)
     if force is not None and force not in FAMILIES and force != "pp-tp":
         raise ValueError(f"unknown plan family {force!r}; choose one of {', '.join(FAMILIES + ('pp-tp',))}")
+    every = checkpoint == "all"  # checkpoint every layer (a family's checkpointed variant)
     cfg = Config(mesh=mesh, optimizer=optimizer, dtype=dtype, family=force if force != "pp-tp" else None,
-                 memory_budget=budget, checkpoint=checkpoint, time_limit=time_limit, pin=dict(pin or {}))
+                 memory_budget=budget, checkpoint=bool(checkpoint), time_limit=time_limit, pin=dict(pin or {}))
     candidates = []
     if force != "pp-tp":
-        candidates.append(_solve_flat(gp, cfg))
+        candidates.append(_solve_flat(gp, cfg, every=every))
     if (pipeline and force in (None, "pp-tp")) and mesh.ndim == 2:
         from autopar.planner.pipeline import pipeline_candidates
 
@@ -92,8 +95,9 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="floa
     return best
 
 
-def _solve_flat(gp, cfg: Config):
-    """The single-stage plan over every mesh axis, or the :class:`InfeasibleBudget` error."""
+def _solve_flat(gp, cfg: Config, every: bool = False):
+    """The single-stage plan over every mesh axis, or the :class:`InfeasibleBudget` error; with
+    ``every``, the chosen strategies with every checkpoint segment recomputed."""
     t0 = time.perf_counter()
     built = build(gp, cfg)
     t_build = time.perf_counter() - t0
@@ -106,6 +110,8 @@ def _solve_flat(gp, cfg: Config):
                 f"no plan fits the memory budget of {_gib(cfg.memory_budget)} per device on mesh {cfg.mesh.shape}: "
                 f"the smallest feasible budget is {_gib(err.min_budget)} ({err.dominant}). Raise the budget, "
                 f"use more devices, or a smaller batch")
+        if every:
+            sol = _checkpoint_every(built.problem, sol)
         p = to_plan(gp, cfg, built, sol, sharding_axes=list(range(cfg.mesh.ndim)), build_seconds=t_build)
         if budget is None or p.peak_bytes <= budget:
             return p
@@ -119,6 +125,18 @@ def _solve_flat(gp, cfg: Config):
         f"no plan found whose simulated per-device peak fits the memory budget of {_gib(budget)} on mesh "
         f"{cfg.mesh.shape} (the last one peaks at {_gib(p.peak_bytes)}). Raise the budget, use more devices, "
         f"or a smaller batch")
+
+
+def _checkpoint_every(problem, sol):
+    """``sol`` with every segment that shares no node with an earlier one checkpointed."""
+    taken, segs = set(), []
+    for seg in problem.segments:
+        if not taken & set(seg.nodes):
+            taken |= set(seg.nodes)
+            segs.append(seg.id)
+    ev = solver.evaluate(problem, sol.choice, tuple(segs))
+    return dataclasses.replace(sol, checkpointed=tuple(segs), objective=ev.objective, split=ev.split,
+                               peak_bytes=ev.peak_bytes)
 
 
 def _gib(b) -> str:

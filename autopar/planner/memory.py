@@ -222,14 +222,13 @@ def _buckets(ctx: _Ctx, placeholders, bucket_bytes: int) -> list[list[str]]:
     return out
 
 
-def _regions(gm, recompute: set[str]) -> list[list[str]]:
-    """Runs of consecutive recomputed call_function nodes (graph order)."""
+def _regions(steps, copies: dict[str, str], recompute: set[str]) -> list[list[str]]:
+    """Runs of consecutive recomputed nodes (graph order); a reshard copy belongs to its
+    consumer's region (the codegen emits it inside)."""
     out, cur = [], []
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.name in recompute:
-            cur.append(node.name)
+    for n in steps:
+        if n.name in recompute or copies.get(n.name) in recompute:
+            cur.append(n.name)
         elif cur:
             out.append(cur)
             cur = []
@@ -250,9 +249,10 @@ def rank_peak(gp, strategy_of: dict, mesh, *, recompute: set[str] = frozenset(),
     precision = "bf16-mixed" if dtype == "bf16-mixed" else "fp32"
     base = gp._step_nodes(precision)  # the measured graph's step nodes (fp32 run or mixed replay)
     steps = _insert_copies(ctx, [_scaled_node(ctx, n) for n in base], gp._placeholders)
+    copies = {n.name: n.users[0] for n in steps if n.name not in ctx.nodes and n.users}
     placeholders = _placeholders(ctx, gp._placeholders)
     if foreach is None:
         foreach = getattr(mesh, "cluster", "cpu") != "cpu"
     return simulate(steps, placeholders, gp.captured.loss_node.name, optimizer=optimizer,
-                    precision="fp32", foreach=foreach, regions=_regions(gp.captured.gm, set(recompute)),
+                    precision="fp32", foreach=foreach, regions=_regions(steps, copies, set(recompute)),
                     buckets=_buckets(ctx, placeholders, bucket_bytes))
