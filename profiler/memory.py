@@ -210,6 +210,7 @@ class _Checkpoints:
         self.region_of = member
         self.recomputed: dict[str, list[tuple[Key, StepNode]]] = defaultdict(list)  # last member -> storages
         self.kept: dict[str, list[Key]] = defaultdict(list)  # first member -> region inputs it releases
+        self.first_saver: dict[Key, str] = {}  # recomputed storage -> the member that saved it first
         by_name = {n.name: n for n in nodes}
         for r, names in enumerate(regions):
             names = [n for n in names if n in by_name]
@@ -220,7 +221,9 @@ class _Checkpoints:
                 n = by_name[name]
                 for k in n.saved:
                     if k[0] in inside:
-                        self.recomputed[names[-1]].append((k, by_name[k[0]]))
+                        if k not in self.first_saver:  # released after its earliest saver's backward
+                            self.recomputed[names[-1]].append((k, by_name[k[0]]))
+                            self.first_saver[k] = name
                     elif k[0] not in placeholders and k not in self.kept[names[0]]:
                         self.kept[names[0]].append(k)  # an input the region reads from outside
                 for a in n.inputs:
@@ -283,49 +286,68 @@ def _backward(nodes: list[StepNode], placeholders, size: _Sizer, state: _State, 
         for k in list(ck.saved_by(n)) + ck.kept.get(n.name, []):
             if k[0] not in placeholders and k not in first_saver:
                 first_saver[k] = n.name
-        for k, _ in ck.recomputed.get(n.name, ()):
-            first_saver.setdefault(k, n.name)
-    for k, name in first_saver.items():
+    for k, name in {**first_saver, **ck.first_saver}.items():
         release[name].append(k)
     buckets_done: set[int] = set()
+    through = _pass_through(nodes)
     grad_of: dict[str, int] = {}  # activation gradients waiting for their producer's backward
     grad_bytes = {n.name: (n.grad_bytes, n.grad_float_size) for n in nodes}
     param_done: set[str] = set()
     for n in reversed(nodes):
         for k, owner in ck.recomputed.get(n.name, ()):  # the region's forward runs again
             state.add(k, size.act(owner.storages.get(k, 0), owner.float_size.get(k, 0)))
-        if not n.in_backward:
-            continue
-        incoming = grad_of.pop(n.name, 0)
-        passthrough = n.is_alias and n.bwd_alloc == 0
-        produced = 0  # gradients this backward leaves behind (inputs' and parameters')
-        new_grads: dict[str, int] = {}
-        for a in n.inputs:
-            ph = placeholders.get(a)
-            if ph is not None:
-                if ph.kind == "param" and a not in param_done:
-                    param_done.add(a)
-                    b, nbytes = bucket_of.get(a, (None, size.weight(ph.nbytes, ph.float_size)))
-                    if b is None or b not in buckets_done:  # a bucket's buffer comes with its first gradient
-                        new_grads[a] = nbytes
-                        buckets_done.add(b)
-                continue
-            if a in grad_of or a in new_grads or not grad_bytes.get(a, (0, 0))[0]:
-                continue  # accumulates into an existing gradient, or needs none
-            new_grads[a] = incoming if passthrough else size.act(*grad_bytes[a])
-            produced += 0 if passthrough else new_grads[a]
-        produced += sum(b for a, b in new_grads.items() if a in placeholders)
-        transient = min(size.alloc(n.bwd_alloc), produced + size.alloc(n.bwd_max_op))
-        state.observe("backward", n.name, transient)
-        state.act_grads -= incoming
-        for a, nbytes in new_grads.items():
-            if a in placeholders:
-                state.grads += nbytes
-            else:
-                grad_of[a] = nbytes
-                state.act_grads += nbytes
-        for k in release.get(n.name, ()):
+        if n.in_backward:
+            _node_backward(n, placeholders, size, state, grad_of, grad_bytes, param_done, bucket_of, buckets_done,
+                           through)
+        for k in release.get(n.name, ()):  # also after a node without backward (autograd passes it)
             state.free(k)
+
+
+def _pass_through(nodes: list[StepNode]) -> dict[str, str]:
+    """Alias nodes without a backward of their own (``x.to(x.dtype)`` returns ``x``): a gradient
+    meant for them is the gradient of what they alias. node -> the node the gradient goes to."""
+    direct = {n.name: n.inputs[0] for n in nodes if n.is_alias and not n.in_backward and n.inputs}
+    out = {}
+    for name in direct:
+        target, seen = direct[name], {name}
+        while target in direct and target not in seen:
+            seen.add(target)
+            target = direct[target]
+        out[name] = target
+    return out
+
+
+def _node_backward(n: StepNode, placeholders, size: _Sizer, state: _State, grad_of: dict[str, int], grad_bytes,
+                   param_done: set[str], bucket_of, buckets_done: set, through: dict[str, str]) -> None:
+    """One node's backward: consume its incoming gradient, create its inputs' gradients."""
+    incoming = grad_of.pop(n.name, 0)
+    passthrough = n.is_alias and n.bwd_alloc == 0
+    produced = 0  # gradients this backward leaves behind (inputs' and parameters')
+    new_grads: dict[str, int] = {}
+    for a in dict.fromkeys(through.get(a, a) for a in n.inputs):
+        ph = placeholders.get(a)
+        if ph is not None:
+            if ph.kind == "param" and a not in param_done:
+                param_done.add(a)
+                b, nbytes = bucket_of.get(a, (None, size.weight(ph.nbytes, ph.float_size)))
+                if b is None or b not in buckets_done:  # a bucket's buffer comes with its first gradient
+                    new_grads[a] = nbytes
+                    buckets_done.add(b)
+            continue
+        if a in grad_of or a in new_grads or not grad_bytes.get(a, (0, 0))[0]:
+            continue  # accumulates into an existing gradient, or needs none
+        new_grads[a] = incoming if passthrough else size.act(*grad_bytes[a])
+        produced += 0 if passthrough else new_grads[a]
+    produced += sum(b for a, b in new_grads.items() if a in placeholders)
+    transient = min(size.alloc(n.bwd_alloc), produced + size.alloc(n.bwd_max_op))
+    state.observe("backward", n.name, transient)
+    state.act_grads -= incoming
+    for a, nbytes in new_grads.items():
+        if a in placeholders:
+            state.grads += nbytes
+        else:
+            grad_of[a] = nbytes
+            state.act_grads += nbytes
 
 
 def _optimizer_transient(placeholders, size: _Sizer, optimizer: str, foreach: bool) -> int:
