@@ -124,8 +124,7 @@ def test_every_family_within_ten_percent(mesh, name):
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("name,family,checkpoint", [("gpt2", "zero3", "all"), ("llama", "dp", True),
-                                                    ("vit", "atp-row-first", True)])
+@pytest.mark.parametrize("name,family,checkpoint", [("gpt2", "zero3", "all"), ("llama", "atp-row-first", True)])
 def test_every_rank(mesh, name, family, checkpoint):
     """Each of the 4 simulated ranks (LocalTensorMode) within the bound."""
     ex, cap, gp = _setup(name)
@@ -136,9 +135,9 @@ def test_every_rank(mesh, name, family, checkpoint):
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_tight_budget(mesh, name):
+def test_tight_budget(mesh):
     """0.6 x the free plan's peak: the solver shards and checkpoints, and the step fits."""
+    name = "gpt2"
     ex, cap, gp = _setup(name)
     free = _plan(gp, None)
     budget = 0.6 * free.peak_bytes
@@ -149,3 +148,28 @@ def test_tight_budget(mesh, name):
     assert recomputes or sharded, "a 40% smaller budget must change the plan"
     bad = _check(f"{name}/budget 0.6x", plan, _measure(ex, cap, plan, mesh))
     assert not bad, "\n".join(bad)
+
+
+def test_gloo_truth():
+    """Real gloo processes (one launch, three cases): every rank within the bound."""
+    import harness
+
+    picks = [("gpt2", "dp", True), ("llama", "zero3", "all"), ("mlp", "megatron", True)]
+    plans = [(name, _plan(_setup(name)[2], family, checkpoint=ck)) for name, family, ck in picks]
+    pool = harness.Pool(WORLD).start()
+    try:
+        results = [(name, plan, pool.run("workers:train_case", name, plan.to_json(), steps=2)) for name, plan in plans]
+    finally:
+        pool.close()
+    bad = []
+    for (name, family, _), (_, plan, res) in zip(picks, results):
+        peaks = {rank: r["peak"] for rank, r in enumerate(res)}
+        bad += _check(f"{name}/{family} (gloo)", plan, _Peaks(peaks))
+    assert not bad, "\n".join(bad)
+
+
+class _Peaks:
+    """Per-rank peaks reported by the gloo workers, shaped like ``LiveMemory``'s."""
+
+    def __init__(self, peaks: dict[int, int]):
+        self.peaks, self.where = peaks, {}
