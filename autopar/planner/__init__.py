@@ -186,7 +186,7 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
     mem = _memory_split(built, pick, gp, est, float(sol.peak_bytes))
     bd = {"compute": float(sol.split.get("compute", 0.0)), "comm": float(sol.split.get("comm", 0.0)),
           "reshard": float(sol.split.get("reshard", 0.0)), "recompute": float(sol.split.get("recompute", 0.0))}
-    bd.update({f"mem_{k}": float(v) for k, v in mem.items()})
+    bd.update({k if k.startswith("peak_") else f"mem_{k}": float(v) for k, v in mem.items()})
     p = Plan(graph_hash=cap.graph_hash(), model=type(gp.captured).__name__, mesh=cfg.mesh.to_dict(),
              sharding_axes=list(sharding_axes), nodes=nodes, params=params, memory_budget=cfg.memory_budget,
              optimizer=cfg.optimizer, dtype=cfg.dtype, pipeline=pipeline,
@@ -245,9 +245,10 @@ def simulated_peak(gp, cfg: Config, built: Built, pick, recompute: set[str]):
 
 
 def _memory_split(built: Built, pick, gp, est=None, ilp_peak: float = 0.0) -> dict[str, float]:
-    """Bytes at the predicted peak by kind: parameters (+ their gradients and optimizer state),
-    activations, transient, inputs and buffers; with the simulation ``est``, its breakdown at the
-    peak and the ILP's linear bound ``ilp_bound`` (what the budget row held)."""
+    """Bytes at the predicted peak by kind (they sum to the peak): parameters (+ their gradients
+    and optimizer state), activations, transient, inputs and buffers; with the simulation
+    ``est``, its split at the peak, plus (not summed) ``peak_grads``, ``peak_optimizer`` and the
+    ILP's linear bound ``peak_ilp_bound`` (what the budget row held)."""
     kinds = {**{k: "param" for k in gp.captured.params}, **{k: "buffer" for k in gp.captured.buffers}}
     params = other = act = 0.0
     work = 0.0
@@ -263,8 +264,9 @@ def _memory_split(built: Built, pick, gp, est=None, ilp_peak: float = 0.0) -> di
     out = {"params": params, "activations": act, "transient": work, "inputs_buffers": other}
     if est is not None:
         out = {"params": float(est.params + est.grads + est.optimizer_state), "activations": float(est.activations),
-               "transient": 0.0, "inputs_buffers": float(est.inputs + est.buffers), "grads": float(est.grads),
-               "optimizer": float(est.optimizer_state), "ilp_bound": ilp_peak}
+               "transient": 0.0, "inputs_buffers": float(est.inputs + est.buffers),
+               "peak_grads": float(est.grads), "peak_optimizer": float(est.optimizer_state),
+               "peak_ilp_bound": ilp_peak}
     return out
 
 
