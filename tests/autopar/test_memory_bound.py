@@ -111,7 +111,7 @@ def test_every_family_within_ten_percent(mesh, name):
     ex, cap, gp = _setup(name)
     bad = []
     for family in FAMILIES:
-        for checkpoint in (True, "all"):
+        for checkpoint in (True, "all") if gp.layers else (True,):  # "all" checkpoints repeated layers
             try:
                 plan = _plan(gp, family, checkpoint=checkpoint)
             except ValueError as err:  # the family cannot place this model on a 2x2 mesh
@@ -154,7 +154,7 @@ def test_gloo_truth():
     """Real gloo processes (one launch, three cases): every rank within the bound."""
     import harness
 
-    picks = [("gpt2", "dp", True), ("llama", "zero3", "all"), ("mlp", "megatron", True)]
+    picks = [("gpt2", "dp", True), ("gpt2", "zero3", "all"), ("mlp", "megatron", True)]
     plans = [(name, _plan(_setup(name)[2], family, checkpoint=ck)) for name, family, ck in picks]
     pool = harness.Pool(WORLD).start()
     try:
