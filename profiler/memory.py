@@ -14,6 +14,16 @@ The step is the steady state of ``loss = f(x); loss.backward(); opt.step(); opt.
 - optimizer step: the transient of ``torch.optim``'s update (AdamW: one parameter-sized
   ``sqrt`` buffer for all parameters with ``foreach``, two for the largest parameter without).
 
+Two options describe a distributed runtime's step (the caller gives per-rank sizes):
+
+- ``regions``: checkpointed regions (lists of node names, graph order). Their members keep
+  nothing for backward; the region's inputs from outside it are kept instead, and when backward
+  reaches the region its members' saved storages are recomputed at once (what non-reentrant
+  ``torch.utils.checkpoint`` does) and released as usual;
+- ``buckets``: parameters whose gradients live in one flat buffer (gradient buckets of a data
+  parallel reduction): the buffer (their summed gradient bytes) is allocated when the first of
+  them gets its gradient.
+
 Precision: the sizes are those of the run the nodes come from (fp32 as traced, or the
 mixed-precision replay of :mod:`profiler.mixed`, whose 16-bit parameter copies are activations
 of the node that made them); ``"bf16"``/``"fp16"`` (a model converted to 16 bits) halve every
@@ -129,19 +139,21 @@ class _Sizer:
 
 
 def simulate(nodes: list[StepNode], placeholders: dict[str, Placeholder], loss: str, *,
-             optimizer: str = "adamw", precision: str = "fp32", foreach: bool = True) -> MemoryEstimate:
+             optimizer: str = "adamw", precision: str = "fp32", foreach: bool = True,
+             regions: list[list[str]] = (), buckets: list[list[str]] = ()) -> MemoryEstimate:
     """Walk forward, backward and the optimizer step; return the peak and its breakdown.
 
     ``precision`` resizes the nodes' storages for ``"bf16"``/``"fp16"``; for mixed precision pass
-    the nodes of the mixed replay.
+    the nodes of the mixed replay. ``regions`` and ``buckets``: see the module docstring.
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}: use one of {sorted(OPTIMIZER_STATES)}")
     size = _Sizer(normalize_precision(precision))
     static = _static_bytes(placeholders, size, optimizer)
     state = _State(static=static)
-    acts = _forward(nodes, placeholders, loss, size, state)
-    _backward(nodes, placeholders, size, state)
+    ck = _Checkpoints(nodes, placeholders, regions)
+    acts = _forward(nodes, placeholders, loss, size, state, ck)
+    _backward(nodes, placeholders, size, state, ck, _bucket_of(placeholders, size, buckets))
     transient = _optimizer_transient(placeholders, size, optimizer, foreach)
     state.observe("optimizer", "optimizer.step", transient)
     best = state.best
@@ -190,9 +202,48 @@ class _State:
             self.best = {"total": total, "phase": phase, "node": node, "grads": self.grads, "acts": acts}
 
 
-def _forward(nodes: list[StepNode], placeholders, loss: str, size: _Sizer, state: _State) -> int:
+class _Checkpoints:
+    """What checkpointed regions change: who keeps what for backward, and what is recomputed."""
+
+    def __init__(self, nodes: list[StepNode], placeholders, regions):
+        member = {name: r for r, names in enumerate(regions) for name in names}
+        self.region_of = member
+        self.recomputed: dict[str, list[tuple[Key, StepNode]]] = defaultdict(list)  # last member -> storages
+        self.kept: dict[str, list[Key]] = defaultdict(list)  # first member -> region inputs it releases
+        self.first_saver: dict[Key, str] = {}  # recomputed storage -> the member that saved it first
+        by_name = {n.name: n for n in nodes}
+        for r, names in enumerate(regions):
+            names = [n for n in names if n in by_name]
+            if not names:
+                continue
+            inside = set(names)
+            for name in names:
+                n = by_name[name]
+                for k in n.saved:
+                    if k[0] in inside:
+                        if k not in self.first_saver:  # released after its earliest saver's backward
+                            self.recomputed[names[-1]].append((k, by_name[k[0]]))
+                            self.first_saver[k] = name
+                    elif k[0] not in placeholders and k not in self.kept[names[0]]:
+                        self.kept[names[0]].append(k)  # an input the region reads from outside
+                for a in n.inputs:
+                    if a not in inside and a not in placeholders and a in by_name:
+                        for k in by_name[a].out_keys:
+                            if k not in self.kept[names[0]]:
+                                self.kept[names[0]].append(k)
+
+    def saved_by(self, n: StepNode) -> list[Key]:
+        """What ``n`` keeps for backward: nothing inside a region (the region keeps its inputs)."""
+        return [] if n.name in self.region_of else n.saved
+
+    def all_kept(self) -> set[Key]:
+        return {k for ks in self.kept.values() for k in ks}
+
+
+def _forward(nodes: list[StepNode], placeholders, loss: str, size: _Sizer, state: _State,
+             ck: _Checkpoints) -> int:
     position = {n.name: i for i, n in enumerate(nodes)}
-    saved = {k for n in nodes for k in n.saved if k[0] not in placeholders}
+    saved = {k for n in nodes for k in ck.saved_by(n) if k[0] not in placeholders} | ck.all_kept()
     last_use: dict[Key, int] = {}
     for i, n in enumerate(nodes):
         end = max([i] + [position[u] for u in n.users if u in position])
@@ -216,49 +267,87 @@ def _forward(nodes: list[StepNode], placeholders, loss: str, size: _Sizer, state
     return state.live_bytes
 
 
-def _backward(nodes: list[StepNode], placeholders, size: _Sizer, state: _State) -> None:
-    # A storage saved by several nodes is released with the earliest of them (the last to run backward).
+def _bucket_of(placeholders, size: _Sizer, buckets) -> dict[str, tuple[int, int]]:
+    """param -> (bucket index, the bucket's bytes)."""
+    out = {}
+    for b, names in enumerate(buckets):
+        total = sum(size.weight(placeholders[a].nbytes, placeholders[a].float_size) for a in names)
+        out.update({a: (b, total) for a in names})
+    return out
+
+
+def _backward(nodes: list[StepNode], placeholders, size: _Sizer, state: _State, ck: _Checkpoints,
+              bucket_of: dict[str, tuple[int, int]]) -> None:
+    # A storage saved by several nodes is released with the earliest of them (the last to run
+    # backward); a checkpointed region's inputs with its first member.
     release: dict[str, list[Key]] = defaultdict(list)
     first_saver: dict[Key, str] = {}
     for n in nodes:
-        for k in n.saved:
+        for k in list(ck.saved_by(n)) + ck.kept.get(n.name, []):
             if k[0] not in placeholders and k not in first_saver:
                 first_saver[k] = n.name
-    for k, name in first_saver.items():
+    for k, name in {**first_saver, **ck.first_saver}.items():
         release[name].append(k)
+    buckets_done: set[int] = set()
+    through = _pass_through(nodes)
     grad_of: dict[str, int] = {}  # activation gradients waiting for their producer's backward
     grad_bytes = {n.name: (n.grad_bytes, n.grad_float_size) for n in nodes}
     param_done: set[str] = set()
     for n in reversed(nodes):
-        if not n.in_backward:
-            continue
-        incoming = grad_of.pop(n.name, 0)
-        passthrough = n.is_alias and n.bwd_alloc == 0
-        produced = 0  # gradients this backward leaves behind (inputs' and parameters')
-        new_grads: dict[str, int] = {}
-        for a in n.inputs:
-            ph = placeholders.get(a)
-            if ph is not None:
-                if ph.kind == "param" and a not in param_done:
-                    param_done.add(a)
-                    new_grads[a] = size.weight(ph.nbytes, ph.float_size)
-                continue
-            if a in grad_of or a in new_grads or not grad_bytes.get(a, (0, 0))[0]:
-                continue  # accumulates into an existing gradient, or needs none
-            new_grads[a] = incoming if passthrough else size.act(*grad_bytes[a])
-            produced += 0 if passthrough else new_grads[a]
-        produced += sum(b for a, b in new_grads.items() if a in placeholders)
-        transient = min(size.alloc(n.bwd_alloc), produced + size.alloc(n.bwd_max_op))
-        state.observe("backward", n.name, transient)
-        state.act_grads -= incoming
-        for a, nbytes in new_grads.items():
-            if a in placeholders:
-                state.grads += nbytes
-            else:
-                grad_of[a] = nbytes
-                state.act_grads += nbytes
-        for k in release.get(n.name, ()):
+        for k, owner in ck.recomputed.get(n.name, ()):  # the region's forward runs again
+            state.add(k, size.act(owner.storages.get(k, 0), owner.float_size.get(k, 0)))
+        if n.in_backward:
+            _node_backward(n, placeholders, size, state, grad_of, grad_bytes, param_done, bucket_of, buckets_done,
+                           through)
+        for k in release.get(n.name, ()):  # also after a node without backward (autograd passes it)
             state.free(k)
+
+
+def _pass_through(nodes: list[StepNode]) -> dict[str, str]:
+    """Alias nodes without a backward of their own (``x.to(x.dtype)`` returns ``x``): a gradient
+    meant for them is the gradient of what they alias. node -> the node the gradient goes to."""
+    direct = {n.name: n.inputs[0] for n in nodes if n.is_alias and not n.in_backward and n.inputs}
+    out = {}
+    for name in direct:
+        target, seen = direct[name], {name}
+        while target in direct and target not in seen:
+            seen.add(target)
+            target = direct[target]
+        out[name] = target
+    return out
+
+
+def _node_backward(n: StepNode, placeholders, size: _Sizer, state: _State, grad_of: dict[str, int], grad_bytes,
+                   param_done: set[str], bucket_of, buckets_done: set, through: dict[str, str]) -> None:
+    """One node's backward: consume its incoming gradient, create its inputs' gradients."""
+    incoming = grad_of.pop(n.name, 0)
+    passthrough = n.is_alias and n.bwd_alloc == 0
+    produced = 0  # gradients this backward leaves behind (inputs' and parameters')
+    new_grads: dict[str, int] = {}
+    for a in dict.fromkeys(through.get(a, a) for a in n.inputs):
+        ph = placeholders.get(a)
+        if ph is not None:
+            if ph.kind == "param" and a not in param_done:
+                param_done.add(a)
+                b, nbytes = bucket_of.get(a, (None, size.weight(ph.nbytes, ph.float_size)))
+                if b is None or b not in buckets_done:  # a bucket's buffer comes with its first gradient
+                    new_grads[a] = nbytes
+                    buckets_done.add(b)
+            continue
+        if a in grad_of or a in new_grads or not grad_bytes.get(a, (0, 0))[0]:
+            continue  # accumulates into an existing gradient, or needs none
+        new_grads[a] = incoming if passthrough else size.act(*grad_bytes[a])
+        produced += 0 if passthrough else new_grads[a]
+    produced += sum(b for a, b in new_grads.items() if a in placeholders)
+    transient = min(size.alloc(n.bwd_alloc), produced + size.alloc(n.bwd_max_op))
+    state.observe("backward", n.name, transient)
+    state.act_grads -= incoming
+    for a, nbytes in new_grads.items():
+        if a in placeholders:
+            state.grads += nbytes
+        else:
+            grad_of[a] = nbytes
+            state.act_grads += nbytes
 
 
 def _optimizer_transient(placeholders, size: _Sizer, optimizer: str, foreach: bool) -> int:

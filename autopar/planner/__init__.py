@@ -48,7 +48,9 @@ def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, t
          checkpoint: bool = True, pipeline: bool | str = "auto", time_limit: float = 60.0,
          **options: Any) -> Plan:
     """Plan ``model`` for ``mesh`` (see the module docstring). ``force`` restricts the search to a
-    plan family (``autopar.planner.FAMILIES``); ``memory_budget`` is bytes or a size string."""
+    plan family (``autopar.planner.FAMILIES``); ``memory_budget`` is bytes or a size string;
+    ``checkpoint``: offer activation checkpointing of repeated layers (True), not (False), or
+    checkpoint every repeated layer (``"all"``)."""
     import profiler
 
     if not isinstance(example_inputs, (tuple, list)):
@@ -71,13 +73,14 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="floa
     budget = parse_bytes(memory_budget)
     if force is not None and force not in FAMILIES and force != "pp-tp":
         raise ValueError(f"unknown plan family {force!r}; choose one of {', '.join(FAMILIES + ('pp-tp',))}")
+    every = checkpoint == "all"  # checkpoint every layer (a family's checkpointed variant)
     cfg = Config(mesh=mesh, optimizer=optimizer, dtype=dtype, family=force if force != "pp-tp" else None,
-                 memory_budget=budget, checkpoint=checkpoint, time_limit=time_limit, pin=dict(pin or {}))
+                 memory_budget=budget, checkpoint=bool(checkpoint), time_limit=time_limit, pin=dict(pin or {}))
     if "chunks" in options:  # overlap chunk counts offered, e.g. chunks=(1,) to plan without chunking
         cfg.chunks = tuple(int(k) for k in options.pop("chunks"))
     candidates = []
     if force != "pp-tp":
-        candidates.append(_solve_flat(gp, cfg))
+        candidates.append(_solve_flat(gp, cfg, every=every))
     if (pipeline and force in (None, "pp-tp")) and mesh.ndim == 2:
         from autopar.planner.pipeline import pipeline_candidates
 
@@ -97,19 +100,49 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="floa
     return best
 
 
-def _solve_flat(gp, cfg: Config):
-    """The single-stage plan over every mesh axis, or the :class:`InfeasibleBudget` error."""
+def _solve_flat(gp, cfg: Config, every: bool = False):
+    """The single-stage plan over every mesh axis, or the :class:`InfeasibleBudget` error; with
+    ``every``, the chosen strategies with every checkpoint segment recomputed."""
     t0 = time.perf_counter()
     built = build_cached(gp, cfg)
     t_build = time.perf_counter() - t0
-    try:
-        sol = solver.solve(built.problem)
-    except solver.Infeasible as err:
-        return InfeasibleBudget(
-            f"no plan fits the memory budget of {_gib(cfg.memory_budget)} per device on mesh {cfg.mesh.shape}: "
-            f"the smallest feasible budget is {_gib(err.min_budget)} ({err.dominant}). Raise the budget, "
-            f"use more devices, or a smaller batch")
-    return to_plan(gp, cfg, built, sol, sharding_axes=list(range(cfg.mesh.ndim)), build_seconds=t_build)
+    budget = cfg.memory_budget
+    problem = built.problem  # tightened below without touching the (cached) build
+    for _ in range(4):
+        try:
+            sol = solver.solve(problem)
+        except solver.Infeasible as err:
+            return InfeasibleBudget(
+                f"no plan fits the memory budget of {_gib(cfg.memory_budget)} per device on mesh {cfg.mesh.shape}: "
+                f"the smallest feasible budget is {_gib(err.min_budget)} ({err.dominant}). Raise the budget, "
+                f"use more devices, or a smaller batch")
+        if every:
+            sol = _checkpoint_every(problem, sol)
+        p = to_plan(gp, cfg, built, sol, sharding_axes=list(range(cfg.mesh.ndim)), build_seconds=t_build)
+        if budget is None or p.peak_bytes <= budget:
+            return p
+        # The ILP's row is a linear bound of the step's peak; where the liveness simulation of the
+        # chosen plan still exceeds the budget, solve again with the row tightened by the excess.
+        row = problem.memory_budget - (p.peak_bytes - budget) - 1e-3 * budget
+        if row <= 0:
+            break
+        problem = dataclasses.replace(problem, memory_budget=row)
+    return InfeasibleBudget(
+        f"no plan found whose simulated per-device peak fits the memory budget of {_gib(budget)} on mesh "
+        f"{cfg.mesh.shape} (the last one peaks at {_gib(p.peak_bytes)}). Raise the budget, use more devices, "
+        f"or a smaller batch")
+
+
+def _checkpoint_every(problem, sol):
+    """``sol`` with every segment that shares no node with an earlier one checkpointed."""
+    taken, segs = set(), []
+    for seg in problem.segments:
+        if not taken & set(seg.nodes):
+            taken |= set(seg.nodes)
+            segs.append(seg.id)
+    ev = solver.evaluate(problem, sol.choice, tuple(segs))
+    return dataclasses.replace(sol, checkpointed=tuple(segs), objective=ev.objective, split=ev.split,
+                               peak_bytes=ev.peak_bytes)
 
 
 #: Built problems by (profile, config without the budget and solver limits), least recent first.
@@ -200,10 +233,15 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
             params[alias] = nodes[ph].outputs[0]
     for fqn in cap.params.values():  # parameters the graph never reads stay replicated
         params.setdefault(fqn, "R" * n_axes)
-    mem = _memory_split(built, pick, gp)
+    recompute = {n for n, np_ in nodes.items() if np_.recompute}
+    est = None
+    if peak_bytes is None:  # a flat plan: the per-rank liveness simulation is its peak
+        est = simulated_peak(gp, cfg, built, pick, recompute)
+        peak_bytes = est.peak
+    mem = _memory_split(built, pick, gp, est, float(sol.peak_bytes))
     bd = {"compute": float(sol.split.get("compute", 0.0)), "comm": float(sol.split.get("comm", 0.0)),
           "reshard": float(sol.split.get("reshard", 0.0)), "recompute": float(sol.split.get("recompute", 0.0))}
-    bd.update({f"mem_{k}": float(v) for k, v in mem.items()})
+    bd.update({k if k.startswith("peak_") else f"mem_{k}": float(v) for k, v in mem.items()})
     p = Plan(graph_hash=_graph_hash(cap), model=type(gp.captured).__name__, mesh=cfg.mesh.to_dict(),
              sharding_axes=list(sharding_axes), nodes=nodes, params=params, memory_budget=cfg.memory_budget,
              optimizer=cfg.optimizer, dtype=cfg.dtype, pipeline=pipeline,
@@ -274,7 +312,20 @@ def _segment_members(built: Built, checkpointed_leaders: set) -> set:
     return {n for n in built.order if built.leader[n] in checkpointed_leaders}
 
 
-def _memory_split(built: Built, pick, gp) -> dict[str, float]:
+def simulated_peak(gp, cfg: Config, built: Built, pick, recompute: set[str]):
+    """The per-rank ``profiler.memory.MemoryEstimate`` of the chosen strategies
+    (``autopar.planner.memory.rank_peak``)."""
+    from autopar.planner.memory import rank_peak
+
+    strategy_of = {n: built.options[n].strategies[pick[n]] for n in built.order}
+    return rank_peak(gp, strategy_of, cfg.mesh, recompute=recompute, optimizer=cfg.optimizer, dtype=cfg.dtype)
+
+
+def _memory_split(built: Built, pick, gp, est=None, ilp_peak: float = 0.0) -> dict[str, float]:
+    """Bytes at the predicted peak by kind (they sum to the peak): parameters (+ their gradients
+    and optimizer state), activations, transient, inputs and buffers; with the simulation
+    ``est``, its split at the peak, plus (not summed) ``peak_grads``, ``peak_optimizer`` and the
+    ILP's linear bound ``peak_ilp_bound`` (what the budget row held)."""
     kinds = {**{k: "param" for k in gp.captured.params}, **{k: "buffer" for k in gp.captured.buffers}}
     params = other = act = 0.0
     work = 0.0
@@ -287,7 +338,13 @@ def _memory_split(built: Built, pick, gp) -> dict[str, float]:
             other += opt.mem[t]
         act += opt.act[t]
         work = max(work, opt.work[t])
-    return {"params": params, "activations": act, "transient": work, "inputs_buffers": other}
+    out = {"params": params, "activations": act, "transient": work, "inputs_buffers": other}
+    if est is not None:
+        out = {"params": float(est.params + est.grads + est.optimizer_state), "activations": float(est.activations),
+               "transient": 0.0, "inputs_buffers": float(est.inputs + est.buffers),
+               "peak_grads": float(est.grads), "peak_optimizer": float(est.optimizer_state),
+               "peak_ilp_bound": ilp_peak}
+    return out
 
 
 def _row_key(gp, name: str, path: str) -> str:

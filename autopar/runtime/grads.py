@@ -7,12 +7,14 @@ need one sum each, as DDP does:
 
 - parameters are put in buckets of about ``bucket_bytes`` in reverse registration order (the
   order backward produces gradients), one bucket list per set of Partial axes;
-- a post-accumulate-grad hook marks a parameter ready; when a bucket is complete its gradients
-  are flattened into one buffer and the sum over its first axis is launched asynchronously
-  (functional collectives: ``AsyncCollectiveTensor``, waited on later);
+- a post-accumulate-grad hook marks a parameter ready: the bucket's flat buffer is allocated
+  with its first gradient, each gradient is copied into its slot and ``.grad`` becomes a view
+  of that slot (so a gradient is never held twice, as DDP's ``gradient_as_bucket_view``); when a
+  bucket is complete the sum over its first axis is launched asynchronously, in place;
 - at the end of backward (an autograd engine callback queued by the first hook) every bucket is
   finished: a bucket never completed (a parameter without gradient) is launched with the
-  gradients that exist, remaining axes are summed, and the results are copied back into ``.grad``.
+  gradients that exist, remaining axes are summed in place. Buckets filled without hooks
+  (pipeline micro-batches) are flattened then, summed and copied back into ``.grad``.
 
 Parameters stored sharded (ZeRO-3) need no work here: their all-gather in forward has a
 reduce-scatter as its backward (``autopar.codegen``), which leaves ``.grad`` as a shard.
@@ -25,7 +27,7 @@ import dataclasses
 from typing import Iterable, Sequence
 
 import torch
-import torch.distributed._functional_collectives as funcol
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor.placement_types import Placement
@@ -39,6 +41,10 @@ class _Bucket:
     flat: torch.Tensor | None = None
     members: list[torch.nn.Parameter] = dataclasses.field(default_factory=list)
     launched: bool = False
+    work: object = None
+    """The in-place all-reduce in flight (a c10d ``Work``)."""
+    viewed: bool = False
+    """The members' ``.grad`` are views of ``flat`` (filled by the hooks)."""
 
 
 def partial_axes(placements: Sequence[Placement]) -> tuple[int, ...]:
@@ -107,17 +113,36 @@ class GradSync:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self._queued = True
         b = self._of[id(p)]
+        if not b.ready and p.grad is not None and not b.launched:
+            # (sum of the bucket's numels,) allocated with its first gradient
+            b.flat = p.grad.new_zeros(sum(q.numel() for q in b.params))
+            b.viewed = True
+        if b.viewed and p.grad is not None and id(p) not in b.ready:
+            slot = self._slot(b, p)
+            slot.copy_(p.grad)
+            p.grad = slot  # the separate gradient is freed: it lives in the bucket from now on
         b.ready.add(id(p))
         if len(b.ready) == len(b.params) and not b.launched:
             self._launch(b)
+
+    @staticmethod
+    def _slot(b: _Bucket, p: torch.nn.Parameter) -> torch.Tensor:
+        off = 0
+        for q in b.params:
+            if q is p:
+                return b.flat[off:off + p.numel()].view_as(p)
+            off += q.numel()
+        raise KeyError("parameter not in bucket")
 
     def _launch(self, b: _Bucket) -> None:
         b.members = [p for p in b.params if p.grad is not None]
         b.launched = True
         if not b.members:
+            b.flat, b.viewed = None, False
             return
-        flat = torch.cat([p.grad.reshape(-1) for p in b.members])
-        b.flat = funcol.all_reduce(flat, "sum", (self.dm, b.axes[0]))
+        if not b.viewed:  # filled without hooks: flatten now
+            b.flat = torch.cat([p.grad.reshape(-1) for p in b.members])
+        b.work = dist.all_reduce(b.flat, group=self.dm.get_group(b.axes[0]), async_op=True)
 
     def finish(self, force: bool = False) -> None:
         """Complete every bucket: launch the ones not launched, sum over the remaining axes, and
@@ -135,17 +160,17 @@ class GradSync:
                 b.ready.clear()
                 b.launched = False
                 continue
-            flat = _wait(b.flat)
+            if b.work is not None:
+                b.work.wait()
+            flat = b.flat
             for axis in b.axes[1:]:
-                flat = _wait(funcol.all_reduce(flat, "sum", (self.dm, axis)))
-            off = 0
-            for p in b.members:
-                n = p.grad.numel()
-                p.grad.copy_(flat[off:off + n].view_as(p.grad))
-                off += n
-            b.flat, b.members, b.launched = None, [], False
+                dist.all_reduce(flat, group=self.dm.get_group(axis))
+            if not b.viewed:
+                off = 0
+                for p in b.members:
+                    n = p.grad.numel()
+                    p.grad.copy_(flat[off:off + n].view_as(p.grad))
+                    off += n
+            b.flat, b.members, b.launched, b.work, b.viewed = None, [], False, None, False
             b.ready.clear()
 
-
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t

@@ -5,6 +5,15 @@ creates until that storage is freed, on top of tensors registered up front (para
 gradients, optimizer state). Its ``peak`` is what the plan's ``peak_bytes`` predicts; compare
 them with :func:`peak_ratio`. It counts storages once (views are free), so it measures what an
 allocator would need without fragmentation or workspace.
+
+Under ``LocalTensorMode`` (simulated ranks in one process) every rank's local tensor has its own
+storage: the counts are kept per rank (``peaks[rank]``) and ``peak`` is the largest of them.
+Enter :class:`LiveMemory` *inside* the ``LocalTensorMode`` so that it sees the ``LocalTensor``
+results of each op before they are split per rank.
+
+``where[rank]`` says what ran when that rank's peak was reached: the op, the phase set by the
+caller (``mem.phase = "backward"``) and the bytes of parameter gradients live then (when
+``grads_of`` names the parameters), which is what the planner's memory model is checked against.
 """
 from __future__ import annotations
 
@@ -16,23 +25,59 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
+def _local_parts(t, ranks: tuple[int, ...] = (0,)) -> dict[tuple[int, ...], torch.Tensor]:
+    """ranks -> plain tensor: each rank's shard of a ``LocalTensor``; a plain tensor is held by
+    every rank (under ``LocalTensorMode`` it stands for the same tensor on each of them)."""
+    parts = getattr(t, "_local_tensors", None)
+    if isinstance(parts, dict):
+        return {(r,): v for r, v in parts.items()}
+    return {ranks: t}
+
+
 class LiveMemory(TorchDispatchMode):
-    """Live and peak tensor bytes while active (see module docstring).
+    """Live and peak tensor bytes while active, per rank (see module docstring).
 
     ``with LiveMemory(track=[*model.parameters(), ...]) as mem: step()``; then ``mem.peak``.
     """
 
-    def __init__(self, track: Iterable[torch.Tensor] = ()):
+    def __init__(self, track: Iterable[torch.Tensor] = (), *, grads_of: Iterable[torch.Tensor] = (),
+                 world: int = 1, detail: bool = False):
         super().__init__()
-        self.current = 0
-        self.peak = 0
-        self._live: dict[int, int] = {}
+        self.ranks = tuple(range(world))
+        """The ranks a plain (not ``LocalTensor``) tensor is counted on: ``world`` under
+        ``LocalTensorMode``, one otherwise."""
+        self.phase = ""
+        """Caller-set label of the part of the step that runs (recorded at each rank's peak)."""
+        self.currents: dict[int, int] = {}
+        self.peaks: dict[int, int] = {}
+        self.where: dict[int, dict] = {}
+        self._live: dict[int, tuple[tuple[int, ...], int]] = {}  # storage id -> (ranks, bytes)
+        self._grads_of = list(grads_of)
+        self._op = "(tracked)"
+        self._detail = detail
+        self._made_by: dict[int, str] = {}  # storage id -> op that made it (with ``detail``)
         for t in track:
             self.add(t)
 
+    @property
+    def peak(self) -> int:
+        """The largest peak over the ranks (bytes)."""
+        return max(self.peaks.values(), default=0)
+
+    @property
+    def current(self) -> int:
+        """The largest live bytes over the ranks now."""
+        return max(self.currents.values(), default=0)
+
     def add(self, t) -> None:
-        """Count ``t``'s storage until it is freed (no-op for meta tensors and repeats)."""
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        """Count ``t``'s storage(s) until freed (no-op for meta tensors and repeats)."""
+        if not isinstance(t, torch.Tensor):
+            return
+        for ranks, part in _local_parts(t, self.ranks).items():
+            self._add_one(ranks, part)
+
+    def _add_one(self, ranks: tuple[int, ...], t: torch.Tensor) -> None:
+        if t.device.type == "meta":
             return
         try:
             st = t.untyped_storage()
@@ -42,14 +87,50 @@ class LiveMemory(TorchDispatchMode):
         if key in self._live:
             return
         n = st.nbytes()
-        self._live[key] = n
-        self.current += n
-        self.peak = max(self.peak, self.current)
+        self._live[key] = (ranks, n)
+        if self._detail:
+            self._made_by[key] = f"{self.phase}:{self._op}"
+        for rank in ranks:
+            self._count(rank, n)
         weakref.finalize(st, self._free, key)
 
+    def _count(self, rank: int, n: int) -> None:
+        cur = self.currents[rank] = self.currents.get(rank, 0) + n
+        if cur > self.peaks.get(rank, -1):
+            self.peaks[rank] = cur
+            phase = self.phase
+            if phase == "train_step":  # inside train_step, the autograd engine runs backward
+                phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            self.where[rank] = {"op": self._op, "phase": phase, "bytes": cur}
+            if self._grads_of:
+                self.where[rank]["grads"] = self._grad_bytes(rank)
+            if self._detail:
+                self.where[rank]["live"] = self._live_by_op(rank)
+
+    def _grad_bytes(self, rank: int) -> int:
+        total = 0
+        for p in self._grads_of:
+            g = p.grad
+            if g is not None:
+                for ranks, part in _local_parts(g, self.ranks).items():
+                    if rank in ranks and part.untyped_storage()._cdata in self._live:
+                        total += part.untyped_storage().nbytes()
+        return total
+
+    def _live_by_op(self, rank: int) -> dict[str, int]:
+        """Live bytes of ``rank`` by the op that made them, largest first."""
+        out: dict[str, int] = {}
+        for key, (ranks, n) in self._live.items():
+            if rank in ranks:
+                op = self._made_by.get(key, "(tracked)")
+                out[op] = out.get(op, 0) + n
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
     def _free(self, key: int) -> None:
-        n = self._live.pop(key, 0)
-        self.current -= n
+        ranks, n = self._live.pop(key, ((), 0))
+        self._made_by.pop(key, None)
+        for rank in ranks:
+            self.currents[rank] -= n
 
     def add_optimizer(self, opt: torch.optim.Optimizer) -> None:
         """Count an optimizer's state tensors (after its first step they exist)."""
@@ -59,9 +140,47 @@ class LiveMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self._op = str(func)
+        if self._detail and self.phase == "train_step":
+            self._op += ".bwd" if torch._C._current_graph_task_id() != -1 else ".fwd"
+        ranks = self._owner((args, kwargs)) if len(self.ranks) > 1 else self.ranks
         for t in tree_leaves(out):
-            self.add(t)
+            if isinstance(t, torch.Tensor):
+                for rs, part in _local_parts(t, ranks).items():
+                    self._add_one(rs, part)
         return out
+
+    def _owner(self, inputs) -> tuple[int, ...]:
+        """The ranks a plain result belongs to: a per-rank function (``maybe_run_for_local_tensor``)
+        computes on one rank's shards, so a plain op whose inputs live on one rank makes that
+        rank's tensor; otherwise it stands for every rank."""
+        found = set()
+        for t in tree_leaves(inputs):
+            if isinstance(t, torch.Tensor) and not hasattr(t, "_local_tensors") and t.device.type != "meta":
+                try:
+                    entry = self._live.get(t.untyped_storage()._cdata)
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if entry is not None and len(entry[0]) == 1:
+                    found.add(entry[0][0])
+        return (found.pop(),) if len(found) == 1 else self.ranks
+
+
+def measure_step(pm, opt, args=(), kwargs=None, target=None, *, world: int = 1, detail: bool = False) -> LiveMemory:
+    """One ``train_step`` + ``opt.step()`` of ``pm`` (a ParallelModule) under :class:`LiveMemory`,
+    tracking its parameters, buffers and the optimizer state (run one step before, so the state
+    exists); ``opt.zero_grad()`` after. Works on real ranks and under ``LocalTensorMode`` (pass its
+    ``world``)."""
+    params = list(pm.parameters())
+    mem = LiveMemory(track=[*params, *pm.buffers()], grads_of=params, world=world, detail=detail)
+    mem.add_optimizer(opt)
+    with mem:
+        mem.phase = "train_step"
+        pm.train_step(*args, target=target, **(kwargs or {}))
+        mem.phase = "optimizer"
+        opt.step()
+    opt.zero_grad()
+    return mem
 
 
 def peak_ratio(measured: float, plan) -> float:

@@ -8,7 +8,8 @@ after three steps 1e-5. Sharding changes summation orders, so agreement is to ro
 
 Plans come from the planner (``autopar.plan(..., force=family)``). The measured per-rank peak
 of the last step is recorded next to the plan's prediction in ``MEASURED`` (printed at the end
-of the session by ``test_report_memory``); assertions on it belong to the planner's tests.
+of the session by ``test_report_memory``) and must be within 10% of ``Plan.peak_bytes`` on every
+rank and never above the plan's budget (``tests/autopar/test_memory_bound.py`` for the breadth).
 """
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def check_case(pool, name: str, plan_json: str, label: str, **options) -> dict:
     """Run one case on the pool and assert it matches the single-device reference."""
     from autopar.plan import Plan
 
-    res = pool.run("workers:train_case", name, plan_json, options=options or None,
-                   measure=not options.get("loss_fn") and "pp" not in label)
+    measure = not options.get("loss_fn") and "pp" not in label
+    res = pool.run("workers:train_case", name, plan_json, options=options or None, measure=measure)
     r0, ref = res[0], _ref(name)
     assert len({r["digests"][0] for r in res}) == 1, f"{label}: ranks hold different full states"
     assert all(r["losses"] == r0["losses"] for r in res), f"{label}: ranks report different losses"
@@ -62,6 +63,13 @@ def check_case(pool, name: str, plan_json: str, label: str, **options) -> dict:
     assert lerr < TOL, f"{label}: losses {r0['losses']} vs {ref['losses']} (rel err {lerr:.2e})"
     assert gerr < TOL, f"{label}: first-step gradients differ (rel err {gerr:.2e})"
     assert serr["global"] < TOL, f"{label}: parameters after {cases.STEPS} steps differ: {serr}"
+    if measure and "+ckpt" not in label:  # a plan edited after planning keeps the planner's prediction
+        for rank, r in enumerate(res):
+            ratio = r["peak"] / plan.peak_bytes
+            assert 0.9 <= ratio <= 1.1, f"{label} rank {rank}: measured peak {r['peak']} B is {ratio:.3f}x the " \
+                                        f"predicted {plan.peak_bytes:.0f} B (bound: within 10%)"
+            assert plan.memory_budget is None or r["peak"] <= plan.memory_budget, \
+                f"{label} rank {rank}: measured peak {r['peak']} B above the budget {plan.memory_budget:.0f} B"
     return r0
 
 

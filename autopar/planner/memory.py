@@ -1,0 +1,258 @@
+"""The per-rank peak of a solved plan: the profiler's liveness simulation on local sizes.
+
+The ILP's memory row (``solver.ilp.add_memory``) is a linear bound that sums parameters,
+gradients, optimizer state, every saved activation and the largest transient. The real step is
+not that sum: gradients appear during backward while activations are freed, gradient buckets
+are allocated when their first gradient arrives, resharded copies are what ops save, and a
+checkpointed region's saved tensors come back all at once when backward reaches it. So once the
+solver has chosen, :func:`rank_peak` replays the step of one rank with
+``profiler.memory.simulate`` on the measured graph (``GraphProfile``'s step nodes), resized to
+that rank's shards:
+
+- every storage a node creates is scaled to its local size: outputs by their placement,
+  internals and the op's allocations by the fraction of the op's tensors the rank holds;
+- parameters, their gradients and AdamW state are the stored shard; the gradients of
+  parameters replicated where their uses were split live in flat buckets of
+  :data:`BUCKET_BYTES` (``autopar.runtime.grads``), allocated at each bucket's first gradient;
+- each edge whose placement changes gets a copy node just before its consumer (the collective's
+  output, with the step list's largest intermediate as transient); a consumer that saved its
+  input now saves the copy (a gathered ZeRO-3 weight is kept until its backward);
+- consecutive recomputed plan nodes form one checkpointed region (``autopar.runtime.checkpoint``).
+
+This is ``Plan.peak_bytes``; ``tests/autopar/test_memory_bound.py`` checks it against
+``autopar.runtime.memory.LiveMemory`` on every zoo model and plan family.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch.distributed.tensor import Partial, Replicate
+
+from autopar import placement as pl
+
+#: Bytes per gradient bucket, as ``autopar.runtime.grads.GradSync`` makes them.
+BUCKET_BYTES = 25 * 2**20
+
+
+def _nbytes(shape, t: torch.Tensor) -> int:
+    return int(math.prod(shape)) * t.element_size()
+
+
+def _local(t: torch.Tensor, pls, mesh_shape) -> int:
+    if pls is None:
+        return _nbytes(t.shape, t)
+    try:
+        return _nbytes(pl.local_shape(tuple(t.shape), pls, mesh_shape), t)
+    except ValueError:
+        return _nbytes(t.shape, t)
+
+
+def _vals(node) -> list:
+    v = node.meta.get("val")
+    flat = v if isinstance(v, (list, tuple)) else [v]
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+class _Ctx:
+    """The solved choice as the simulation needs it."""
+
+    def __init__(self, gp, strategy_of: dict, mesh):
+        self.gp, self.mesh, self.shape = gp, mesh, tuple(mesh.shape)
+        self.nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
+        self.strategy_of = strategy_of
+
+    def out_pl(self, name: str, idx: int):
+        s = self.strategy_of.get(name)
+        if s is None or not s.outputs:
+            return None
+        return s.outputs[idx] if idx < len(s.outputs) else s.outputs[0]
+
+    def in_pl(self, name: str, j: int):
+        s = self.strategy_of.get(name)
+        return s.inputs[j] if s is not None and j < len(s.inputs) else None
+
+    def frac(self, name: str) -> float:
+        """Local over global bytes of the node's tensor inputs and outputs under its strategy."""
+        node, s = self.nodes[name], self.strategy_of.get(name)
+        if s is None:
+            return 1.0
+        glob = loc = 0
+        for j, a in enumerate(node.all_input_nodes):
+            v = _vals(a)
+            if v:
+                glob += _nbytes(v[0].shape, v[0])
+                loc += _local(v[0], self.in_pl(name, j), self.shape)
+        for i, t in enumerate(_vals(node)):
+            glob += _nbytes(t.shape, t)
+            loc += _local(t, self.out_pl(name, i), self.shape)
+        return loc / glob if glob else 1.0
+
+
+def _scaled_node(ctx: _Ctx, n):
+    """``n`` (a ``profiler.memory.StepNode``) with this rank's sizes."""
+    f = ctx.frac(n.name)
+    vals = _vals(ctx.nodes[n.name]) if n.name in ctx.nodes else []
+    storages = {}
+    for k, b in n.storages.items():
+        if k[0] == n.name and 0 <= k[1] < len(vals):
+            storages[k] = _local(vals[k[1]], ctx.out_pl(n.name, k[1]), ctx.shape)
+        else:
+            storages[k] = int(b * f)
+    out_glob = sum(_nbytes(t.shape, t) for t in vals)
+    out_loc = sum(_local(t, ctx.out_pl(n.name, i), ctx.shape) for i, t in enumerate(vals))
+    of = out_loc / out_glob if out_glob else f
+    return dataclasses.replace(n, storages=storages, fwd_alloc=int(n.fwd_alloc * f), bwd_alloc=int(n.bwd_alloc * f),
+                               fwd_max_op=int(n.fwd_max_op * f), bwd_max_op=int(n.bwd_max_op * f),
+                               grad_bytes=int(n.grad_bytes * of), inputs=list(n.inputs), users=list(n.users),
+                               saved=list(n.saved))
+
+
+def _copy_transient(ctx: _Ctx, t: torch.Tensor, src, dst) -> tuple[int, int]:
+    """(sum of the step outputs' bytes, the largest step's bytes) of the reshard ``src -> dst``."""
+    from autopar.costs.reshard import apply_step, reshard
+
+    try:
+        steps = reshard(src, dst, tuple(t.shape), t.element_size(), ctx.mesh).steps
+    except ValueError:
+        return 0, 0
+    state, total, top = tuple(src), 0, 0
+    prev = _local(t, state, ctx.shape)
+    for st in steps:
+        state = apply_step(state, st)
+        out = _local(t, state, ctx.shape)
+        # a gather/scatter along a dim other than 0 rearranges through a second buffer
+        extra = out if st.kind in ("all_gather", "reduce_scatter", "all_to_all") and st.dim not in (0, None) else 0
+        total += out + extra
+        top = max(top, prev + out + extra)
+        prev = out
+    return total, top
+
+
+def _insert_copies(ctx: _Ctx, steps: list, placeholders) -> list:
+    """A copy node before each consumer whose input placement differs from its producer's."""
+    from profiler.memory import StepNode
+
+    by_name = {n.name: n for n in steps}
+    out = []
+    for n in steps:
+        node = ctx.nodes.get(n.name)
+        if node is None or n.name not in ctx.strategy_of:
+            out.append(n)
+            continue
+        for j, a in enumerate(node.all_input_nodes):
+            src, dst = ctx.out_pl(a.name, _out_index(a, node)), ctx.in_pl(n.name, j)
+            if src is None or dst is None or pl.fmt(src) == pl.fmt(dst):
+                continue
+            v = _vals(a)
+            if not v:
+                continue
+            t = v[_out_index(a, node)] if _out_index(a, node) < len(v) else v[0]
+            name = f"{a.name}->{n.name}"
+            nbytes = _local(t, dst, ctx.shape)
+            total, top = _copy_transient(ctx, t, src, dst)
+            prod = by_name.get(a.name)
+            src_keys = prod.out_keys if prod is not None else [(a.name, 0)]
+            rg = t.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex)
+            out.append(StepNode(name=name, storages={(name, 0): nbytes}, float_size={(name, 0): t.element_size()}
+                                if t.is_floating_point() else {}, out_keys=[(name, 0)], saved=[], fwd_alloc=total,
+                                bwd_alloc=total if rg else 0, fwd_max_op=top, bwd_max_op=top if rg else 0,
+                                in_backward=rg, inputs=[a.name], users=[n.name], grad_bytes=nbytes if rg else 0,
+                                grad_float_size=t.element_size(), is_alias=False))
+            n.saved = [(name, 0) if k in src_keys else k for k in n.saved]
+            n.inputs = [name if x == a.name else x for x in n.inputs]
+            if prod is not None:
+                prod.users = [name if u == n.name else u for u in prod.users]
+        out.append(n)
+    return out
+
+
+def _out_index(producer, consumer) -> int:
+    import operator
+
+    if consumer.target is operator.getitem and len(_vals(producer)) > 1:
+        return int(consumer.args[1])
+    return 0
+
+
+def _placeholders(ctx: _Ctx, placeholders) -> dict:
+    out = {}
+    for name, ph in placeholders.items():
+        node = ctx.nodes.get(name)
+        v = _vals(node) if node is not None else []
+        nbytes = _local(v[0], ctx.out_pl(name, 0), ctx.shape) if v else ph.nbytes
+        out[name] = dataclasses.replace(ph, nbytes=nbytes)
+    return out
+
+
+def _buckets(ctx: _Ctx, placeholders, bucket_bytes: int) -> list[list[str]]:
+    """Parameters whose gradient is Partial on some axis (stored Replicate there, a use split
+    it), grouped as ``GradSync`` does: by axes, reverse graph order, ``bucket_bytes`` each."""
+    by_axes: dict[tuple, list[str]] = {}
+    for name, ph in placeholders.items():
+        node = ctx.nodes.get(name)
+        stored = ctx.out_pl(name, 0)
+        if ph.kind != "param" or node is None or stored is None:
+            continue
+        axes = set()
+        for user in node.users:
+            s = ctx.strategy_of.get(user.name)
+            if s is None:
+                continue
+            j = user.all_input_nodes.index(node)
+            g = s.input_grads[j] if j < len(s.input_grads) and s.input_grads[j] is not None else None
+            g = g if g is not None else (s.inputs[j] if j < len(s.inputs) else None)
+            for a, p in enumerate(g or ()):
+                if isinstance(p, Partial) and isinstance(stored[a], Replicate) and ctx.shape[a] > 1:
+                    axes.add(a)
+        if axes:
+            by_axes.setdefault(tuple(sorted(axes)), []).append(name)
+    out = []
+    for names in by_axes.values():
+        cur, size = [], 0
+        for name in reversed(names):
+            cur.append(name)
+            size += placeholders[name].nbytes
+            if size >= bucket_bytes:
+                out.append(cur)
+                cur, size = [], 0
+        if cur:
+            out.append(cur)
+    return out
+
+
+def _regions(steps, copies: dict[str, str], recompute: set[str]) -> list[list[str]]:
+    """Runs of consecutive recomputed nodes (graph order); a reshard copy belongs to its
+    consumer's region (the codegen emits it inside)."""
+    out, cur = [], []
+    for n in steps:
+        if n.name in recompute or copies.get(n.name) in recompute:
+            cur.append(n.name)
+        elif cur:
+            out.append(cur)
+            cur = []
+    if cur:
+        out.append(cur)
+    return out
+
+
+def rank_peak(gp, strategy_of: dict, mesh, *, recompute: set[str] = frozenset(), optimizer: str = "adamw",
+              dtype: str = "float32", foreach: bool | None = None, bucket_bytes: int = BUCKET_BYTES):
+    """The ``profiler.memory.MemoryEstimate`` of one rank's training step under the choice
+    ``strategy_of`` (fx node name -> ``autopar.strategies.Strategy``) with the nodes in
+    ``recompute`` checkpointed. ``foreach``: AdamW updates all parameters at once (default: on
+    GPUs, as ``torch.optim`` does)."""
+    from profiler.memory import simulate
+
+    ctx = _Ctx(gp, strategy_of, mesh)
+    precision = "bf16-mixed" if dtype == "bf16-mixed" else "fp32"
+    base = gp._step_nodes(precision)  # the measured graph's step nodes (fp32 run or mixed replay)
+    steps = _insert_copies(ctx, [_scaled_node(ctx, n) for n in base], gp._placeholders)
+    copies = {n.name: n.users[0] for n in steps if n.name not in ctx.nodes and n.users}
+    placeholders = _placeholders(ctx, gp._placeholders)
+    if foreach is None:
+        foreach = getattr(mesh, "cluster", "cpu") != "cpu"
+    return simulate(steps, placeholders, gp.captured.loss_node.name, optimizer=optimizer,
+                    precision="fp32", foreach=foreach, regions=_regions(steps, copies, set(recompute)),
+                    buckets=_buckets(ctx, placeholders, bucket_bytes))
