@@ -5,7 +5,9 @@
 ``mesh.calibration`` record (measured points, fits, residuals).
 
 Per axis, all-reduce and all-gather run over a sweep of message sizes inside every axis group at
-once (as in training), each timed between world barriers, median of ``repeats``. The ring model
+once (as in training), each timed between world barriers, median of ``repeats``. The points take
+turns round by round rather than one after the other: a shared host's speed drifts by 2x within
+minutes, and round-robin spreads that drift over every point instead of tilting the fit. The ring model
 ``t = alpha * steps + nbytes * factor / beta`` (all-reduce: steps 2(n-1), factor 2(n-1)/n;
 all-gather: steps n-1, factor (n-1)/n) is fitted by least squares on RELATIVE errors, so small
 messages (which set alpha) weigh as much as large ones (which set beta); the residual reported is
@@ -51,17 +53,34 @@ def _median_time(fn, device, repeats: int, warmup: int, barrier: bool) -> float:
     return statistics.median(times)
 
 
-def _time_collective(kind: str, nbytes: int, dm, axis: int, device, repeats: int, warmup: int) -> float:
+def _collective_fn(kind: str, nbytes: int, dm, axis: int, device):
+    """A closure running one collective of ``kind`` and ``nbytes`` over ``axis``."""
     group, n = dm.get_group(axis), dm.size(axis)
     numel = max(1, nbytes // 4)  # fp32 elements
     if kind == "all_reduce":
         buf = torch.ones(numel, device=device)
-        fn = lambda: dist.all_reduce(buf, group=group)  # noqa: E731
-    else:  # all_gather: nbytes is the gathered output
-        inp = torch.ones(max(1, numel // n), device=device)
-        out = torch.empty(inp.numel() * n, device=device)
-        fn = lambda: dist.all_gather_single(out, inp, group=group)  # noqa: E731
-    return _median_time(fn, device, repeats, warmup, barrier=True)
+        return lambda: dist.all_reduce(buf, group=group)  # noqa: E731
+    inp = torch.ones(max(1, numel // n), device=device)  # all_gather: nbytes is the gathered output
+    out = torch.empty(inp.numel() * n, device=device)
+    return lambda: dist.all_gather_single(out, inp, group=group)  # noqa: E731
+
+
+def _time_collectives(plan, dm, device, repeats: int, warmup: int) -> list[float]:
+    """Median seconds of each ``(axis, kind, nbytes)`` in ``plan``. The points take turns, one
+    run each per round (a host whose speed drifts within seconds then biases no point against
+    another), every run started together on all ranks (barrier), as in a training step."""
+    fns = [_collective_fn(k, s, dm, ax, device) for ax, k, s in plan]
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(warmup + repeats):
+        for i, fn in enumerate(fns):
+            _sync(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if r >= warmup:
+                times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def ring_terms(kind: str, n: int) -> tuple[int, float]:
@@ -145,7 +164,7 @@ def _host_memory_per_rank() -> int:
     return total // max(1, local)
 
 
-def calibrate(device_mesh, *, sizes: Sequence[int] | None = None, repeats: int = 5, warmup: int = 1,
+def calibrate(device_mesh, *, sizes: Sequence[int] | None = None, repeats: int = 7, warmup: int = 1,
               cluster: str | None = None) -> Mesh:
     """Measure the links of every axis of the live ``device_mesh`` and this device; return a
     :class:`Mesh` with the measured figures (axis names kept) and its ``calibration`` record.
@@ -166,7 +185,7 @@ def calibrate(device_mesh, *, sizes: Sequence[int] | None = None, repeats: int =
         raise ValueError(f"sizes must be message sizes of at least 4 bytes, got {sizes}")
 
     plan = [(ax, k, s) for ax in range(base.ndim) if base.shape[ax] > 1 for k in _KINDS for s in sizes]
-    raw = [_time_collective(k, s, device_mesh, ax, device, repeats, warmup) for ax, k, s in plan]
+    raw = _time_collectives(plan, device_mesh, device, repeats, warmup)
     dev = _device_times(device, repeats, warmup)
     agreed = _max_over_ranks(raw + [v[1] for v in dev.values()], device)
     coll, dev = agreed[:len(raw)], dict(zip(dev, ((v[0], t) for v, t in zip(dev.values(), agreed[len(raw):]))))

@@ -125,8 +125,9 @@ def _collectives(pm, ex) -> int:
         n = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ns = func.namespace
-            if ns in ("_c10d_functional", "c10d") and "wait" not in func.__name__:
+            ns, name = func.namespace, func.__name__
+            # Collectives only: not the waits, nor funcol's autograd wrapping of their outputs.
+            if ns in ("_c10d_functional", "c10d") and "wait" not in name and "wrap" not in name:
                 Count.n += 1
             return func(*args, **(kwargs or {}))
 
@@ -149,6 +150,7 @@ def worker(rank, world, shape, families, warmup, steps):
     from autopar import zoo
     from autopar.calibrate import calibrate  # autopar.calibrate, the attribute, turns into the module once imported
     from autopar.plan import Plan
+    from autopar.planner.comms import plan_collectives
     from autopar.runtime.module import ParallelModule
     from profiler.capture import capture
 
@@ -169,20 +171,21 @@ def worker(rank, world, shape, families, warmup, steps):
         rows[fam] = {"family": fam, "plan_family": plan.options.get("family"), "predicted_s": plan.step_time,
                      "predicted_bytes": plan.peak_bytes, "breakdown": plan.breakdown,
                      "checkpointed": len(plan.solver.get("checkpointed", []))}
-    for fam, (pm, opt) in mods.items():
-        rows[fam]["measured_bytes"] = _peak(pm, ex, opt)
-        rows[fam]["collectives"] = _collectives(pm, ex)
-        rows[fam]["reshards"] = len(pm.signature.reshards)
-
     def stepper(pm):
         def step():
             pm.zero_grad(set_to_none=True)
             pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
         return step
 
+    # Timing first, as close to the calibration the predictions used as the planning allows.
     measured = _round_robin({f: stepper(pm) for f, (pm, _) in mods.items()}, warmup, steps)
     for fam, t in measured.items():
         rows[fam]["measured_s"] = t
+    for fam, (pm, opt) in mods.items():
+        rows[fam]["measured_bytes"] = _peak(pm, ex, opt)
+        rows[fam]["collectives"] = _collectives(pm, ex)
+        rows[fam]["priced_collectives"] = len(plan_collectives(cap, pm.plan))
+        rows[fam]["reshards"] = len(pm.signature.reshards)
     after = calibrate(dm)  # how far the host drifted while we measured
     out = {"rows": list(rows.values()), **_calibration(mesh), "after": _calibration(after)}
     return out if rank == 0 else None
@@ -219,7 +222,7 @@ def _print_launch(shape, res) -> None:
     print(f"\nmesh {'x'.join(map(str, shape))} ({world} gloo processes)\n  calibrated before: {_fmt_cal(res)}"
           f"\n  calibrated after:  {_fmt_cal(res['after'])}")
     print(f"{'plan':<15} {'chosen':<26} {'pred ms':>8} {'meas ms':>8} {'err':>7} {'pred MiB':>9} {'meas MiB':>9} "
-          f"{'err':>7} {'colls':>5} {'resh':>4}  predicted split (ms)")
+          f"{'err':>7} {'colls':>5} {'pric':>4} {'resh':>4}  predicted split (ms)")
     for r in res["rows"]:
         if "error" in r:
             print(f"{r['family']:<15} n/a: {r['error'][:100]}")
@@ -230,7 +233,7 @@ def _print_launch(shape, res) -> None:
         split = " ".join(f"{k[:4]} {bd[k] * 1e3:.1f}" for k in ("compute", "comm", "reshard", "recompute") if k in bd)
         print(f"{r['family']:<15} {str(r['plan_family'])[:25]:<26} {r['predicted_s'] * 1e3:>8.1f} "
               f"{r['measured_s'] * 1e3:>8.1f} {te:>+7.0%} {r['predicted_bytes'] / 2**20:>9.2f} "
-              f"{r['measured_bytes'] / 2**20:>9.2f} {me:>+7.0%} {r['collectives']:>5} {r['reshards']:>4}  {split}", flush=True)
+              f"{r['measured_bytes'] / 2**20:>9.2f} {me:>+7.0%} {r['collectives']:>5} {r.get('priced_collectives', -1):>4} {r['reshards']:>4}  {split}", flush=True)
 
 
 def _judge(rows, label) -> dict:

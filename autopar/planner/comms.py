@@ -164,6 +164,7 @@ class _Walk:
         self.out: list[Collective] = []
         self.param_edges: set = set()
         self.pgrads = self._param_grads()
+        self.region: list[tuple[bool, int]] = []  # (node saves for backward, len(out) after it)
 
     def outputs(self, node) -> list[str]:
         np_ = self.plan.nodes.get(node.name)
@@ -225,9 +226,30 @@ class _Walk:
 
     def node(self, node) -> None:
         np_ = self.plan.nodes.get(node.name)
-        if np_ is None:
+        if np_ is None and node.target is operator.getitem:  # an element: as its producer
+            np_ = self.plan.nodes.get(node.args[0].name)
+        if np_ is None or not np_.recompute or _mutates(node):
+            self.end_region()
+        if np_ is None or node.name not in self.plan.nodes:
             return
-        rec = bool(np_.recompute)
+        rec = bool(np_.recompute) and not _mutates(node)
+        self.visit(node, np_, rec)
+        if rec:
+            self.region.append((_saves(node), len(self.out)))
+
+    def end_region(self) -> None:
+        """Rule 4 with PyTorch's early stop: backward reruns a region only as far as its last
+        op that saved tensors; the recomputed collectives of the ops after it are not issued."""
+        if not self.region:
+            return
+        last = max((k for k, (saves, _) in enumerate(self.region) if saves), default=-1)
+        start = self.region[last][1] if last >= 0 else self.region_start
+        self.out[start:] = [c for c in self.out[start:] if c.phase != "recompute"]
+        self.region = []
+
+    def visit(self, node, np_, rec: bool) -> None:
+        if not self.region:
+            self.region_start = len(self.out)
         if node.target is operator.getitem:  # the element may move to its own placement
             src_node = node.args[0]
             k = int(node.args[1]) if len(_vals(src_node)) > 1 else 0
@@ -256,6 +278,7 @@ class _Walk:
                     self.out.append(dataclasses.replace(one, phase="recompute"))
 
     def loss(self) -> None:
+        self.end_region()
         out = next(n for n in self.cap.gm.graph.nodes if n.op == "output")
         loss = getattr(self.cap, "loss_node", None) or _first_output(out)
         src, rep = self.outputs(loss)[0], "R" * self.mesh.ndim
@@ -296,6 +319,27 @@ class _Walk:
             self.out.append(Collective(kind="all_reduce", axis=a, nbytes=float(nbytes), phase="grad_bucket",
                                        seconds=collective_time("all_reduce", nbytes, self.mesh, a),
                                        where=f"gradient bucket {k} over axes {axes}"))
+
+
+# Ops whose backward needs none of their tensors (PyTorch saves nothing for them).
+_NO_SAVE = {"add.Tensor", "sub.Tensor", "neg.default", "view.default", "_unsafe_view.default", "reshape.default",
+            "permute.default", "transpose.int", "t.default", "expand.default", "unsqueeze.default",
+            "squeeze.dim", "slice.Tensor", "select.int", "clone.default", "contiguous.default", "alias.default",
+            "detach.default", "split.Tensor", "chunk.default", "cat.default", "getitem"}
+
+
+def _op_name(node) -> str:
+    return "getitem" if node.target is operator.getitem else getattr(node.target, "__name__", str(node.target))
+
+
+def _saves(node) -> bool:
+    return _op_name(node) not in _NO_SAVE
+
+
+def _mutates(node) -> bool:
+    from autopar.codegen.executors import mutated_args
+
+    return bool(mutated_args(node.target))
 
 
 def _out_index(producer, consumer) -> int:
