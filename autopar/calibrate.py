@@ -119,13 +119,16 @@ def _matmul_time(n: int, dtype, device, repeats, warmup) -> float | None:
     try:
         x = torch.randn(n, n, device=device).to(dtype)
         y = torch.randn(n, n, device=device).to(dtype)
-        return _median_time(lambda: torch.mm(x, y), device, repeats, warmup, barrier=False)
+        return _median_time(lambda: torch.mm(x, y), device, repeats, warmup, barrier=True)
     except (RuntimeError, TypeError):  # dtype without a matmul kernel on this device
         return None
 
 
 def _device_times(device: torch.device, repeats: int, warmup: int) -> dict:
-    """Raw device timings (seconds), in a fixed order so ranks can max-reduce them."""
+    """Raw device timings (seconds), in a fixed order so ranks can max-reduce them. Every timed run
+    starts together on all ranks (barrier), as the ranks compute together in a training step:
+    where ranks share cores (CPU processes), timing them at random overlaps gave rates 6x apart
+    from one calibration to the next."""
     # Big enough that one product runs well past launch overhead (GPU: ~1 TFLOP, a few ms);
     # CPU half precision can be slow, so its product is kept short.
     n = 512 if device.type == "cpu" else 8192
@@ -140,14 +143,14 @@ def _device_times(device: torch.device, repeats: int, warmup: int) -> dict:
         out[name] = (n_low, _matmul_time(n_low, dt, device, repeats, warmup))
     numel = (4 << 20) if device.type == "cpu" else (256 << 20)  # fp32 elements: 16 MiB / 1 GiB
     src, dst = torch.ones(numel, device=device), torch.empty(numel, device=device)
-    out["copy"] = (numel * 4, _median_time(lambda: dst.copy_(src), device, repeats, warmup, barrier=False))
+    out["copy"] = (numel * 4, _median_time(lambda: dst.copy_(src), device, repeats, warmup, barrier=True))
     tiny, k = torch.zeros(1, device=device), 50
 
     def tiny_ops():  # back to back, as a training step issues them: launch cost, not sync cost
         for _ in range(k):
             tiny.add_(1)
 
-    out["kernel"] = (k, _median_time(tiny_ops, device, repeats, warmup, barrier=False))
+    out["kernel"] = (k, _median_time(tiny_ops, device, repeats, warmup, barrier=True))
     return out
 
 
