@@ -129,9 +129,12 @@ def _device_times(device: torch.device, repeats: int, warmup: int) -> dict:
     starts together on all ranks (barrier), as the ranks compute together in a training step:
     where ranks share cores (CPU processes), timing them at random overlaps gave rates 6x apart
     from one calibration to the next."""
-    # Big enough that one product runs well past launch overhead (GPU: ~1 TFLOP, a few ms);
-    # CPU half precision can be slow, so its product is kept short.
-    n = 512 if device.type == "cpu" else 8192
+    # Big enough that one product runs well past launch overhead (GPU: ~1 TFLOP, a few ms). On
+    # CPU, long enough (2 GFLOP, ~0.1 s) to span many scheduler slices, so a rank that shares its
+    # cores with other ranks or jobs measures the share it gets through a training step (a 512
+    # product, ~10 ms, often ran alone on a core and read 2-3x too fast). CPU half precision can
+    # be slow, so its product is kept short.
+    n = 1024 if device.type == "cpu" else 8192
     n_low = 256 if device.type == "cpu" else 8192
     out = {"fp32": (n, _matmul_time(n, torch.float32, device, repeats, warmup))}
     if device.type == "cuda":
