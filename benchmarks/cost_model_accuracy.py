@@ -9,14 +9,20 @@ its mesh (``autopar.calibrate``: alpha/beta per axis, matmul and copy rates, ker
 a small GPT-2 (HF ``GPT2LMHeadModel``, 2 layers, hidden 256, vocab 2048, batch 8 x 128 tokens) on
 the calibrated mesh once per plan family (``force=``), freely, and freely under 0.65 x the free
 plan's peak (``free@0.65``: the solver then checkpoints layers), builds every plan's
-``ParallelModule`` and measures ``train_step`` (forward + backward + gradient reduction; the
-optimizer step is not part of the prediction). The modules take turns step by step (so load that
-comes and goes on a shared host hits them alike), every step starts together on all ranks
-(barrier) and is timed on the slowest rank; median over ``--steps`` after two warm-up rounds.
-Memory: one train_step + AdamW step under ``LiveMemory`` (``autopar.runtime.memory``), tracking
-parameters, buffers and optimizer state; the largest peak over the ranks against
-``Plan.peak_bytes``. ``colls``: the collectives one train_step issues (c10d ops seen by the
-dispatcher, gradient buckets included); ``resh``: the resharding modules the codegen inserted. The mesh is calibrated again after measuring, to show how far the host drifted.
+``ParallelModule``, calibrates again and right away measures ``train_step`` (forward + backward +
+gradient reduction; the optimizer step is not part of the prediction). Each plan's choices are
+re-priced on that second calibration (``pred ms``; ``plan ms`` is the figure it was planned with):
+planning takes about a minute and the host drifts by 2x within minutes. The modules take turns
+step by step (so load that comes and goes on a shared host hits them alike), every step starts
+together on all ranks (barrier) and is timed on the slowest rank; median over ``--steps`` after
+two warm-up rounds. Memory: one train_step + AdamW step under ``LiveMemory``
+(``autopar.runtime.memory``), tracking parameters, buffers and optimizer state; the largest peak
+over the ranks against ``Plan.peak_bytes``. ``colls``: the collectives one train_step issues (c10d
+collectives seen by the dispatcher, gradient buckets included; not their waits nor funcol's
+autograd wrappers); ``pric``: the collectives the cost model prices for the plan
+(``autopar.planner.comms.plan_collectives``), which should equal ``colls``; ``resh``: the
+resharding modules the codegen inserted. The mesh is calibrated a third time after measuring, to
+show how far the host drifted.
 
 Printed per plan: predicted and measured ms, relative error, predicted and measured peak MiB and
 the error; then the figures the cost model is judged by: the Spearman rank correlation of
