@@ -18,7 +18,7 @@ Runtime facts mirrored here (``autopar.codegen.lower`` and ``autopar.runtime.gra
    ``zero_partial`` are local). A parameter read twice in one placement is resharded once.
 2. A parameter's gradient stays Partial on every axis where the parameter is stored replicated
    and a use left its gradient Partial; those axes are summed after backward, one all-reduce per
-   bucket of about :data:`GRAD_BUCKET_BYTES` and axis (DDP's scheme).
+   bucket of about :data:`GRAD_BUCKET_BYTES` over all of its axes at once (DDP's scheme).
 3. An op's in-op collectives (``Strategy.comm``) run once per axis they name.
 4. A recomputed (checkpointed) node runs its forward collectives, and those of its input edges,
    a second time in backward.
@@ -30,7 +30,7 @@ import operator
 from typing import Sequence
 
 from autopar import placement as pl
-from autopar.costs.collectives import collective_time, ring_time
+from autopar.costs.collectives import collective_time
 from autopar.costs.reshard import reshard, step_cost
 from autopar.mesh import Mesh
 
@@ -46,8 +46,9 @@ class Collective:
 
     kind: str
     """``all_gather``, ``reduce_scatter``, ``all_reduce`` or ``all_to_all``."""
-    axis: int
-    """The mesh axis it runs over (the runtime issues one collective per axis)."""
+    axes: tuple[int, ...]
+    """The mesh axes it runs over: one for resharding steps and in-op collectives, all the
+    summed axes for a gradient bucket."""
     nbytes: float
     """Logical size, as :func:`autopar.costs.collective_time` reads it."""
     seconds: float
@@ -78,20 +79,17 @@ def bucket_axes(stored: str, grad: str) -> tuple[int, ...]:
 
 def bucket_seconds(stored: str, grad: str, shape: Sequence[int], itemsize: int, mesh: Mesh,
                    bucket_bytes: float) -> float:
-    """Seconds one parameter adds to the bucketed reduction of its gradient: per summed axis, the
-    bandwidth term of an all-reduce of its local bytes, plus the collective's latency term times
+    """Seconds one parameter adds to the bucketed reduction of its gradient (one all-reduce over
+    all the summed axes): the bandwidth term of an all-reduce of its local bytes, plus the
+    collective's latency term times
     the parameter's share of a bucket (``local bytes / bucket_bytes``). Linear in the plan's
     choices; exact when the reduced parameters fill whole buckets."""
     axes = bucket_axes(stored, grad)
     if not axes:
         return 0.0
     local = float(_local_bytes(shape, stored, mesh, itemsize))
-    total = 0.0
-    for a in axes:
-        n, link = mesh.shape[a], mesh.links[a]
-        latency = ring_time("all_reduce", 0.0, n, link)
-        total += ring_time("all_reduce", local, n, link) - latency + latency * local / bucket_bytes
-    return total
+    latency = collective_time("all_reduce", 0.0, mesh, axes)
+    return collective_time("all_reduce", local, mesh, axes) - latency + latency * local / bucket_bytes
 
 
 def param_uses(gm, options, params) -> dict[str, int]:
@@ -107,7 +105,7 @@ def param_uses(gm, options, params) -> dict[str, int]:
 def effective_bucket_bytes(gm, params, bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:
     """The bucket size latency is amortised over: the runtime's bucket, or the model's whole
     parameter bytes when that is less (a small model's gradients fill one bucket, which still
-    costs one latency per axis)."""
+    costs one latency)."""
     total = 0.0
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.name in params and node.users:
@@ -150,7 +148,7 @@ def _steps(src: str, dst: str, shape, itemsize, mesh: Mesh, phase: str, where: s
             continue
         b = _local_bytes(shape, pl.fmt(state), mesh, itemsize)
         nbytes = b * mesh.shape[step.axis] if step.kind == "all_gather" else b
-        out.append(Collective(kind=step.kind, axis=step.axis, nbytes=float(nbytes),
+        out.append(Collective(kind=step.kind, axes=(step.axis,), nbytes=float(nbytes),
                               seconds=step_cost(step, state, shape, itemsize, mesh), phase=phase, where=where))
     return out
 
@@ -271,7 +269,7 @@ class _Walk:
                 if self.mesh.shape[a] == 1:
                     continue
                 phase = "backward" if c.backward else "forward"
-                one = Collective(kind=c.kind, axis=a, nbytes=float(c.nbytes), phase=phase, where=node.name,
+                one = Collective(kind=c.kind, axes=(a,), nbytes=float(c.nbytes), phase=phase, where=node.name,
                                  seconds=collective_time(c.kind, c.nbytes, self.mesh, a))
                 self.out.append(one)
                 if recompute and not c.backward:
@@ -315,10 +313,10 @@ class _Walk:
                 self.bucket(axes, filled, k)
 
     def bucket(self, axes, nbytes: float, k: int) -> None:
-        for a in axes:
-            self.out.append(Collective(kind="all_reduce", axis=a, nbytes=float(nbytes), phase="grad_bucket",
-                                       seconds=collective_time("all_reduce", nbytes, self.mesh, a),
-                                       where=f"gradient bucket {k} over axes {axes}"))
+        # One all-reduce over all the axes (GradSync flattens them into one group).
+        self.out.append(Collective(kind="all_reduce", axes=tuple(axes), nbytes=float(nbytes), phase="grad_bucket",
+                                   seconds=collective_time("all_reduce", nbytes, self.mesh, axes),
+                                   where=f"gradient bucket {k} over axes {axes}"))
 
 
 # Ops whose backward needs none of their tensors (PyTorch saves nothing for them).
