@@ -439,7 +439,6 @@ class _EdgePricer:
             self.cache[key] = m
         return m
 
-
     def param_grad(self, stored: str, grad: str, shape, itemsize, uses: int) -> float:
         """A parameter's gradient on the edge of one of its ``uses``: resharded to the stored
         placement with Partial kept on replicated axes (``comms.param_grad_target``), plus this
