@@ -5,7 +5,9 @@
 ``mesh.calibration`` record (measured points, fits, residuals).
 
 Per axis, all-reduce and all-gather run over a sweep of message sizes inside every axis group at
-once (as in training), each timed between world barriers, median of ``repeats``. The ring model
+once (as in training), each timed between world barriers, median of ``repeats``. The points take
+turns round by round rather than one after the other: a shared host's speed drifts by 2x within
+minutes, and round-robin spreads that drift over every point instead of tilting the fit. The ring model
 ``t = alpha * steps + nbytes * factor / beta`` (all-reduce: steps 2(n-1), factor 2(n-1)/n;
 all-gather: steps n-1, factor (n-1)/n) is fitted by least squares on RELATIVE errors, so small
 messages (which set alpha) weigh as much as large ones (which set beta); the residual reported is
@@ -51,17 +53,34 @@ def _median_time(fn, device, repeats: int, warmup: int, barrier: bool) -> float:
     return statistics.median(times)
 
 
-def _time_collective(kind: str, nbytes: int, dm, axis: int, device, repeats: int, warmup: int) -> float:
+def _collective_fn(kind: str, nbytes: int, dm, axis: int, device):
+    """A closure running one collective of ``kind`` and ``nbytes`` over ``axis``."""
     group, n = dm.get_group(axis), dm.size(axis)
     numel = max(1, nbytes // 4)  # fp32 elements
     if kind == "all_reduce":
         buf = torch.ones(numel, device=device)
-        fn = lambda: dist.all_reduce(buf, group=group)  # noqa: E731
-    else:  # all_gather: nbytes is the gathered output
-        inp = torch.ones(max(1, numel // n), device=device)
-        out = torch.empty(inp.numel() * n, device=device)
-        fn = lambda: dist.all_gather_single(out, inp, group=group)  # noqa: E731
-    return _median_time(fn, device, repeats, warmup, barrier=True)
+        return lambda: dist.all_reduce(buf, group=group)  # noqa: E731
+    inp = torch.ones(max(1, numel // n), device=device)  # all_gather: nbytes is the gathered output
+    out = torch.empty(inp.numel() * n, device=device)
+    return lambda: dist.all_gather_single(out, inp, group=group)  # noqa: E731
+
+
+def _time_collectives(plan, dm, device, repeats: int, warmup: int) -> list[float]:
+    """Median seconds of each ``(axis, kind, nbytes)`` in ``plan``. The points take turns, one
+    run each per round (a host whose speed drifts within seconds then biases no point against
+    another), every run started together on all ranks (barrier), as in a training step."""
+    fns = [_collective_fn(k, s, dm, ax, device) for ax, k, s in plan]
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(warmup + repeats):
+        for i, fn in enumerate(fns):
+            _sync(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if r >= warmup:
+                times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def ring_terms(kind: str, n: int) -> tuple[int, float]:
@@ -100,16 +119,22 @@ def _matmul_time(n: int, dtype, device, repeats, warmup) -> float | None:
     try:
         x = torch.randn(n, n, device=device).to(dtype)
         y = torch.randn(n, n, device=device).to(dtype)
-        return _median_time(lambda: torch.mm(x, y), device, repeats, warmup, barrier=False)
+        return _median_time(lambda: torch.mm(x, y), device, repeats, warmup, barrier=True)
     except (RuntimeError, TypeError):  # dtype without a matmul kernel on this device
         return None
 
 
 def _device_times(device: torch.device, repeats: int, warmup: int) -> dict:
-    """Raw device timings (seconds), in a fixed order so ranks can max-reduce them."""
-    # Big enough that one product runs well past launch overhead (GPU: ~1 TFLOP, a few ms);
-    # CPU half precision can be slow, so its product is kept short.
-    n = 512 if device.type == "cpu" else 8192
+    """Raw device timings (seconds), in a fixed order so ranks can max-reduce them. Every timed run
+    starts together on all ranks (barrier), as the ranks compute together in a training step:
+    where ranks share cores (CPU processes), timing them at random overlaps gave rates 6x apart
+    from one calibration to the next."""
+    # Big enough that one product runs well past launch overhead (GPU: ~1 TFLOP, a few ms). On
+    # CPU, long enough (2 GFLOP, ~0.1 s) to span many scheduler slices, so a rank that shares its
+    # cores with other ranks or jobs measures the share it gets through a training step (a 512
+    # product, ~10 ms, often ran alone on a core and read 2-3x too fast). CPU half precision can
+    # be slow, so its product is kept short.
+    n = 1024 if device.type == "cpu" else 8192
     n_low = 256 if device.type == "cpu" else 8192
     out = {"fp32": (n, _matmul_time(n, torch.float32, device, repeats, warmup))}
     if device.type == "cuda":
@@ -121,14 +146,14 @@ def _device_times(device: torch.device, repeats: int, warmup: int) -> dict:
         out[name] = (n_low, _matmul_time(n_low, dt, device, repeats, warmup))
     numel = (4 << 20) if device.type == "cpu" else (256 << 20)  # fp32 elements: 16 MiB / 1 GiB
     src, dst = torch.ones(numel, device=device), torch.empty(numel, device=device)
-    out["copy"] = (numel * 4, _median_time(lambda: dst.copy_(src), device, repeats, warmup, barrier=False))
+    out["copy"] = (numel * 4, _median_time(lambda: dst.copy_(src), device, repeats, warmup, barrier=True))
     tiny, k = torch.zeros(1, device=device), 50
 
     def tiny_ops():  # back to back, as a training step issues them: launch cost, not sync cost
         for _ in range(k):
             tiny.add_(1)
 
-    out["kernel"] = (k, _median_time(tiny_ops, device, repeats, warmup, barrier=False))
+    out["kernel"] = (k, _median_time(tiny_ops, device, repeats, warmup, barrier=True))
     return out
 
 
@@ -145,7 +170,7 @@ def _host_memory_per_rank() -> int:
     return total // max(1, local)
 
 
-def calibrate(device_mesh, *, sizes: Sequence[int] | None = None, repeats: int = 5, warmup: int = 1,
+def calibrate(device_mesh, *, sizes: Sequence[int] | None = None, repeats: int = 7, warmup: int = 1,
               cluster: str | None = None) -> Mesh:
     """Measure the links of every axis of the live ``device_mesh`` and this device; return a
     :class:`Mesh` with the measured figures (axis names kept) and its ``calibration`` record.
@@ -166,7 +191,7 @@ def calibrate(device_mesh, *, sizes: Sequence[int] | None = None, repeats: int =
         raise ValueError(f"sizes must be message sizes of at least 4 bytes, got {sizes}")
 
     plan = [(ax, k, s) for ax in range(base.ndim) if base.shape[ax] > 1 for k in _KINDS for s in sizes]
-    raw = [_time_collective(k, s, device_mesh, ax, device, repeats, warmup) for ax, k, s in plan]
+    raw = _time_collectives(plan, device_mesh, device, repeats, warmup)
     dev = _device_times(device, repeats, warmup)
     agreed = _max_over_ranks(raw + [v[1] for v in dev.values()], device)
     coll, dev = agreed[:len(raw)], dict(zip(dev, ((v[0], t) for v, t in zip(dev.values(), agreed[len(raw):]))))

@@ -9,15 +9,21 @@ its mesh (``autopar.calibrate``: alpha/beta per axis, matmul and copy rates, ker
 a small GPT-2 (HF ``GPT2LMHeadModel``, 2 layers, hidden 256, vocab 2048, batch 8 x 128 tokens) on
 the calibrated mesh once per plan family (``force=``), freely, and freely under 0.8 x the free
 plan's peak (``free@0.8``: the solver then checkpoints layers), builds every plan's
-``ParallelModule`` and measures ``train_step`` (forward + backward + gradient reduction; the
-optimizer step is not part of the prediction). The modules take turns step by step (so load that
-comes and goes on a shared host hits them alike), every step starts together on all ranks
-(barrier) and is timed on the slowest rank; median over ``--steps`` after two warm-up rounds.
-Memory: one train_step + AdamW step under ``LiveMemory`` (after one unmeasured step, so that
-AdamW's state exists as in every later step) (``autopar.runtime.memory``), tracking
-parameters, buffers and optimizer state; the largest peak over the ranks against
-``Plan.peak_bytes``. ``colls``: the collectives one train_step issues (c10d ops seen by the
-dispatcher, gradient buckets included); ``resh``: the resharding modules the codegen inserted. The mesh is calibrated again after measuring, to show how far the host drifted.
+``ParallelModule``, calibrates again and right away measures ``train_step`` (forward + backward +
+gradient reduction; the optimizer step is not part of the prediction). Each plan's choices are
+re-priced on that second calibration (``pred ms``; ``plan ms`` is the figure it was planned with):
+planning takes about a minute and the host drifts by 2x within minutes. The modules take turns
+step by step (so load that comes and goes on a shared host hits them alike), every step starts
+together on all ranks (barrier) and is timed on the slowest rank; median over ``--steps`` after
+two warm-up rounds. Memory: one train_step + AdamW step under ``LiveMemory``
+(``autopar.runtime.memory``; after one unmeasured step, so that AdamW's state exists as in every
+later step), tracking parameters, buffers and optimizer state; the largest peak
+over the ranks against ``Plan.peak_bytes``. ``colls``: the collectives one train_step issues (c10d
+collectives seen by the dispatcher, gradient buckets included; not their waits nor funcol's
+autograd wrappers); ``pric``: the collectives the cost model prices for the plan
+(``autopar.planner.comms.plan_collectives``), which should equal ``colls``; ``resh``: the
+resharding modules the codegen inserted. The mesh is calibrated a third time after measuring, to
+show how far the host drifted.
 
 Printed per plan: predicted and measured ms, relative error, predicted and measured peak MiB and
 the error; then the figures the cost model is judged by: the Spearman rank correlation of
@@ -46,8 +52,9 @@ PLANS = {
 QUICK = {(2, 2): ["free", "free@0.8", "dp", "zero3", "megatron", "atp-col-first"], (2,): ["dp", "megatron"]}
 
 
-def _plans_on_rank0(cap, mesh, families) -> list[tuple[str, str]]:
-    """(name, plan JSON) for each entry, planned once on rank 0 and sent to all as bytes.
+def _plans_on_rank0(cap, mesh, families):
+    """([(name, plan JSON)] for each entry, the profile on rank 0 else None): planned once on rank 0
+    and sent to all as bytes.
 
     An entry is a family name, ``"free"``, or ``"free@F"``: the free plan under a budget of F
     times the free plan's own peak (which makes the solver checkpoint layers)."""
@@ -78,7 +85,32 @@ def _plans_on_rank0(cap, mesh, families) -> list[tuple[str, str]]:
                 except ValueError as err:  # a family this config cannot express: say so, skip it
                     text = "ERROR " + str(err)
         out.append((fam, _broadcast_text(text, "cpu")))
-    return out
+    return out, gp
+
+
+def _reprice(gp, text: str, mesh) -> float:
+    """Predicted seconds of a finished plan on a freshly calibrated ``mesh``: the plan's own
+    choices, priced by the planner's problem for that mesh (``solver.evaluate``)."""
+    import solver
+    from autopar import placement as pl
+    from autopar.plan import Plan
+    from autopar.planner import FAMILIES
+    from autopar.planner.build import Config, build
+
+    plan = Plan.from_json(text)
+    fam = plan.options.get("family")
+    built = build(gp, Config(mesh=mesh, family=fam if fam in FAMILIES else None))
+    choice = {}
+    for node in built.problem.nodes:
+        want = plan.nodes[node.id]
+        for k, st in enumerate(built.options[node.id].strategies):
+            if st.name == want.strategy and [pl.fmt(o) for o in st.outputs] == want.outputs and \
+                    [None if x is None else pl.fmt(x) for x in st.inputs] == want.inputs:
+                choice[node.id] = k
+                break
+        else:
+            return float("nan")  # the plan's strategy is not offered on this problem
+    return solver.evaluate(built.problem, choice, plan.solver.get("checkpointed", ())).objective
 
 
 def _round_robin(steps_of: dict, warmup: int, steps: int) -> dict[str, float]:
@@ -130,8 +162,9 @@ def _collectives(pm, ex) -> int:
         n = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ns = func.namespace
-            if ns in ("_c10d_functional", "c10d") and "wait" not in func.__name__:
+            ns, name = func.namespace, func.__name__
+            # Collectives only: not the waits, nor funcol's autograd wrapping of their outputs.
+            if ns in ("_c10d_functional", "c10d") and "wait" not in name and "wrap" not in name:
                 Count.n += 1
             return func(*args, **(kwargs or {}))
 
@@ -154,6 +187,7 @@ def worker(rank, world, shape, families, warmup, steps):
     from autopar import zoo
     from autopar.calibrate import calibrate  # autopar.calibrate, the attribute, turns into the module once imported
     from autopar.plan import Plan
+    from autopar.planner.comms import plan_collectives
     from autopar.runtime.module import ParallelModule
     from profiler.capture import capture
 
@@ -162,34 +196,44 @@ def worker(rank, world, shape, families, warmup, steps):
     mesh = calibrate(dm)
     ex = zoo.build("gpt2", **GPT2)
     cap = capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
-    rows, mods = {}, {}
-    for fam, text in _plans_on_rank0(cap, mesh, families):
+    rows, mods, texts = {}, {}, {}
+    planned, gp = _plans_on_rank0(cap, mesh, families)
+    for fam, text in planned:
         if text.startswith("ERROR "):
             rows[fam] = {"family": fam, "error": text[6:]}
             continue
         plan = Plan.from_json(text)
+        texts[fam] = text
         pm = ParallelModule(ex.model, cap, plan, dm)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
         mods[fam] = (pm, opt)
         rows[fam] = {"family": fam, "plan_family": plan.options.get("family"), "predicted_s": plan.step_time,
                      "predicted_bytes": plan.peak_bytes, "breakdown": plan.breakdown,
                      "checkpointed": len(plan.solver.get("checkpointed", []))}
-    for fam, (pm, opt) in mods.items():
-        rows[fam]["measured_bytes"] = _peak(pm, ex, opt)
-        rows[fam]["collectives"] = _collectives(pm, ex)
-        rows[fam]["reshards"] = len(pm.signature.reshards)
-
     def stepper(pm):
         def step():
             pm.zero_grad(set_to_none=True)
             pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
         return step
 
+    # Calibrate right before timing (planning took a minute, the host drifts by 2x in minutes);
+    # the plans are re-priced on this calibration below.
+    now = calibrate(dm)
     measured = _round_robin({f: stepper(pm) for f, (pm, _) in mods.items()}, warmup, steps)
     for fam, t in measured.items():
         rows[fam]["measured_s"] = t
+    for fam, (pm, opt) in mods.items():
+        rows[fam]["measured_bytes"] = _peak(pm, ex, opt)
+        rows[fam]["collectives"] = _collectives(pm, ex)
+        rows[fam]["priced_collectives"] = len(plan_collectives(cap, pm.plan))
+        rows[fam]["reshards"] = len(pm.signature.reshards)
     after = calibrate(dm)  # how far the host drifted while we measured
-    out = {"rows": list(rows.values()), **_calibration(mesh), "after": _calibration(after)}
+    if gp is not None:
+        for fam, text in texts.items():
+            rows[fam]["planned_s"] = rows[fam]["predicted_s"]
+            rows[fam]["predicted_s"] = _reprice(gp, text, now)
+    out = {"rows": list(rows.values()), **_calibration(now), "planned": _calibration(mesh),
+           "after": _calibration(after)}
     return out if rank == 0 else None
 
 
@@ -221,10 +265,10 @@ def _print_launch(shape, res) -> None:
     world = 1
     for s in shape:
         world *= s
-    print(f"\nmesh {'x'.join(map(str, shape))} ({world} gloo processes)\n  calibrated before: {_fmt_cal(res)}"
-          f"\n  calibrated after:  {_fmt_cal(res['after'])}")
-    print(f"{'plan':<15} {'chosen':<26} {'pred ms':>8} {'meas ms':>8} {'err':>7} {'pred MiB':>9} {'meas MiB':>9} "
-          f"{'err':>7} {'colls':>5} {'resh':>4}  predicted split (ms)")
+    print(f"\nmesh {'x'.join(map(str, shape))} ({world} gloo processes)\n  calibrated to plan:  {_fmt_cal(res['planned'])}"
+          f"\n  right before timing: {_fmt_cal(res)}\n  after timing:        {_fmt_cal(res['after'])}")
+    print(f"{'plan':<15} {'chosen':<26} {'plan ms':>8} {'pred ms':>8} {'meas ms':>8} {'err':>7} {'pred MiB':>9} {'meas MiB':>9} "
+          f"{'err':>7} {'colls':>5} {'pric':>4} {'resh':>4}  split when planned (ms)")
     for r in res["rows"]:
         if "error" in r:
             print(f"{r['family']:<15} n/a: {r['error'][:100]}")
@@ -233,9 +277,10 @@ def _print_launch(shape, res) -> None:
         me = r["predicted_bytes"] / r["measured_bytes"] - 1
         bd = r["breakdown"]
         split = " ".join(f"{k[:4]} {bd[k] * 1e3:.1f}" for k in ("compute", "comm", "reshard", "recompute") if k in bd)
-        print(f"{r['family']:<15} {str(r['plan_family'])[:25]:<26} {r['predicted_s'] * 1e3:>8.1f} "
+        print(f"{r['family']:<15} {str(r['plan_family'])[:25]:<26} {r.get('planned_s', float('nan')) * 1e3:>8.1f} "
+              f"{r['predicted_s'] * 1e3:>8.1f} "
               f"{r['measured_s'] * 1e3:>8.1f} {te:>+7.0%} {r['predicted_bytes'] / 2**20:>9.2f} "
-              f"{r['measured_bytes'] / 2**20:>9.2f} {me:>+7.0%} {r['collectives']:>5} {r['reshards']:>4}  {split}", flush=True)
+              f"{r['measured_bytes'] / 2**20:>9.2f} {me:>+7.0%} {r['collectives']:>5} {r.get('priced_collectives', -1):>4} {r['reshards']:>4}  {split}", flush=True)
 
 
 def _judge(rows, label) -> dict:

