@@ -530,9 +530,10 @@ def edges(gm, options, leader, follow, mesh: Mesh, micro: "Micro | None" = None,
                 outs = [_out_pl(popt, s, idx) for s in fs]           # per leader(prod) choice
                 ins = [_in_pl(opt.strategies[u], j) for u in fu]     # per leader(node) choice
                 grads = [_in_grad(opt.strategies[u], j) for u in fu]
-            n_uses = uses.get(prod.name, 0)
-            ekey = (id(popt), id(opt), idx, j, fs.tobytes(), fu.tobytes(), tuple(t.shape), t.dtype,
-                    micro and micro.kind(prod.name), n_uses)
+                m = edge_memo[ekey] = (pricer.matrix(outs, ins, grads, t, n_uses) if micro is None
+                                       else micro.matrix(pricer, prod.name, outs, ins, grads, t, n_uses))
+            if micro is not None:
+                micro.note(ls, lu, m)
             if ls == lu:
                 inner[lu] = inner[lu] + np.diag(m)
             else:

@@ -60,6 +60,13 @@ def _plan(family: str):
         return plan_profile(gp, MESH, force=None if family == "free" else family, pipeline=False)
 
 
+#: In-place c10d ops (``dist.all_reduce(..., async_op=True)``, as the gradient buckets issue them)
+#: under the functional collectives' names.
+_C10D = {"allreduce_": "all_reduce", "allgather_": "all_gather", "_allgather_base_": "all_gather",
+         "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+         "alltoall_": "all_to_all", "alltoall_base_": "all_to_all"}
+
+
 class _Count(TorchDispatchMode):
     """Collectives seen at the dispatcher (not their waits, nor funcol's autograd wrapping)."""
 
@@ -71,7 +78,7 @@ class _Count(TorchDispatchMode):
         name = func.__name__
         if func.namespace in ("_c10d_functional", "c10d") and "wait" not in name and "wrap" not in name:
             kind = name.split(".")[0].replace("_into_tensor", "").replace("_tensor", "").replace("_single", "")
-            self.kinds[kind] += 1
+            self.kinds[_C10D.get(kind, kind)] += 1
         return func(*args, **(kwargs or {}))
 
 
