@@ -44,6 +44,10 @@ class NodePlan:
     """Placement in which each input's gradient leaves this node's backward."""
     recompute: bool = False
     """Recomputed in backward (activation checkpointing) instead of saving its activations."""
+    segment: str | None = None
+    """With ``recompute``: the checkpoint segment (a layer) it belongs to. A segment is one
+    checkpointed region: its saved tensors come back together in backward, and adjacent
+    segments are separate regions (None: a region of its own run of recomputed nodes)."""
     chunks: int = 1
     """Overlap chunk count k: the op and its collective run in k pieces (1: no chunking)."""
     time: float = 0.0
@@ -246,6 +250,9 @@ def _validate_node(name, d, n_axes) -> NodePlan:
     if "recompute" in d:
         _need(isinstance(d["recompute"], bool), f + ".recompute", "expected true or false")
         out["recompute"] = d["recompute"]
+    if d.get("segment") is not None:
+        _need(isinstance(d["segment"], str), f + ".segment", "expected a string or null")
+        out["segment"] = d["segment"]
     if "chunks" in d:
         out["chunks"] = _number(d["chunks"], f + ".chunks", integer=True)
         _need(out["chunks"] >= 1, f + ".chunks", "must be at least 1")

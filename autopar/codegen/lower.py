@@ -102,7 +102,7 @@ class _Lowering:
         self.executors: dict[str, str] = {}
         self.reshards: list[str] = []
         self.strategies = _strategies_module() if executor in ("auto", "strategy") else None
-        self.region_id, self.region_open, self.region_stage = 0, False, None
+        self.region_id, self.region_open, self.region_stage, self.region_segment = 0, False, None, None
         pipe = getattr(plan, "pipeline", None)
         self.stage_of = {n: k for k, st in enumerate(pipe.stages) for n in st} if pipe is not None else {}
         self.pre_edged: set[tuple[str, str]] = set()  # (producer, consumer) edges a ChunkedOp ran
@@ -366,9 +366,15 @@ class _Lowering:
             self.region_open = False
             return
         stage = self.stage_of.get(node.name)
-        if not self.region_open or stage != self.region_stage:  # regions never cross a stage boundary
+        # Regions never cross a stage boundary, nor a checkpoint segment's: each planned segment
+        # (a layer) is recomputed on its own, so backward holds one layer's activations at a time.
+        seg = np_.segment
+        if (not self.region_open or stage != self.region_stage
+                or (seg is not None and self.region_segment is not None and seg != self.region_segment)):
             self.region_id += 1
-            self.region_open, self.region_stage = True, stage
+            self.region_open, self.region_stage, self.region_segment = True, stage, seg
+        elif seg is not None:
+            self.region_segment = seg
         n = last._next
         while n is not self.graph._root:
             n.meta["autopar_region"] = self.region_id

@@ -123,7 +123,8 @@ def _solve_flat(gp, cfg: Config, every: bool = False):
             return p
         # The ILP's row is a linear bound of the step's peak; where the liveness simulation of the
         # chosen plan still exceeds the budget, solve again with the row tightened by the excess.
-        row = problem.memory_budget - (p.peak_bytes - budget) - 1e-3 * budget
+        # Tightened from the ILP's own figure of this plan, so every round moves the solution.
+        row = min(problem.memory_budget, float(sol.peak_bytes)) - (p.peak_bytes - budget) - 1e-3 * budget
         if row <= 0:
             break
         problem = dataclasses.replace(problem, memory_budget=row)
@@ -201,8 +202,11 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
     pick = choices(built, sol)
     checkpointed = set()
     segs = {s.id: s for s in built.problem.segments}
+    segment_of: dict[str, str] = {}  # checkpointed leader -> its segment (one region each)
     for sid in sol.checkpointed:
         checkpointed |= set(segs[sid].nodes)
+        for leader in segs[sid].nodes:
+            segment_of.setdefault(leader, sid)
     nodes: dict[str, NodePlan] = {}
     text: dict[int, str | None] = {}  # id(placements) -> printed; strategy lists share their tuples
 
@@ -218,6 +222,7 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
         nodes[name] = NodePlan(strategy=s.name, inputs=[f(x) for x in s.inputs], outputs=[f(x) for x in s.outputs],
                                input_grads=[f(x) for x in s.input_grads],
                                recompute=built.leader[name] in checkpointed and name in _segment_members(built, checkpointed),
+                               segment=segment_of.get(built.leader[name]),
                                time=float(opt.time[pick[name]]), comm=float(opt.comm[pick[name]]))
     from autopar.planner.overlap import chunk_counts
 
@@ -233,7 +238,7 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
             params[alias] = nodes[ph].outputs[0]
     for fqn in cap.params.values():  # parameters the graph never reads stay replicated
         params.setdefault(fqn, "R" * n_axes)
-    recompute = {n for n, np_ in nodes.items() if np_.recompute}
+    recompute = {n: np_.segment for n, np_ in nodes.items() if np_.recompute}  # name -> its segment
     est = None
     if peak_bytes is None:  # a flat plan: the per-rank liveness simulation is its peak
         est = simulated_peak(gp, cfg, built, pick, recompute)
@@ -312,7 +317,7 @@ def _segment_members(built: Built, checkpointed_leaders: set) -> set:
     return {n for n in built.order if built.leader[n] in checkpointed_leaders}
 
 
-def simulated_peak(gp, cfg: Config, built: Built, pick, recompute: set[str]):
+def simulated_peak(gp, cfg: Config, built: Built, pick, recompute):
     """The per-rank ``profiler.memory.MemoryEstimate`` of the chosen strategies
     (``autopar.planner.memory.rank_peak``)."""
     from autopar.planner.memory import rank_peak

@@ -228,6 +228,10 @@ class _Walk:
             np_ = self.plan.nodes.get(node.args[0].name)
         if np_ is None or not np_.recompute or _mutates(node):
             self.end_region()
+        elif self.region and np_.segment is not None and getattr(self, "region_segment", None) not in (None, np_.segment):
+            self.end_region()  # the codegen starts a new region at each checkpoint segment
+        if np_ is not None and np_.recompute and np_.segment is not None:
+            self.region_segment = np_.segment
         if np_ is None or node.name not in self.plan.nodes:
             return
         rec = bool(np_.recompute) and not _mutates(node)

@@ -222,22 +222,31 @@ def _buckets(ctx: _Ctx, placeholders, bucket_bytes: int) -> list[list[str]]:
     return out
 
 
-def _regions(steps, copies: dict[str, str], recompute: set[str]) -> list[list[str]]:
-    """Runs of consecutive recomputed nodes (graph order); a reshard copy belongs to its
-    consumer's region (the codegen emits it inside)."""
-    out, cur = [], []
+def _regions(steps, copies: dict[str, str], recompute) -> list[list[str]]:
+    """Runs of consecutive recomputed nodes (graph order), cut where the checkpoint segment
+    changes (``recompute``: a set of names, or a map name -> segment id); a reshard copy belongs
+    to its consumer's region (the codegen emits it inside, ``autopar.codegen.lower``)."""
+    seg_of = recompute if isinstance(recompute, dict) else {}
+    out, cur, cur_seg = [], [], None
     for n in steps:
-        if n.name in recompute or copies.get(n.name) in recompute:
-            cur.append(n.name)
-        elif cur:
+        owner = n.name if n.name in recompute else copies.get(n.name)
+        if owner is None or owner not in recompute:
+            if cur:
+                out.append(cur)
+            cur, cur_seg = [], None
+            continue
+        seg = seg_of.get(owner)
+        if cur and seg is not None and cur_seg is not None and seg != cur_seg:
             out.append(cur)
             cur = []
+        cur.append(n.name)
+        cur_seg = seg if seg is not None else cur_seg
     if cur:
         out.append(cur)
     return out
 
 
-def rank_peak(gp, strategy_of: dict, mesh, *, recompute: set[str] = frozenset(), optimizer: str = "adamw",
+def rank_peak(gp, strategy_of: dict, mesh, *, recompute=frozenset(), optimizer: str = "adamw",
               dtype: str = "float32", foreach: bool | None = None, bucket_bytes: int = BUCKET_BYTES):
     """The ``profiler.memory.MemoryEstimate`` of one rank's training step under the choice
     ``strategy_of`` (fx node name -> ``autopar.strategies.Strategy``) with the nodes in
@@ -254,5 +263,5 @@ def rank_peak(gp, strategy_of: dict, mesh, *, recompute: set[str] = frozenset(),
     if foreach is None:
         foreach = getattr(mesh, "cluster", "cpu") != "cpu"
     return simulate(steps, placeholders, gp.captured.loss_node.name, optimizer=optimizer,
-                    precision="fp32", foreach=foreach, regions=_regions(steps, copies, set(recompute)),
+                    precision="fp32", foreach=foreach, regions=_regions(steps, copies, recompute if isinstance(recompute, dict) else set(recompute)),
                     buckets=_buckets(ctx, placeholders, bucket_bytes))

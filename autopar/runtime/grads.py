@@ -32,6 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor.placement_types import Placement
 
+from autopar.runtime.collectives import _collective
+
 
 @dataclasses.dataclass(eq=False)
 class _Bucket:
@@ -180,11 +182,14 @@ class GradSync:
                 b.ready.clear()
                 b.launched = False
                 continue
-            if b.work is not None:
-                b.work.wait()
             flat = b.flat
+            where = f"the gradient bucket of {len(b.members)} parameters summed over mesh axes {b.axes}"
+            if b.work is not None:  # a peer that never joins surfaces here: name the collective
+                work = b.work
+                _collective("all_reduce", flat, self.dm, b.axes[0], where, lambda: (work.wait(), flat)[1])
             for axis in () if b.group else b.axes[1:]:
-                dist.all_reduce(flat, group=self.dm.get_group(axis))
+                _collective("all_reduce", flat, self.dm, axis, where,
+                            lambda: (dist.all_reduce(flat, group=self.dm.get_group(axis)), flat)[1])
             if not b.viewed:
                 off = 0
                 for p in b.members:

@@ -255,9 +255,15 @@ def test_op_without_rule_runs_replicated_with_a_warning(dm):
 def test_parameters_that_do_not_divide(dm):
     plan = _check(Odd(), None, dm)
     assert plan.params["a.weight"] == "RR"  # (7, 15) cannot be split on a 2x2 mesh
-    with pytest.raises(ValueError, match=r"cannot place param a\.weight of shape \(7, 15\) on mesh \(2, 2\)"):
+    # A family keeps a weight that no shard divides replicated (as FSDP pads and Megatron leaves
+    # odd layers alone) rather than refusing the model ...
+    forced = autopar.plan(Odd(), Mesh(MESH, cluster="cpu"), _inputs(Odd())[:1], loss_fn=F.cross_entropy,
+                          target=_inputs(Odd())[1], force="megatron")
+    assert forced.params["a.weight"] == "RR"
+    # ... while a placement the user pins and that cannot divide it is refused, naming both.
+    with pytest.raises(ValueError, match=r"pin 'a\.weight' -> 'RS\(0\)' cannot place a\.weight of shape \(7, 15\)"):
         autopar.plan(Odd(), Mesh(MESH, cluster="cpu"), _inputs(Odd())[:1], loss_fn=F.cross_entropy,
-                     target=_inputs(Odd())[1], force="megatron")
+                     target=_inputs(Odd())[1], pin={"a.weight": "RS(0)"})
 
 
 def test_data_dependent_branch_is_refused_naming_the_line():
