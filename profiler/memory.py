@@ -21,8 +21,10 @@ Two options describe a distributed runtime's step (the caller gives per-rank siz
   reaches the region its members' saved storages are recomputed at once (what non-reentrant
   ``torch.utils.checkpoint`` does) and released as usual;
 - ``buckets``: parameters whose gradients live in one flat buffer (gradient buckets of a data
-  parallel reduction): the buffer (their summed gradient bytes) is allocated when the first of
-  them gets its gradient.
+  parallel reduction). A gradient is copied into its bucket by the post-accumulate-grad hook,
+  which autograd runs once every use of the parameter has contributed (a tied weight: at the
+  backward of its earliest use); until then it is a buffer of its own. The bucket (their summed
+  gradient bytes) is allocated with the first gradient copied into it.
 
 Precision: the sizes are those of the run the nodes come from (fp32 as traced, or the
 mixed-precision replay of :mod:`profiler.mixed`, whose 16-bit parameter copies are activations
@@ -288,17 +290,15 @@ def _backward(nodes: list[StepNode], placeholders, size: _Sizer, state: _State, 
                 first_saver[k] = n.name
     for k, name in {**first_saver, **ck.first_saver}.items():
         release[name].append(k)
-    buckets_done: set[int] = set()
     through = _pass_through(nodes)
     grad_of: dict[str, int] = {}  # activation gradients waiting for their producer's backward
     grad_bytes = {n.name: (n.grad_bytes, n.grad_float_size) for n in nodes}
-    param_done: set[str] = set()
+    params = _ParamGrads(nodes, placeholders, size, bucket_of, through)
     for n in reversed(nodes):
         for k, owner in ck.recomputed.get(n.name, ()):  # the region's forward runs again
             state.add(k, size.act(owner.storages.get(k, 0), owner.float_size.get(k, 0)))
         if n.in_backward:
-            _node_backward(n, placeholders, size, state, grad_of, grad_bytes, param_done, bucket_of, buckets_done,
-                           through)
+            _node_backward(n, placeholders, size, state, grad_of, grad_bytes, params, through)
         for k in release.get(n.name, ()):  # also after a node without backward (autograd passes it)
             state.free(k)
 
@@ -317,37 +317,72 @@ def _pass_through(nodes: list[StepNode]) -> dict[str, str]:
     return out
 
 
+def _read_in_backward(n: StepNode, through: dict[str, str]) -> list[str]:
+    """What ``n``'s backward sends gradients to (pass-through aliases resolved), once each."""
+    return list(dict.fromkeys(through.get(a, a) for a in n.inputs))
+
+
+class _ParamGrads:
+    """Parameter gradients during backward (see ``buckets`` in the module docstring)."""
+
+    def __init__(self, nodes: list[StepNode], placeholders, size: _Sizer, bucket_of: dict[str, tuple[int, int]],
+                 through: dict[str, str]):
+        self.placeholders, self.size, self.bucket_of = placeholders, size, bucket_of
+        self.uses_left: dict[str, int] = defaultdict(int)  # backward contributions still to come
+        for n in nodes:
+            if n.in_backward:
+                for a in _read_in_backward(n, through):
+                    self.uses_left[a] += 1
+        self.done: set[str] = set()
+        self.buckets_done: set[int] = set()
+
+    def arrive(self, a: str) -> tuple[int, int]:
+        """A backward contributes to parameter ``a``'s gradient: (bytes allocated now, bytes
+        freed once the node's backward is done)."""
+        ph = self.placeholders[a]
+        own = self.size.weight(ph.nbytes, ph.float_size)
+        add = 0
+        if a not in self.done:  # the first contribution is the gradient (later ones add into it)
+            self.done.add(a)
+            add = own
+        b, bucket = self.bucket_of.get(a, (None, 0))
+        if b is None:
+            return add, 0
+        self.uses_left[a] -= 1
+        if self.uses_left[a] > 0:
+            return add, 0  # the hook waits for the parameter's last contribution
+        if b not in self.buckets_done:  # the bucket's buffer comes with the first copy into it
+            self.buckets_done.add(b)
+            add += bucket
+        return add, own  # copied into its slot: the separate gradient is freed
+
+
 def _node_backward(n: StepNode, placeholders, size: _Sizer, state: _State, grad_of: dict[str, int], grad_bytes,
-                   param_done: set[str], bucket_of, buckets_done: set, through: dict[str, str]) -> None:
+                   params: _ParamGrads, through: dict[str, str]) -> None:
     """One node's backward: consume its incoming gradient, create its inputs' gradients."""
     incoming = grad_of.pop(n.name, 0)
     passthrough = n.is_alias and n.bwd_alloc == 0
     produced = 0  # gradients this backward leaves behind (inputs' and parameters')
     new_grads: dict[str, int] = {}
-    for a in dict.fromkeys(through.get(a, a) for a in n.inputs):
+    param_add = param_free = 0
+    for a in _read_in_backward(n, through):
         ph = placeholders.get(a)
         if ph is not None:
-            if ph.kind == "param" and a not in param_done:
-                param_done.add(a)
-                b, nbytes = bucket_of.get(a, (None, size.weight(ph.nbytes, ph.float_size)))
-                if b is None or b not in buckets_done:  # a bucket's buffer comes with its first gradient
-                    new_grads[a] = nbytes
-                    buckets_done.add(b)
+            if ph.kind == "param":
+                add, free = params.arrive(a)
+                param_add, param_free = param_add + add, param_free + free
             continue
         if a in grad_of or a in new_grads or not grad_bytes.get(a, (0, 0))[0]:
             continue  # accumulates into an existing gradient, or needs none
         new_grads[a] = incoming if passthrough else size.act(*grad_bytes[a])
         produced += 0 if passthrough else new_grads[a]
-    produced += sum(b for a, b in new_grads.items() if a in placeholders)
-    transient = min(size.alloc(n.bwd_alloc), produced + size.alloc(n.bwd_max_op))
+    transient = min(size.alloc(n.bwd_alloc), produced + param_add + size.alloc(n.bwd_max_op))
     state.observe("backward", n.name, transient)
     state.act_grads -= incoming
+    state.grads += param_add - param_free
     for a, nbytes in new_grads.items():
-        if a in placeholders:
-            state.grads += nbytes
-        else:
-            grad_of[a] = nbytes
-            state.act_grads += nbytes
+        grad_of[a] = nbytes
+        state.act_grads += nbytes
 
 
 def _optimizer_transient(placeholders, size: _Sizer, optimizer: str, foreach: bool) -> int:

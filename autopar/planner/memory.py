@@ -154,7 +154,10 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders) -> list:
             total, top = _copy_transient(ctx, t, src, dst)
             prod = by_name.get(a.name)
             src_keys = prod.out_keys if prod is not None else [(a.name, 0)]
-            rg = t.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex)
+            # the graph's values do not carry requires_grad for activations: the producer's
+            # step node says whether its outputs get a gradient
+            needs = prod.grad_bytes > 0 if prod is not None else t.requires_grad
+            rg = needs and (t.dtype.is_floating_point or t.dtype.is_complex)
             out.append(StepNode(name=name, storages={(name, 0): nbytes}, float_size={(name, 0): t.element_size()}
                                 if t.is_floating_point() else {}, out_keys=[(name, 0)], saved=[], fwd_alloc=total,
                                 bwd_alloc=total if rg else 0, fwd_max_op=top, bwd_max_op=top if rg else 0,

@@ -91,3 +91,29 @@ def test_unknown_options_are_named():
     prof = profile(ex.model, ex.args, loss_fn=ex.loss_fn, target=ex.target)
     with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
         prof.peak_bytes("lamb")
+
+
+def _step_node(name: str, inputs: list[str], out: int) -> "StepNode":
+    from profiler.memory import StepNode
+
+    return StepNode(name=name, storages={(name, 0): out}, float_size={(name, 0): 4}, out_keys=[(name, 0)], saved=[],
+                    fwd_alloc=out, bwd_alloc=0, fwd_max_op=out, bwd_max_op=0, in_backward=True, inputs=inputs,
+                    users=[], grad_bytes=0, grad_float_size=4, is_alias=False)
+
+
+@pytest.mark.parametrize("tied,grads", [(True, 1000 + 1100), (False, 1100)])
+def test_bucketed_tied_gradient_waits_for_its_last_use(tied, grads):
+    """``w`` (1000 B) and ``b`` (100 B) share a 1100 B gradient bucket. Used twice (tied embedding
+    and head), ``w``'s gradient from the head lives apart until the embedding's backward, when the
+    hook copies it into the bucket, which ``b`` allocated meanwhile: 2100 B of gradients at once."""
+    from profiler.memory import Placeholder, simulate
+
+    phs = {"x": Placeholder(nbytes=40, float_size=0, kind="input"),
+           "w": Placeholder(nbytes=1000, float_size=4, kind="param"),
+           "b": Placeholder(nbytes=100, float_size=4, kind="param")}
+    nodes = [_step_node("emb", ["x", "w"], 400), _step_node("norm", ["emb", "b"], 400),
+             _step_node("head", ["norm", "w"] if tied else ["norm"], 400), _step_node("loss", ["head"], 4)]
+    for n, user in zip(nodes, ["norm", "head", "loss", "output"]):
+        n.users = [user]
+    est = simulate(nodes, phs, "loss", optimizer="sgd", buckets=[["w", "b"]])
+    assert (est.phase, est.grads) == ("backward", grads)
