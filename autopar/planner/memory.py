@@ -17,7 +17,8 @@ that rank's shards:
 - each edge whose placement changes gets a copy node just before its consumer (the collective's
   output, with the step list's largest intermediate as transient); a consumer that saved its
   input now saves the copy (a gathered ZeRO-3 weight is kept until its backward);
-- consecutive recomputed plan nodes form one checkpointed region (``autopar.runtime.checkpoint``).
+- consecutive recomputed plan nodes of one checkpoint segment (``NodePlan.segment``) form one
+  checkpointed region (``autopar.runtime.checkpoint``); adjacent segments are separate regions.
 
 This is ``Plan.peak_bytes``; ``tests/autopar/test_memory_bound.py`` checks it against
 ``autopar.runtime.memory.LiveMemory`` on every zoo model and plan family.

@@ -1,8 +1,8 @@
 """Activation checkpointing of the per-rank graph: planned regions recompute in backward.
 
 The codegen tags every per-rank node emitted for a plan node with ``recompute=True`` with a
-region id (``node.meta["autopar_region"]``); consecutive recomputed plan nodes share a region,
-including the resharding edges and debug checks emitted for them. A node that writes into an
+region id (``node.meta["autopar_region"]``); consecutive recomputed plan nodes of one checkpoint
+segment (``NodePlan.segment``, a layer) share a region, including the resharding edges and debug checks emitted for them. A node that writes into an
 input (batch norm's running statistics) never joins a region: recomputing it would update the
 statistics twice.
 

@@ -25,6 +25,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.tensor import Partial
 
+from autopar.runtime.collectives import _collective
 from autopar.runtime.reshard import apply_steps
 
 #: Step kinds a chunk launches asynchronously (when it is the edge's only step).
@@ -60,13 +61,21 @@ class _Pending:
             self.out = apply_steps(x, self.steps, dm)
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        out = self.out
-        if isinstance(out, funcol.AsyncCollectiveTensor):
-            out = out.wait()
-        return out
+        if not self.async_:
+            out = self.out
+            return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+        s = self.steps[0]
+        work, out = self.work, self.out
+        self.work = None
+
+        def finish():
+            if work is not None:
+                work.wait()
+                return out
+            return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+        # A peer that never joins surfaces at the wait: name the collective and the chunk.
+        return _collective(s.kind, out, self.dm, s.axis, "a chunk of an overlapped matmul", finish)
 
 
 aten = torch.ops.aten
