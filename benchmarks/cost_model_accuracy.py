@@ -7,7 +7,8 @@ mesh is 1-D: on a 1x2 mesh the ``dp`` and ``megatron`` families cannot place the
 they ask for it split on the size-1 axis; ``(2,)`` is the same devices.) Each launch calibrates
 its mesh (``autopar.calibrate``: alpha/beta per axis, matmul and copy rates, kernel floor), plans
 a small GPT-2 (HF ``GPT2LMHeadModel``, 2 layers, hidden 256, vocab 2048, batch 8 x 128 tokens) on
-the calibrated mesh once per plan family (``force=``), freely, and freely under 0.8 x the free
+the calibrated mesh once per plan family (``force=``; without overlap chunks, ``chunks=(1,)``, so
+that every collective can be listed and counted), freely, and freely under 0.8 x the free
 plan's peak (``free@0.8``: the solver then checkpoints layers), builds every plan's
 ``ParallelModule``, calibrates again and right away measures ``train_step`` (forward + backward +
 gradient reduction; the optimizer step is not part of the prediction). Each plan's choices are
@@ -78,10 +79,11 @@ def _plans_on_rank0(cap, mesh, families):
                     budget = None
                     if fam.startswith("free@"):
                         if free_peak is None:
-                            free_peak = plan_profile(gp, mesh, pipeline=False).peak_bytes
+                            free_peak = plan_profile(gp, mesh, pipeline=False, chunks=(1,)).peak_bytes
                         budget = float(fam[5:]) * free_peak
                     force = None if fam.startswith("free") else fam
-                    text = plan_profile(gp, mesh, force=force, pipeline=False, memory_budget=budget).to_json()
+                    text = plan_profile(gp, mesh, force=force, pipeline=False, memory_budget=budget,
+                                        chunks=(1,)).to_json()
                 except ValueError as err:  # a family this config cannot express: say so, skip it
                     text = "ERROR " + str(err)
         out.append((fam, _broadcast_text(text, "cpu")))
@@ -99,7 +101,7 @@ def _reprice(gp, text: str, mesh) -> float:
 
     plan = Plan.from_json(text)
     fam = plan.options.get("family")
-    built = build(gp, Config(mesh=mesh, family=fam if fam in FAMILIES else None))
+    built = build(gp, Config(mesh=mesh, family=fam if fam in FAMILIES else None, chunks=(1,)))
     choice = {}
     for node in built.problem.nodes:
         want = plan.nodes[node.id]
