@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -23,16 +22,7 @@ WORLD = 4
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    yield init_device_mesh("cpu", SHAPE, mesh_dim_names=("dp", "tp"))
-    dist.destroy_process_group()
+# The (2, 2) fake-process-group mesh fixture is in conftest.py.
 
 
 def _r(t):

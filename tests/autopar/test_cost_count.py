@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -28,16 +27,7 @@ GPT2 = dict(layers=2, hidden=64, heads=4, vocab=256, batch=8, seq=16)
 MESH = Mesh(SHAPE, axis_names=("dp", "tp"), links=[Link(1e-3, 0.3e9), Link(1e-3, 0.3e9)])
 
 
-@pytest.fixture(scope="module")
-def device_mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    yield init_device_mesh("cpu", SHAPE, mesh_dim_names=("dp", "tp"))
-    dist.destroy_process_group()
+# The (2, 2) fake-process-group mesh fixture is in conftest.py.
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,7 +24,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
 import cases  # noqa: E402
@@ -37,16 +36,7 @@ TOL = 0.10
 FAMILIES = (None, "dp", "zero3", "megatron", "tp", "atp-col-first", "atp-row-first")
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    yield init_device_mesh("cpu", SHAPE, mesh_dim_names=("dp", "tp"))
-    dist.destroy_process_group()
+# The (2, 2) fake-process-group mesh fixture is in conftest.py.
 
 
 @functools.lru_cache(maxsize=None)
