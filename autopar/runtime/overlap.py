@@ -54,9 +54,9 @@ class _Pending:
             elif s.kind == "all_reduce":
                 self.out = funcol.all_reduce(x, "sum", group)
             elif s.kind == "all_gather":
-                self.out = funcol.all_gather_tensor(x, s.dim, group)
+                self.out = funcol.all_gather_single(x, s.dim, group)
             else:
-                self.out = funcol.reduce_scatter_tensor(x, "sum", s.dim, group)
+                self.out = funcol.reduce_scatter_single(x, "sum", s.dim, group)
         elif self.steps:
             self.out = apply_steps(x, self.steps, dm)
 
