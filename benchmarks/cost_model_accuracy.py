@@ -42,7 +42,7 @@ import warnings
 
 import numpy as np
 
-from launch import launch
+from launch import launch, round_robin
 
 GPT2 = dict(layers=2, hidden=256, heads=4, vocab=2048, batch=8, seq=128)
 PLANS = {
@@ -113,25 +113,6 @@ def _reprice(gp, text: str, mesh) -> float:
         else:
             return float("nan")  # the plan's strategy is not offered on this problem
     return solver.evaluate(built.problem, choice, plan.solver.get("checkpointed", ())).objective
-
-
-def _round_robin(steps_of: dict, warmup: int, steps: int) -> dict[str, float]:
-    """Median seconds of each module's step on the slowest rank; the modules take turns step by
-    step, so load that comes and goes on a shared host hits them all alike."""
-    import torch
-    import torch.distributed as dist
-
-    times = {k: [] for k in steps_of}
-    for i in range(warmup + steps):
-        for k, step in steps_of.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            if i >= warmup:
-                times[k].append(float(dt))
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _peak(pm, ex, opt) -> int:
@@ -221,7 +202,7 @@ def worker(rank, world, shape, families, warmup, steps):
     # Calibrate right before timing (planning took a minute, the host drifts by 2x in minutes);
     # the plans are re-priced on this calibration below.
     now = calibrate(dm)
-    measured = _round_robin({f: stepper(pm) for f, (pm, _) in mods.items()}, warmup, steps)
+    measured = round_robin({f: stepper(pm) for f, (pm, _) in mods.items()}, warmup, steps)
     for fam, t in measured.items():
         rows[fam]["measured_s"] = t
     for fam, (pm, opt) in mods.items():

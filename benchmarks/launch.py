@@ -70,3 +70,25 @@ def launch(world: int, fn, *args, timeout: float = 1800.0) -> list:
         rank = min(errors)
         raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{errors[rank]}")
     return out
+
+
+def round_robin(steps_of: dict, warmup: int, steps: int) -> dict:
+    """Median seconds of each step function of ``steps_of`` (key -> callable, run on every rank) on
+    the slowest rank, after ``warmup`` rounds; the steps take turns round by round, so load that
+    comes and goes on a shared host hits them all alike. Call inside a launched worker."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    times = {k: [] for k in steps_of}
+    for i in range(warmup + steps):
+        for k, step in steps_of.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if i >= warmup:
+                times[k].append(float(dt))
+    return {k: statistics.median(v) for k, v in times.items()}

@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 import warnings
 
-from launch import launch
+from launch import launch, round_robin
 
 KS = (1, 2, 4)
 
@@ -219,17 +218,7 @@ def worker(rank, world, batch, dim, hidden, depth, warmup, steps):
         sides[("reference", k)] = (lambda k=k: ref.step(x, y, k))
         sides[("autopar", k)] = (lambda k=k: _pm_step(pms[k], x, y))
     sides[("autopar", "planner")] = lambda: _pm_step(pms["planner"], x, y)
-    times = {s: [] for s in sides}
-    for i in range(warmup + steps):
-        for s, fn in sides.items():  # alternate: drift hits every side alike
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            if i >= warmup:
-                times[s].append(float(dt))
-    med = {f"{s[0]}|{s[1]}": statistics.median(v) for s, v in times.items()}
+    med = {f"{s[0]}|{s[1]}": t for s, t in round_robin(sides, warmup, steps).items()}  # alternating
     chunking = {str(k): dict(pm.signature.chunking) for k, pm in pms.items()}
     return {"seconds": med, "chosen": chosen, "mesh": desc, "chunking": chunking} if rank == 0 else None
 
