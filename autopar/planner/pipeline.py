@@ -219,23 +219,44 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int) -> dic
             chunks = [[part.bounds[c] for c in range(d, p * v, p)] for d in range(p)]
             dev_times = [sum(part.stage_times[c] for c in range(d, p * v, p)) for d in range(p)]
             cost = solver.pipeline.schedule_cost(sched, dev_times, m, virtual_stages=v)
-            stage_mem, split = [], []
+            split = []
             for d in range(p):
                 res = sum(mem[lo:hi].sum() for lo, hi in chunks[d])
                 a = sum(act[lo:hi].sum() for lo, hi in chunks[d])  # one micro-batch
-                stage_mem.append(float(res + flight[d] * a))
                 split.append({"params": float(res), "activations": float(flight[d] * a)})
-            if cfg.memory_budget is not None and max(stage_mem) > cfg.memory_budget:
+            # The peak is the per-rank replay of the stages under the schedule, not the linear sum
+            peak = _replayed_peak(gp, cfg, built, sol, units, part.bounds, sched, m, v, axis)
+            if cfg.memory_budget is not None and peak > cfg.memory_budget:
                 continue
             stage_of = {k: c for c, (lo, hi) in enumerate(part.bounds) for k in range(lo, hi)}
             sync = max(sum(once[lo:hi].sum() for lo, hi in chunks[d]) for d in range(p))
             sync += sum(collective_time("all_reduce", b, cfg.mesh, (axis,))
                         for us, b in shared if len({stage_of[k] for k in us}) > 1)
             found = dict(sched=sched, m=m, v=v, bounds=part.bounds, cost=cost, step=cost.step_time + sync,
-                         sync=sync, peak=max(stage_mem), dev_times=dev_times, split=split)
+                         sync=sync, peak=peak, dev_times=dev_times, split=split)
             if best is None or (found["step"], found["peak"]) < (best["step"], best["peak"]):
                 best = found
     return best
+
+
+def _replayed_peak(gp, cfg: Config, built, sol, units, bounds, sched: str, m: int, v: int, axis: int) -> float:
+    """The largest per-rank peak of the candidate (``autopar.planner.memory.pipeline_peaks``)."""
+    from autopar.planner.memory import pipeline_peaks
+
+    pick = choices(built, sol)
+    segs = {s.id: s for s in built.problem.segments}
+    seg_of: dict[str, str] = {}  # checkpointed leader -> its segment, as ``to_plan`` writes them
+    for sid in sol.checkpointed:
+        for leader in segs[sid].nodes:
+            seg_of.setdefault(leader, sid)
+    recompute = {n: seg_of[built.leader[n]] for n in built.order if built.leader[n] in seg_of}
+    planned = set(built.order)
+    stages = [[n for k in range(lo, hi) for n in units[k] if n in planned] for lo, hi in bounds]
+    pipe = Pipeline(axis=axis, stages=stages, microbatches=m, schedule=sched, virtual_stages=v)
+    strategy_of = {n: built.options[n].strategies[pick[n]] for n in built.order}
+    peaks = pipeline_peaks(gp, strategy_of, _sub_mesh(cfg.mesh, axis)[1], pipe, recompute=recompute,
+                           optimizer=cfg.optimizer, dtype=cfg.dtype)
+    return float(max(e.peak for e in peaks))
 
 
 def _shared_params(gp, built, sol, units, sub_shape) -> list[tuple[set[int], float]]:
