@@ -241,7 +241,7 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int) -> dic
 
 def _replayed_peak(gp, cfg: Config, built, sol, units, bounds, sched: str, m: int, v: int, axis: int) -> float:
     """The largest per-rank peak of the candidate (``autopar.planner.memory.pipeline_peaks``)."""
-    from autopar.planner.memory import pipeline_peaks
+    from autopar.planner.stage_memory import pipeline_peaks
 
     pick = choices(built, sol)
     segs = {s.id: s for s in built.problem.segments}

@@ -193,7 +193,7 @@ def test_pipeline_plan_predicts_its_replay(name):
 def test_schedule_order_is_torchs():
     """The replayed order of forwards (F) and backwards (B) per stage: ``Schedule1F1B`` warms up
     with ``min(m, stages - stage)`` forwards, then alternates; GPipe runs every forward first."""
-    from autopar.planner.memory import _actions
+    from autopar.planner.stage_memory import _actions
 
     def order(schedule, p, stage, m):
         return " ".join(f"{k}{i}" for k, i in _actions(schedule, p, stage, m))
