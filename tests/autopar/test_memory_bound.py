@@ -10,6 +10,8 @@ above the budget the plan was solved for.
   are those of the real run), which costs one plain step per plan.
 - Every rank: a few plans under ``LocalTensorMode`` (4 simulated ranks, each rank's storages
   counted apart).
+- Plans edited after planning (overlap chunks, every op recomputed), re-predicted with
+  ``autopar.planner.memory.plan_peak``.
 - A tight budget: 0.6 x the unconstrained plan's peak makes the solver shard and checkpoint; the
   step still measures under the budget.
 - Pipelines (``autopar.planner.memory.pipeline_peaks``): the planner's pp-tp plan predicts the
@@ -144,6 +146,31 @@ def test_tight_budget(mesh):
     sharded = sum("S" in p for p in plan.params.values()) > sum("S" in p for p in free.params.values())
     assert recomputes or sharded, "a 40% smaller budget must change the plan"
     bad = _check(f"{name}/budget 0.6x", plan, _measure(ex, cap, plan, mesh))
+    assert not bad, "\n".join(bad)
+
+
+_MATMULS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default", "aten.matmul.default")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mlp"])
+def test_edited_plan_re_predicted(mesh, name):
+    """A plan edited after planning (every matmul in 2 overlap chunks; then also every op
+    recomputed) re-predicted by ``plan_peak`` is within the bound of what its step holds."""
+    from autopar.plan import Plan
+    from autopar.planner.memory import plan_peak
+
+    ex, cap, gp = _setup(name)
+    plan = _plan(gp, "megatron")
+    bad = []
+    for recompute in (False, True):
+        edited = Plan.from_json(plan.to_json())
+        for node in cap.gm.graph.nodes:
+            np_ = edited.nodes.get(node.name)
+            if np_ is not None and node.op == "call_function":
+                np_.recompute = recompute
+                np_.chunks = 2 if str(node.target) in _MATMULS else 1
+        edited.peak_bytes = float(plan_peak(edited, gp))
+        bad += _check(f"{name}/megatron x2{'+ckpt' if recompute else ''}", edited, _measure(ex, cap, edited, mesh))
     assert not bad, "\n".join(bad)
 
 
