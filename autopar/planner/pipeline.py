@@ -145,6 +145,9 @@ def _axis_plan(gp, cfg: Config, units, axis: int, counts: list[int]):
     if best is None:
         return err
     built, m = best["built"], best["m"]
+    if cfg.memory_budget is None:  # a budget had the replay computed for every candidate
+        best["peak"] = _replayed_peak(gp, cfg, built, best["sol"], units, best["bounds"], best["sched"], m,
+                                      best["v"], axis)
     planned = set(built.order)
     stages = [[n for k in range(lo, hi) for n in units[k] if n in planned] for lo, hi in best["bounds"]]
     plan = to_plan(gp, best["sub_cfg"], built, best["sol"], sharding_axes=other,
@@ -224,10 +227,13 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int) -> dic
                 res = sum(mem[lo:hi].sum() for lo, hi in chunks[d])
                 a = sum(act[lo:hi].sum() for lo, hi in chunks[d])  # one micro-batch
                 split.append({"params": float(res), "activations": float(flight[d] * a)})
-            # The peak is the per-rank replay of the stages under the schedule, not the linear sum
-            peak = _replayed_peak(gp, cfg, built, sol, units, part.bounds, sched, m, v, axis)
-            if cfg.memory_budget is not None and peak > cfg.memory_budget:
-                continue
+            peak = max(s["params"] + s["activations"] for s in split)  # the linear figure, to rank ties
+            if cfg.memory_budget is not None:
+                # The budget holds the per-rank replay of the stages under the schedule (the
+                # plan's peak_bytes), not the linear sum
+                peak = _replayed_peak(gp, cfg, built, sol, units, part.bounds, sched, m, v, axis)
+                if peak > cfg.memory_budget:
+                    continue
             stage_of = {k: c for c, (lo, hi) in enumerate(part.bounds) for k in range(lo, hi)}
             sync = max(sum(once[lo:hi].sum() for lo, hi in chunks[d]) for d in range(p))
             sync += sum(collective_time("all_reduce", b, cfg.mesh, (axis,))

@@ -156,8 +156,7 @@ def _rank_replay(world, local: list[int], schedule: str, p: int, optimizer: str,
     - then ``GradSync.finish``: every Partial gradient flattened into its bucket at once; then
       the optimizer's transient.
     """
-    from profiler.memory import (MemoryEstimate, Placeholder, _Checkpoints, _Sizer, _State, _backward, _forward,
-                                 _optimizer_transient, _static_bytes)
+    from profiler.memory import MemoryEstimate, Placeholder, _optimizer_transient, _Sizer, _State, _static_bytes
 
     m, size, places = world["m"], _Sizer("fp32"), world["placeholders"]
     mine = [n for n in world["steps"] if world["stage_of"][n.name] in local]
@@ -183,27 +182,10 @@ def _rank_replay(world, local: list[int], schedule: str, p: int, optimizer: str,
     if sent and mine:  # the schedule keeps what it sent until that micro-batch's backward
         keep = [k for v in sent for k in by_name[v].out_keys]
         mine = [dataclasses.replace(mine[0], saved=list(mine[0].saved) + keep)] + mine[1:]
-    fixed = set(ph)
     regions = [r for r in world["regions"] if r[0] in names]
     state = _State(static=_static_bytes(ph, size, optimizer))
-    frozen = {a: dataclasses.replace(x, kind="frozen") if x.kind == "param" else x for a, x in ph.items()}
-    runs: dict[int, tuple] = {}
-    first_backward = True
-    # 1F1B repeats one backward-forward cycle once the gradients exist: two cycles past the
-    # warm-up reach every peak the step reaches (the buffers above are counted for all m)
-    m_run = min(m, min(m, p - local[0]) + 2) if schedule == "1f1b" else m
-    for kind, i in _actions(schedule, p, local[0], m_run):
-        if kind == "F":
-            nodes = _renamed(mine, i, fixed)
-            ck = _Checkpoints(nodes, ph, [[f"{x}#{i}" for x in r] for r in regions])
-            runs[i] = (nodes, ck)
-            loss = f"{world['loss']}#{i}" if world["loss"] in names else ""
-            _forward(nodes, ph, loss, size, state, ck)
-        else:
-            nodes, ck = runs.pop(i)
-            _backward(nodes, ph if first_backward else frozen, size, state, ck, {})
-            first_backward = False
-            state.add(("recv_grad", i), grad_in)
+    loss = world["loss"] if world["loss"] in names else ""
+    _run_schedule(state, mine, ph, regions, loss, (schedule, p, local[0], m), grad_in, size)
     # GradSync.finish: gradients of parameters read by no local stage arrive as zeros, then
     # every Partial gradient is copied into its bucket's flat buffer at once
     state.grads += sum(x.nbytes for a, x in ph.items() if x.kind == "param" and a not in used)
@@ -214,3 +196,35 @@ def _rank_replay(world, local: list[int], schedule: str, p: int, optimizer: str,
     return MemoryEstimate(peak=best["total"], phase=best["phase"], node=best["node"], params=st["params"],
                           buffers=st["buffers"], inputs=st["inputs"], grads=best["grads"],
                           optimizer_state=st["optimizer"], activations=best["acts"], activations_end_of_forward=0)
+
+
+def _run_schedule(state, mine: list, ph: dict, regions: list, loss: str, sched: tuple, grad_in: int, size) -> None:
+    """The stage's micro-batches through ``state`` in the schedule's order (``sched``: schedule,
+    pipeline ranks, stage, micro-batches). The micro-batches are identical, so not all of them
+    are replayed: 1F1B repeats one backward-forward cycle once the gradients exist (two cycles
+    past the warm-up reach every peak); GPipe's i-th forward and backward differ only by the
+    saved activations of the micro-batches still in flight, which two replayed micro-batches
+    plus the saved bytes of the others reproduce (later backwards hold less)."""
+    from profiler.memory import _backward, _Checkpoints, _forward
+
+    schedule, p, stage, m = sched
+    m_run = min(m, min(m, p - stage) + 2) if schedule == "1f1b" else min(m, 2)
+    frozen = {a: dataclasses.replace(x, kind="frozen") if x.kind == "param" else x for a, x in ph.items()}
+    fixed, runs, first_backward = set(ph), {}, True
+    for kind, i in _actions(schedule, p, stage, m_run):
+        if kind == "F":
+            nodes = _renamed(mine, i, fixed)
+            ck = _Checkpoints(nodes, ph, [[f"{x}#{i}" for x in r] for r in regions])
+            runs[i] = (nodes, ck)
+            before = state.live_bytes
+            _forward(nodes, ph, f"{loss}#{i}" if loss else "", size, state, ck)
+            if schedule != "1f1b" and i == 0 and m > m_run:  # the micro-batches not replayed
+                state.add(("in flight", 0), (m - m_run) * (state.live_bytes - before))
+        else:
+            nodes, ck = runs.pop(i)
+            # after the first backward, gradients accumulate in place
+            _backward(nodes, ph if first_backward else frozen, size, state, ck, {})
+            first_backward = False
+            state.add(("recv_grad", i), grad_in)  # the received value's .grad stays until next step
+    state.free(("in flight", 0))
+    state.add(("recv_grad", m_run), (m - m_run) * grad_in)
