@@ -12,6 +12,8 @@ of one micro-batch are read off that solution, each resharding edge charged to i
 layer; for each schedule the layers are cut into stages by the DP of
 ``solver.pipeline.partition`` (slowest stage minimised, every stage within the memory budget with
 its schedule's micro-batches in flight) and priced by ``solver.pipeline.schedule_cost``. The
+partition's memory figure is linear; the budget is then checked, and ``Plan.peak_bytes`` set, on
+the per-rank replay of the stages under the schedule (``autopar.planner.stage_memory``). The
 activations a stage sends to the next one are a point-to-point send on axis ``a`` per
 micro-batch, forward and backward. The step time adds, once, the slowest device's gradient sums
 (``GradSync`` after the last micro-batch) and the sum over axis ``a`` of the gradients of
