@@ -248,7 +248,8 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int) -> dic
 
 
 def _replayed_peak(gp, cfg: Config, built, sol, units, bounds, sched: str, m: int, v: int, axis: int) -> float:
-    """The largest per-rank peak of the candidate (``autopar.planner.memory.pipeline_peaks``)."""
+    """The largest per-rank peak of the candidate (``autopar.planner.stage_memory.pipeline_peaks``)."""
+    from autopar.planner.overlap import chunk_counts
     from autopar.planner.stage_memory import pipeline_peaks
 
     pick = choices(built, sol)
@@ -263,7 +264,7 @@ def _replayed_peak(gp, cfg: Config, built, sol, units, bounds, sched: str, m: in
     pipe = Pipeline(axis=axis, stages=stages, microbatches=m, schedule=sched, virtual_stages=v)
     strategy_of = {n: built.options[n].strategies[pick[n]] for n in built.order}
     peaks = pipeline_peaks(gp, strategy_of, _sub_mesh(cfg.mesh, axis)[1], pipe, recompute=recompute,
-                           optimizer=cfg.optimizer, dtype=cfg.dtype)
+                           optimizer=cfg.optimizer, dtype=cfg.dtype, chunks=chunk_counts(built.overlap, pick))
     return float(max(e.peak for e in peaks))
 
 
