@@ -148,8 +148,8 @@ def _axis_plan(gp, cfg: Config, units, axis: int, counts: list[int]):
         return err
     built, m = best["built"], best["m"]
     if cfg.memory_budget is None:  # a budget had the replay computed for every candidate
-        best["peak"] = _replayed_peak(gp, cfg, built, best["sol"], units, best["bounds"], best["sched"], m,
-                                      best["v"], axis)
+        best["peak"], best["split"] = _replayed_peak(gp, cfg, built, best["sol"], units, best["bounds"],
+                                                     best["sched"], m, best["v"], axis)
     planned = set(built.order)
     stages = [[n for k in range(lo, hi) for n in units[k] if n in planned] for lo, hi in best["bounds"]]
     plan = to_plan(gp, best["sub_cfg"], built, best["sol"], sharding_axes=other,
@@ -233,7 +233,7 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int) -> dic
             if cfg.memory_budget is not None:
                 # The budget holds the per-rank replay of the stages under the schedule (the
                 # plan's peak_bytes), not the linear sum
-                peak = _replayed_peak(gp, cfg, built, sol, units, part.bounds, sched, m, v, axis)
+                peak, split = _replayed_peak(gp, cfg, built, sol, units, part.bounds, sched, m, v, axis)
                 if peak > cfg.memory_budget:
                     continue
             stage_of = {k: c for c, (lo, hi) in enumerate(part.bounds) for k in range(lo, hi)}
@@ -247,8 +247,10 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int) -> dic
     return best
 
 
-def _replayed_peak(gp, cfg: Config, built, sol, units, bounds, sched: str, m: int, v: int, axis: int) -> float:
-    """The largest per-rank peak of the candidate (``autopar.planner.stage_memory.pipeline_peaks``)."""
+def _replayed_peak(gp, cfg: Config, built, sol, units, bounds, sched: str, m: int, v: int, axis: int):
+    """The largest per-rank peak of the candidate (``autopar.planner.stage_memory.pipeline_peaks``)
+    and, per rank of the pipeline axis, its split at that rank's peak (``params``: parameters,
+    buffers, gradients and optimizer state; ``activations``: the rest), which add up to it."""
     from autopar.planner.overlap import chunk_counts
     from autopar.planner.stage_memory import pipeline_peaks
 
@@ -265,7 +267,9 @@ def _replayed_peak(gp, cfg: Config, built, sol, units, bounds, sched: str, m: in
     strategy_of = {n: built.options[n].strategies[pick[n]] for n in built.order}
     peaks = pipeline_peaks(gp, strategy_of, _sub_mesh(cfg.mesh, axis)[1], pipe, recompute=recompute,
                            optimizer=cfg.optimizer, dtype=cfg.dtype, chunks=chunk_counts(built.overlap, pick))
-    return float(max(e.peak for e in peaks))
+    split = [{"params": float(e.params + e.buffers + e.grads + e.optimizer_state),
+              "activations": float(e.activations + e.inputs)} for e in peaks]
+    return float(max(e.peak for e in peaks)), split
 
 
 def _shared_params(gp, built, sol, units, sub_shape) -> list[tuple[set[int], float]]:

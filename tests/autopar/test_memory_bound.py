@@ -210,6 +210,8 @@ def test_pipeline_plan_predicts_its_replay(name):
     plan = _pp_plan(gp)
     assert plan.pipeline is not None and len(plan.pipeline.stages) >= 2
     assert plan.peak_bytes == plan_peak(plan, gp)
+    # the per-rank split the report draws adds up to the peak on the fullest rank
+    assert max(r["params"] + r["activations"] for r in plan.options["stage_memory"]) == plan.peak_bytes
     assert plan.peak_bytes > gp.param_bytes / 4  # every rank holds the whole model's shards
     fitted = _pp_plan(gp, memory_budget=plan.peak_bytes)
     assert fitted.peak_bytes <= plan.peak_bytes
