@@ -61,7 +61,7 @@ def _stage_of(steps: list, plan_stage: dict) -> dict[str, int]:
     for n in steps:
         owner = n.name if n.name in plan_stage else (n.users[0] if n.users and "->" in n.name else None)
         ins = [out[a] for a in n.inputs if a in out]
-        out[n.name] = max([plan_stage.get(owner, 0) if owner in plan_stage else 0] + ins)
+        out[n.name] = max([plan_stage.get(owner, 0)] + ins)
     return out
 
 
