@@ -241,7 +241,8 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
     recompute = {n: np_.segment for n, np_ in nodes.items() if np_.recompute}  # name -> its segment
     est = None
     if peak_bytes is None:  # a flat plan: the per-rank liveness simulation is its peak
-        est = simulated_peak(gp, cfg, built, pick, recompute)
+        est = simulated_peak(gp, cfg, built, pick, recompute,
+                             chunks={n: np_.chunks for n, np_ in nodes.items() if np_.chunks > 1})
         peak_bytes = est.peak
     mem = _memory_split(built, pick, gp, est, float(sol.peak_bytes))
     bd = {"compute": float(sol.split.get("compute", 0.0)), "comm": float(sol.split.get("comm", 0.0)),
@@ -317,13 +318,14 @@ def _segment_members(built: Built, checkpointed_leaders: set) -> set:
     return {n for n in built.order if built.leader[n] in checkpointed_leaders}
 
 
-def simulated_peak(gp, cfg: Config, built: Built, pick, recompute):
-    """The per-rank ``profiler.memory.MemoryEstimate`` of the chosen strategies
-    (``autopar.planner.memory.rank_peak``)."""
+def simulated_peak(gp, cfg: Config, built: Built, pick, recompute, chunks=None):
+    """The per-rank ``profiler.memory.MemoryEstimate`` of the chosen strategies, with the overlap
+    ``chunks`` (name -> k) chosen (``autopar.planner.memory.rank_peak``)."""
     from autopar.planner.memory import rank_peak
 
     strategy_of = {n: built.options[n].strategies[pick[n]] for n in built.order}
-    return rank_peak(gp, strategy_of, cfg.mesh, recompute=recompute, optimizer=cfg.optimizer, dtype=cfg.dtype)
+    return rank_peak(gp, strategy_of, cfg.mesh, recompute=recompute, optimizer=cfg.optimizer, dtype=cfg.dtype,
+                     chunks=chunks)
 
 
 def _memory_split(built: Built, pick, gp, est=None, ilp_peak: float = 0.0) -> dict[str, float]:

@@ -20,7 +20,13 @@ that rank's shards:
 - consecutive recomputed plan nodes of one checkpoint segment (``NodePlan.segment``) form one
   checkpointed region (``autopar.runtime.checkpoint``); adjacent segments are separate regions.
 
-This is ``Plan.peak_bytes``; ``tests/autopar/test_memory_bound.py`` checks it against
+- a matmul the plan splits into overlap chunks (``NodePlan.chunks``) and the codegen really
+  splits (:func:`_chunkable`) keeps each chunk's output with its graph and sums the chunks'
+  weight gradients one by one (:func:`_chunked`).
+
+This is ``Plan.peak_bytes`` of a single-stage plan; pipelined plans replay each stage under its
+schedule (``autopar.planner.stage_memory``). :func:`plan_peak` replays a plan as it stands, for
+a plan edited after planning. ``tests/autopar/test_memory_bound.py`` checks the figures against
 ``autopar.runtime.memory.LiveMemory`` on every zoo model and plan family.
 """
 from __future__ import annotations
@@ -108,6 +114,71 @@ def _scaled_node(ctx: _Ctx, n):
                                fwd_max_op=int(n.fwd_max_op * f), bwd_max_op=int(n.bwd_max_op * f),
                                grad_bytes=int(n.grad_bytes * of), inputs=list(n.inputs), users=list(n.users),
                                saved=list(n.saved))
+
+
+def _chunked(ctx: _Ctx, n, k: int, recomputed: bool):
+    """Step node ``n`` run as ``autopar.runtime.overlap.ChunkedOp`` in ``k > 1`` pieces: each
+    chunk's output stays with its autograd graph until backward (one more output-sized storage,
+    saved; a ``recomputed`` node rebuilds the chunks' graphs in its own backward instead: a
+    backward transient); backward adds the chunks' gradients of the other inputs one by one
+    (running sum, chunk and new sum coexist: two more of each than unchunked) and concatenates
+    the chunks' activation gradients (one more activation-sized buffer)."""
+    node = ctx.nodes.get(n.name)
+    if node is None or k <= 1 or not _chunkable(ctx, node, k):
+        return n
+    from autopar.runtime.overlap import ACTIVATION_ARG
+
+    pos = ACTIVATION_ARG[node.target]
+    ins = node.all_input_nodes
+    loc = [_local(_vals(a)[0], ctx.in_pl(n.name, j), ctx.shape) if _vals(a) else 0 for j, a in enumerate(ins)]
+    act = loc[ins.index(node.args[pos])]
+    extra = 2 * (sum(loc) - act) + act
+    vals = _vals(node)
+    out = sum(_local(t, ctx.out_pl(n.name, i), ctx.shape) for i, t in enumerate(vals))
+    if recomputed:
+        return dataclasses.replace(n, bwd_alloc=n.bwd_alloc + out + extra, bwd_max_op=n.bwd_max_op + out + extra)
+    key = (n.name, len(vals))  # past the node's own outputs
+    fsize = {key: vals[0].element_size()} if vals and vals[0].is_floating_point() else {}
+    return dataclasses.replace(n, storages={**n.storages, key: out}, float_size={**n.float_size, **fsize},
+                               saved=[*n.saved, key], fwd_alloc=n.fwd_alloc + out, bwd_alloc=n.bwd_alloc + extra,
+                               bwd_max_op=n.bwd_max_op + extra)
+
+
+def _chunkable(ctx: _Ctx, node, k: int) -> bool:
+    """Whether the codegen really splits ``node`` into ``k`` chunks (``autopar.codegen.chunking``:
+    a matmul with an activation argument, a single consumer when its output is Partial, and a
+    dim of the local activation, not the last, that no placement or step of the chunked edge
+    touches and that divides by ``k``)."""
+    from autopar.costs.reshard import reshard
+    from autopar.runtime.overlap import ACTIVATION_ARG, blocked_dims, chunk_dim, chunked_edge
+
+    pos = ACTIVATION_ARG.get(node.target)
+    if pos is None or pos >= len(node.args) or node.args[pos] not in node.all_input_nodes:
+        return False
+    x = node.args[pos]
+    xi = node.all_input_nodes.index(x)
+    x_val, out_val = _vals(x), _vals(node)
+    out_pl = ctx.out_pl(node.name, 0)
+    x_pl = ctx.in_pl(node.name, xi) or ctx.out_pl(x.name, 0)
+    if not x_val or len(out_val) != 1 or out_pl is None or x_pl is None:
+        return False
+    if chunked_edge(out_pl) == "output":
+        users = list(node.users)
+        if len(users) != 1 or users[0].op == "output":
+            return False
+        edge = (out_pl, ctx.in_pl(users[0].name, users[0].all_input_nodes.index(node)), out_val[0])
+    else:
+        edge = (ctx.out_pl(x.name, _out_index(x, node)), x_pl, x_val[0])
+    steps = ()
+    if edge[0] is not None and edge[1] is not None and pl.fmt(edge[0]) != pl.fmt(edge[1]):
+        try:
+            steps = reshard(edge[0], edge[1], tuple(edge[2].shape), edge[2].element_size(), ctx.mesh).steps
+        except ValueError:
+            steps = ()
+    local = pl.local_shape(tuple(x_val[0].shape), x_pl, ctx.shape)
+    if out_val[0].dim() != len(local):
+        return False
+    return chunk_dim(local, k, blocked_dims(len(local), (x_pl, out_pl), steps)) is not None
 
 
 def _copy_transient(ctx: _Ctx, t: torch.Tensor, src, dst) -> tuple[int, int]:
@@ -251,21 +322,75 @@ def _regions(steps, copies: dict[str, str], recompute) -> list[list[str]]:
 
 
 def rank_peak(gp, strategy_of: dict, mesh, *, recompute=frozenset(), optimizer: str = "adamw",
-              dtype: str = "float32", foreach: bool | None = None, bucket_bytes: int = BUCKET_BYTES):
+              dtype: str = "float32", foreach: bool | None = None, bucket_bytes: int = BUCKET_BYTES,
+              chunks: dict | None = None):
     """The ``profiler.memory.MemoryEstimate`` of one rank's training step under the choice
     ``strategy_of`` (fx node name -> ``autopar.strategies.Strategy``) with the nodes in
-    ``recompute`` checkpointed. ``foreach``: AdamW updates all parameters at once (default: on
-    GPUs, as ``torch.optim`` does)."""
+    ``recompute`` checkpointed and the matmuls in ``chunks`` (name -> k) run in k overlap chunks.
+    ``foreach``: AdamW updates all parameters at once (default: on GPUs, as ``torch.optim`` does)."""
     from profiler.memory import simulate
 
     ctx = _Ctx(gp, strategy_of, mesh)
     precision = "bf16-mixed" if dtype == "bf16-mixed" else "fp32"
     base = gp._step_nodes(precision)  # the measured graph's step nodes (fp32 run or mixed replay)
-    steps = _insert_copies(ctx, [_scaled_node(ctx, n) for n in base], gp._placeholders)
+    chunks = chunks or {}
+    steps = _insert_copies(ctx, [_chunked(ctx, _scaled_node(ctx, n), chunks.get(n.name, 1), n.name in recompute)
+                                 for n in base], gp._placeholders)
     copies = {n.name: n.users[0] for n in steps if n.name not in ctx.nodes and n.users}
     placeholders = _placeholders(ctx, gp._placeholders)
     if foreach is None:
         foreach = getattr(mesh, "cluster", "cpu") != "cpu"
-    return simulate(steps, placeholders, gp.captured.loss_node.name, optimizer=optimizer,
-                    precision="fp32", foreach=foreach, regions=_regions(steps, copies, recompute if isinstance(recompute, dict) else set(recompute)),
-                    buckets=_buckets(ctx, placeholders, bucket_bytes))
+    regions = _regions(steps, copies, recompute if isinstance(recompute, dict) else set(recompute))
+    return simulate(steps, placeholders, gp.captured.loss_node.name, optimizer=optimizer, precision="fp32",
+                    foreach=foreach, regions=regions, buckets=_buckets(ctx, placeholders, bucket_bytes))
+
+
+# ---------------------------------------------------------------------- a plan, after the fact
+class _Chosen:
+    """A plan node's placements, shaped like the ``autopar.strategies.Strategy`` fields the
+    replay reads (``inputs``, ``outputs``, ``input_grads``: tuples of placements or None)."""
+
+    def __init__(self, node_plan):
+        def parse(x):
+            return None if x is None else pl.parse(x)
+
+        self.name = node_plan.strategy
+        self.inputs = tuple(parse(x) for x in node_plan.inputs)
+        self.outputs = tuple(parse(x) for x in node_plan.outputs)
+        self.input_grads = tuple(parse(x) for x in node_plan.input_grads)
+
+
+def _plan_mesh(plan):
+    """The mesh the plan's placements refer to: its ``sharding_axes`` of ``plan.mesh``."""
+    from autopar.mesh import Mesh
+
+    mesh = Mesh.from_dict(plan.mesh)
+    axes = list(plan.sharding_axes)
+    if axes == list(range(mesh.ndim)):
+        return mesh
+    return mesh.replace(shape=tuple(mesh.shape[a] for a in axes), axis_names=tuple(mesh.axis_names[a] for a in axes),
+                        links=tuple(mesh.links[a] for a in axes))
+
+
+def plan_peak(plan, gp, *, foreach: bool | None = None, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """The predicted per-rank peak (bytes) of ``plan`` as it stands, replayed from the profile
+    ``gp`` of the graph it was made for: :func:`rank_peak` for a single-stage plan, the largest
+    of ``autopar.planner.stage_memory.pipeline_peaks`` for a pipelined one. Use it to refresh ``plan.peak_bytes`` after
+    editing a plan (recomputing more nodes, another micro-batch count): the planner's figure is
+    of the plan it solved."""
+    graph_hash = gp.captured.graph_hash()
+    if plan.graph_hash != graph_hash:
+        raise ValueError(f"the plan was made for graph {plan.graph_hash[:12]}, the profile is of graph "
+                         f"{graph_hash[:12]}: profile the model and inputs the plan was made for")
+    strategy_of = {n: _Chosen(np_) for n, np_ in plan.nodes.items()}
+    recompute = {n: np_.segment for n, np_ in plan.nodes.items() if np_.recompute}
+    mesh = _plan_mesh(plan)
+    chunks = {n: np_.chunks for n, np_ in plan.nodes.items() if np_.chunks > 1}
+    if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
+        from autopar.planner.stage_memory import pipeline_peaks
+
+        peaks = pipeline_peaks(gp, strategy_of, mesh, plan.pipeline, recompute=recompute, optimizer=plan.optimizer,
+                               dtype=plan.dtype, foreach=foreach, bucket_bytes=bucket_bytes, chunks=chunks)
+        return max(e.peak for e in peaks)
+    return rank_peak(gp, strategy_of, mesh, recompute=recompute, optimizer=plan.optimizer, dtype=plan.dtype,
+                     foreach=foreach, bucket_bytes=bucket_bytes, chunks=chunks).peak

@@ -12,6 +12,8 @@ of one micro-batch are read off that solution, each resharding edge charged to i
 layer; for each schedule the layers are cut into stages by the DP of
 ``solver.pipeline.partition`` (slowest stage minimised, every stage within the memory budget with
 its schedule's micro-batches in flight) and priced by ``solver.pipeline.schedule_cost``. The
+partition's memory figure is linear; the budget is then checked, and ``Plan.peak_bytes`` set, on
+the per-rank replay of the stages under the schedule (``autopar.planner.stage_memory``). The
 activations a stage sends to the next one are a point-to-point send on axis ``a`` per
 micro-batch, forward and backward. The step time adds, once, the slowest device's gradient sums
 (``GradSync`` after the last micro-batch) and the sum over axis ``a`` of the gradients of
@@ -145,6 +147,9 @@ def _axis_plan(gp, cfg: Config, units, axis: int, counts: list[int]):
     if best is None:
         return err
     built, m = best["built"], best["m"]
+    if cfg.memory_budget is None:  # a budget had the replay computed for every candidate
+        best["peak"], best["split"] = _replayed_peak(gp, cfg, built, best["sol"], units, best["bounds"],
+                                                     best["sched"], m, best["v"], axis)
     planned = set(built.order)
     stages = [[n for k in range(lo, hi) for n in units[k] if n in planned] for lo, hi in best["bounds"]]
     plan = to_plan(gp, best["sub_cfg"], built, best["sol"], sharding_axes=other,
@@ -219,23 +224,52 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int) -> dic
             chunks = [[part.bounds[c] for c in range(d, p * v, p)] for d in range(p)]
             dev_times = [sum(part.stage_times[c] for c in range(d, p * v, p)) for d in range(p)]
             cost = solver.pipeline.schedule_cost(sched, dev_times, m, virtual_stages=v)
-            stage_mem, split = [], []
+            split = []
             for d in range(p):
                 res = sum(mem[lo:hi].sum() for lo, hi in chunks[d])
                 a = sum(act[lo:hi].sum() for lo, hi in chunks[d])  # one micro-batch
-                stage_mem.append(float(res + flight[d] * a))
                 split.append({"params": float(res), "activations": float(flight[d] * a)})
-            if cfg.memory_budget is not None and max(stage_mem) > cfg.memory_budget:
-                continue
+            peak = max(s["params"] + s["activations"] for s in split)  # the linear figure, to rank ties
+            if cfg.memory_budget is not None:
+                # The budget holds the per-rank replay of the stages under the schedule (the
+                # plan's peak_bytes), not the linear sum
+                peak, split = _replayed_peak(gp, cfg, built, sol, units, part.bounds, sched, m, v, axis)
+                if peak > cfg.memory_budget:
+                    continue
             stage_of = {k: c for c, (lo, hi) in enumerate(part.bounds) for k in range(lo, hi)}
             sync = max(sum(once[lo:hi].sum() for lo, hi in chunks[d]) for d in range(p))
             sync += sum(collective_time("all_reduce", b, cfg.mesh, (axis,))
                         for us, b in shared if len({stage_of[k] for k in us}) > 1)
             found = dict(sched=sched, m=m, v=v, bounds=part.bounds, cost=cost, step=cost.step_time + sync,
-                         sync=sync, peak=max(stage_mem), dev_times=dev_times, split=split)
+                         sync=sync, peak=peak, dev_times=dev_times, split=split)
             if best is None or (found["step"], found["peak"]) < (best["step"], best["peak"]):
                 best = found
     return best
+
+
+def _replayed_peak(gp, cfg: Config, built, sol, units, bounds, sched: str, m: int, v: int, axis: int):
+    """The largest per-rank peak of the candidate (``autopar.planner.stage_memory.pipeline_peaks``)
+    and, per rank of the pipeline axis, its split at that rank's peak (``params``: parameters,
+    buffers, gradients and optimizer state; ``activations``: the rest), which add up to it."""
+    from autopar.planner.overlap import chunk_counts
+    from autopar.planner.stage_memory import pipeline_peaks
+
+    pick = choices(built, sol)
+    segs = {s.id: s for s in built.problem.segments}
+    seg_of: dict[str, str] = {}  # checkpointed leader -> its segment, as ``to_plan`` writes them
+    for sid in sol.checkpointed:
+        for leader in segs[sid].nodes:
+            seg_of.setdefault(leader, sid)
+    recompute = {n: seg_of[built.leader[n]] for n in built.order if built.leader[n] in seg_of}
+    planned = set(built.order)
+    stages = [[n for k in range(lo, hi) for n in units[k] if n in planned] for lo, hi in bounds]
+    pipe = Pipeline(axis=axis, stages=stages, microbatches=m, schedule=sched, virtual_stages=v)
+    strategy_of = {n: built.options[n].strategies[pick[n]] for n in built.order}
+    peaks = pipeline_peaks(gp, strategy_of, _sub_mesh(cfg.mesh, axis)[1], pipe, recompute=recompute,
+                           optimizer=cfg.optimizer, dtype=cfg.dtype, chunks=chunk_counts(built.overlap, pick))
+    split = [{"params": float(e.params + e.buffers + e.grads + e.optimizer_state),
+              "activations": float(e.activations + e.inputs)} for e in peaks]
+    return float(max(e.peak for e in peaks)), split
 
 
 def _shared_params(gp, built, sol, units, sub_shape) -> list[tuple[set[int], float]]:

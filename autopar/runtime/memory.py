@@ -168,11 +168,11 @@ class LiveMemory(TorchDispatchMode):
 
 def measure_step(pm, opt, args=(), kwargs=None, target=None, *, world: int = 1, detail: bool = False) -> LiveMemory:
     """One ``train_step`` + ``opt.step()`` of ``pm`` (a ParallelModule) under :class:`LiveMemory`,
-    tracking its parameters, buffers and the optimizer state (run one step before, so the state
-    exists); ``opt.zero_grad()`` after. Works on real ranks and under ``LocalTensorMode`` (pass its
+    tracking what it holds across steps (:func:`resident_tensors`) and the optimizer state (run
+    one step before, so the state exists); ``opt.zero_grad()`` after. Works on real ranks and under ``LocalTensorMode`` (pass its
     ``world``)."""
     params = list(pm.parameters())
-    mem = LiveMemory(track=[*params, *pm.buffers()], grads_of=params, world=world, detail=detail)
+    mem = LiveMemory(track=resident_tensors(pm), grads_of=params, world=world, detail=detail)
     mem.add_optimizer(opt)
     with mem:
         mem.phase = "train_step"
@@ -187,3 +187,16 @@ def peak_ratio(measured: float, plan) -> float:
     """Measured peak over the plan's predicted ``peak_bytes`` (nan when the plan predicts none)."""
     predicted = float(getattr(plan, "peak_bytes", 0.0) or 0.0)
     return measured / predicted if predicted > 0 else float("nan")
+
+
+def resident_tensors(pm) -> list:
+    """What a ParallelModule holds from one step to the next: its parameters and buffers and,
+    under a pipeline, ``PipelineStage``'s receive buffers (one set per micro-batch: the
+    activations received from the stage before, the gradients received for those sent on), which
+    the schedule allocates at its first step and reuses."""
+    out = [*pm.parameters(), *pm.buffers()]
+    pipe = getattr(pm, "_pipe", None)
+    for stage in getattr(pipe, "stages", ()):
+        for infos in [*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()]:
+            out += [info.buffer for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+    return out

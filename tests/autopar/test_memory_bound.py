@@ -10,9 +10,18 @@ above the budget the plan was solved for.
   are those of the real run), which costs one plain step per plan.
 - Every rank: a few plans under ``LocalTensorMode`` (4 simulated ranks, each rank's storages
   counted apart).
+- Plans edited after planning (overlap chunks, every op recomputed), re-predicted with
+  ``autopar.planner.memory.plan_peak``.
 - A tight budget: 0.6 x the unconstrained plan's peak makes the solver shard and checkpoint; the
   step still measures under the budget.
-- The truth: one launch of 4 gloo processes runs three cases (``tests/dist/workers.py``).
+- Pipelines (``autopar.planner.memory.pipeline_peaks``): the planner's pp-tp plan predicts the
+  replay ``plan_peak`` gives, and stays under a budget it was solved for; the schedule order
+  replayed is ``torch.distributed.pipelining``'s. A pipelined step cannot run under
+  ``LocalTensorMode`` (its stages talk point to point), so its measured peaks come from the gloo
+  launch below.
+- The truth: one launch of 4 gloo processes runs five cases (``tests/dist/workers.py``), two of
+  them pipelined (1F1B with 4 micro-batches, past its warm-up; GPipe), edited after planning and
+  re-predicted with ``plan_peak``.
 """
 from __future__ import annotations
 
@@ -140,21 +149,115 @@ def test_tight_budget(mesh):
     assert not bad, "\n".join(bad)
 
 
-def test_gloo_truth():
-    """Real gloo processes (one launch, three cases): every rank within the bound."""
+_MATMULS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default", "aten.matmul.default")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mlp"])
+def test_edited_plan_re_predicted(mesh, name):
+    """A plan edited after planning (every matmul in 2 overlap chunks; then also every op
+    recomputed) re-predicted by ``plan_peak`` is within the bound of what its step holds."""
+    from autopar.plan import Plan
+    from autopar.planner.memory import plan_peak
+
+    ex, cap, gp = _setup(name)
+    plan = _plan(gp, "megatron")
+    bad = []
+    for recompute in (False, True):
+        edited = Plan.from_json(plan.to_json())
+        for node in cap.gm.graph.nodes:
+            np_ = edited.nodes.get(node.name)
+            if np_ is not None and node.op == "call_function":
+                np_.recompute = recompute
+                np_.chunks = 2 if str(node.target) in _MATMULS else 1
+        edited.peak_bytes = float(plan_peak(edited, gp))
+        bad += _check(f"{name}/megatron x2{'+ckpt' if recompute else ''}", edited, _measure(ex, cap, edited, mesh))
+    assert not bad, "\n".join(bad)
+
+
+def _pp_plan(gp, **options):
+    from autopar.mesh import Mesh
+    from autopar.planner import plan_profile
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan_profile(gp, Mesh(SHAPE, cluster="cpu"), force="pp-tp", **options)
+
+
+def _pipelined(name: str, schedule: str, microbatches: int):
+    """The planner's pp-tp plan of ``name`` run as 2 stages with ``schedule`` and
+    ``microbatches``, its peak re-predicted."""
+    from autopar.planner.memory import plan_peak
+
+    gp = _setup(name)[2]
+    plan = _pp_plan(gp)
+    pipe = plan.pipeline
+    half = len(pipe.stages) // 2
+    pipe.stages = [sum(pipe.stages[:half], []), sum(pipe.stages[half:], [])]
+    pipe.schedule, pipe.virtual_stages, pipe.microbatches = schedule, 1, microbatches
+    plan.peak_bytes = float(plan_peak(plan, gp))
+    return plan
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_pipeline_plan_predicts_its_replay(name):
+    """A pp-tp plan's ``peak_bytes`` is the per-stage replay (``plan_peak``), the largest over
+    the ranks of the pipeline axis; solved under that figure as budget, the plan still fits, and
+    half of it is refused."""
+    from autopar.plan import InfeasibleBudget
+    from autopar.planner.memory import plan_peak
+
+    gp = _setup(name)[2]
+    plan = _pp_plan(gp)
+    assert plan.pipeline is not None and len(plan.pipeline.stages) >= 2
+    assert plan.peak_bytes == plan_peak(plan, gp)
+    # the per-rank split the report draws adds up to the peak on the fullest rank
+    assert max(r["params"] + r["activations"] for r in plan.options["stage_memory"]) == plan.peak_bytes
+    assert plan.peak_bytes > gp.param_bytes / 4  # every rank holds the whole model's shards
+    fitted = _pp_plan(gp, memory_budget=plan.peak_bytes)
+    assert fitted.peak_bytes <= plan.peak_bytes
+    with pytest.raises((ValueError, InfeasibleBudget)):
+        _pp_plan(gp, memory_budget=plan.peak_bytes / 2)
+
+
+def test_schedule_order_is_torchs():
+    """The replayed order of forwards (F) and backwards (B) per stage: ``Schedule1F1B`` warms up
+    with ``min(m, stages - stage)`` forwards, then alternates; GPipe runs every forward first."""
+    from autopar.planner.stage_memory import _actions
+
+    def order(schedule, p, stage, m):
+        return " ".join(f"{k}{i}" for k, i in _actions(schedule, p, stage, m))
+
+    assert order("1f1b", 2, 0, 2) == "F0 F1 B0 B1"
+    assert order("1f1b", 2, 1, 2) == "F0 B0 F1 B1"
+    assert order("1f1b", 2, 0, 4) == "F0 F1 B0 F2 B1 F3 B2 B3"
+    assert order("1f1b", 4, 1, 4) == "F0 F1 F2 B0 F3 B1 B2 B3"
+    assert order("gpipe", 2, 1, 3) == "F0 F1 F2 B0 B1 B2"
+
+
+def test_gloo_truth(capsys):
+    """Real gloo processes (one launch, five cases): every rank within the bound."""
     import harness
 
     picks = [("gpt2", "dp", True), ("gpt2", "zero3", "all"), ("mlp", "megatron", True)]
     plans = [(name, _plan(_setup(name)[2], family, checkpoint=ck)) for name, family, ck in picks]
+    # pipelines: 1F1B past its warm-up (4 micro-batches of 2); GPipe
+    picks += [("mlp", "pp-tp 1f1b x4", None), ("bert", "pp-tp gpipe x2", None)]
+    plans += [("mlp", _pipelined("mlp", "1f1b", 4)), ("bert", _pipelined("bert", "gpipe", 2))]
     pool = harness.Pool(WORLD).start()
     try:
-        results = [(name, plan, pool.run("workers:train_case", name, plan.to_json(), steps=2)) for name, plan in plans]
+        results = [(name, plan, pool.run("workers:train_case", name, plan.to_json(), steps=2,
+                                         options={"loss_fn": _setup(name)[0].loss_fn} if plan.pipeline else None))
+                   for name, plan in plans]
     finally:
         pool.close()
     bad = []
-    for (name, family, _), (_, plan, res) in zip(picks, results):
-        peaks = {rank: r["peak"] for rank, r in enumerate(res)}
-        bad += _check(f"{name}/{family} (gloo)", plan, _Peaks(peaks))
+    with capsys.disabled():
+        print("\ngloo case                   predicted MiB  measured / predicted per rank")
+        for (name, family, _), (_, plan, res) in zip(picks, results):
+            peaks = {rank: r["peak"] for rank, r in enumerate(res)}
+            print(f"{name + '/' + family:28s} {plan.peak_bytes / 2**20:12.3f}  "
+                  + " ".join(f"{p / plan.peak_bytes:.3f}" for p in peaks.values()))
+            bad += _check(f"{name}/{family} (gloo)", plan, _Peaks(peaks))
     assert not bad, "\n".join(bad)
 
 

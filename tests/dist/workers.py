@@ -34,7 +34,7 @@ def train_case(name: str, plan_json: str, *, steps: int = cases.STEPS, lr: float
     state (full tensors, rank 0), measured peak bytes of the last step, digests of every rank's
     full state (they must agree)."""
     from autopar.plan import Plan
-    from autopar.runtime.memory import LiveMemory
+    from autopar.runtime.memory import LiveMemory, resident_tensors
     from autopar.runtime.module import ParallelModule
 
     ex, cap = _example(name)
@@ -47,7 +47,7 @@ def train_case(name: str, plan_json: str, *, steps: int = cases.STEPS, lr: float
     for i in range(steps):
         mem = None
         if measure and i == steps - 1:  # optimizer state exists after the first step
-            mem = LiveMemory(track=[*pm.parameters(), *pm.buffers()])
+            mem = LiveMemory(track=resident_tensors(pm))  # pipeline receive buffers included
             mem.add_optimizer(opt)
         with mem if mem is not None else _null():
             loss = pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
@@ -97,4 +97,4 @@ def grads_case(name: str, plan_json: str, *, options: dict | None = None) -> dic
 def pipeline_case(name: str, plan_json: str, *, steps: int = cases.STEPS, lr: float = cases.LR) -> dict:
     """Like :func:`train_case` for a pipelined plan (the micro-batch capture needs the loss_fn)."""
     ex, _ = _example(name)
-    return train_case(name, plan_json, steps=steps, lr=lr, options={"loss_fn": ex.loss_fn}, measure=False)
+    return train_case(name, plan_json, steps=steps, lr=lr, options={"loss_fn": ex.loss_fn})
