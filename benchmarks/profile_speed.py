@@ -14,8 +14,10 @@ Every judged figure is COLD: each run is a fresh Python process that imports, wa
 small zoo models (imports, lazy initialisation, nothing of the measured config), then times one
 profile, or one bare pass, of the big config. Profiler and bare processes alternate, ``--repeat``
 of each; the best of each is reported, in wall time and in the process's CPU time (the machine
-may be shared: CPU time is less sensitive to other load). The WARM line is a second profile of
-the same config in the same process (fake-tensor caches filled), printed separately.
+may be shared: CPU time is less sensitive to other load). WARM figures are the second profile,
+and the second bare pass, of the same config in the same process (fake-tensor caches filled); they
+get their own ratio. Each run also records FakeTensorMode's dispatch-cache counters (hits,
+misses, bypasses by reason) for its capture and its bare pass, cold and warm.
 
 ``--gpu-memory`` (needs CUDA) also trains mid-size GPT-2 and Llama configs on the GPU and prints
 the predicted peak of a steady-state AdamW step next to ``torch.cuda.max_memory_allocated``, in
@@ -51,13 +53,13 @@ def time_profiler(name: str) -> dict:
     """Wall and CPU seconds of build + capture + profile; the profile's headline figures."""
     w0, c0 = time.perf_counter(), time.process_time()
     ex = zoo.build(name, device="meta")
-    w1 = time.perf_counter()
+    w1, counts = time.perf_counter(), _cache_counts()
     cap = capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
-    w2 = time.perf_counter()
+    w2, cache = time.perf_counter(), _cache_delta(counts)
     prof = profile_captured(cap)
     w3, c3 = time.perf_counter(), time.process_time()
     return {"wall": w3 - w0, "cpu": c3 - c0, "build": w1 - w0, "capture": w2 - w1, "profile": w3 - w2,
-            "prof": prof}
+            "cache": cache, "prof": prof}
 
 
 def time_bare(name: str) -> dict:
@@ -65,13 +67,33 @@ def time_bare(name: str) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    w0, c0 = time.perf_counter(), time.process_time()
+    w0, c0, counts = time.perf_counter(), time.process_time(), _cache_counts()
     with FakeTensorMode():
         ex = zoo.build(name)
         with FlopCounterMode(display=False) as counter:
             _loss(ex).backward()
     return {"wall": time.perf_counter() - w0, "cpu": time.process_time() - c0,
-            "flops": counter.get_total_flops()}
+            "cache": _cache_delta(counts), "flops": counter.get_total_flops()}
+
+
+def _cache_counts() -> dict:
+    """FakeTensorMode's dispatch-cache counters (class-level, summed over every fake mode)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return {"hits": FakeTensorMode.cache_hits, "misses": FakeTensorMode.cache_misses,
+            "bypasses": dict(FakeTensorMode.cache_bypasses)}
+
+
+def _cache_delta(before: dict) -> dict:
+    now = _cache_counts()
+    bypasses = {k: v - before["bypasses"].get(k, 0) for k, v in now["bypasses"].items()}
+    return {"hits": now["hits"] - before["hits"], "misses": now["misses"] - before["misses"],
+            "bypasses": {k: v for k, v in bypasses.items() if v}}
+
+
+def _fmt_cache(c: dict) -> str:
+    bypasses = ", ".join(f"{k} {v}" for k, v in sorted(c["bypasses"].items())) or "none"
+    return f"{c['hits']} hits, {c['misses']} misses, bypasses: {bypasses}"
 
 
 def warm_up() -> None:
@@ -136,6 +158,10 @@ def compare(name: str, repeat: int) -> None:
           f"CPU {warm_prof_cpu / warm_bare_cpu:.2f}")
     print(f"  all warm  profiler {_fmt_runs([p['warm'] for p in profs])}; "
           f"bare {_fmt_runs([b['warm'] for b in bares])}")
+    print("  fake-tensor dispatch cache (first run of each):")
+    for label, c in (("capture cold", profs[0]["cache"]), ("capture warm", profs[0]["warm"]["cache"]),
+                     ("bare cold", bares[0]["cache"]), ("bare warm", bares[0]["warm"]["cache"])):
+        print(f"    {label:12s} {_fmt_cache(c)}")
 
 
 def _fmt_runs(runs: list[dict]) -> str:
