@@ -25,12 +25,16 @@ The trace itself cannot be trimmed without changing the program (it *is* the pro
   drop ``meta["unbacked_bindings"]``, which we drop too;
 - the final ``ExportedProgram`` graph module is a lazy one (``_LazyGraphModule``, what
   ``torch.compile`` uses): its Python code is generated on first call or ``.code`` access
-  instead of at construction. Same graph, same module attributes.
+  instead of at construction. Same graph, same module attributes;
+- ``meta["tensor_meta"]``'s memory format, which the tracer computes for every node with
+  ``torch._prims_common``'s symbolic contiguity checks, is integer arithmetic when sizes and
+  strides are ints (about 10 us instead of 35 us a node: ~50 ms, ~1.3%, of a Llama-2-7B
+  capture); other shapes take the original path.
 
-Both replace private functions of ``torch.export`` (torch is pinned to 2.13.0); each falls back
-to the original function when anything about its shortcut fails; :func:`profiler.capture.capture`
-reruns plain ``torch.export.export`` when a failure went through the trimmed path; outside torch
-2.13 nothing is replaced.
+Each replaces a private function of ``torch.export`` or its tracer (torch is pinned to 2.13.0)
+and falls back to the original function when anything about its shortcut fails;
+:func:`profiler.capture.capture` reruns plain ``torch.export.export`` when a failure went
+through the trimmed path; outside torch 2.13 nothing is replaced.
 """
 from __future__ import annotations
 
