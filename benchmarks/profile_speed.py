@@ -10,13 +10,14 @@ For each config (built on the meta device; nothing real is allocated) it prints:
   backward under ``FlopCounterMode`` (what any FLOP count costs at least);
 - the ratio profiler / bare (target: <= 1.5), and the profile's headline figures.
 
-Every judged figure is COLD: each run is a fresh Python process that imports, warms up on the
-small zoo models (imports, lazy initialisation, nothing of the measured config), then times one
-profile, or one bare pass, of the big config. Profiler and bare processes alternate, ``--repeat``
-of each; the best of each is reported, in wall time and in the process's CPU time (the machine
-may be shared: CPU time is less sensitive to other load). WARM figures are the second profile,
-and the second bare pass, of the same config in the same process (fake-tensor caches filled); they
-get their own ratio. Each run also records FakeTensorMode's dispatch-cache counters (hits,
+COLD figures: each run is a fresh Python process that imports, warms up on the small zoo models
+(imports, lazy initialisation, nothing of the measured config), then times one profile, or one
+bare pass, of the big config. Profiler and bare processes alternate, ``--repeat`` of each; the
+best of each is reported, in wall time and in the process's CPU time (the machine may be shared:
+CPU time is less sensitive to other load). WARM figures are the second profile, and the second
+bare pass, of the same config in the same process (fake-tensor caches filled); they get their own
+ratio. ``--alternate N`` instead alternates N profiles and N bare passes in one process, so warm
+and warm see the same load. Each run also records FakeTensorMode's dispatch-cache counters (hits,
 misses, bypasses by reason) for its capture and its bare pass, cold and warm.
 
 ``--gpu-memory`` (needs CUDA) also trains mid-size GPT-2 and Llama configs on the GPU and prints
@@ -164,6 +165,22 @@ def compare(name: str, repeat: int) -> None:
         print(f"    {label:12s} {_fmt_cache(c)}")
 
 
+def alternate(name: str, rounds: int) -> None:
+    """Warm against warm in THIS process: ``rounds`` x (profile, bare pass), both under the same load."""
+    warm_up()
+    profs, bares = [], []
+    for _ in range(rounds):
+        run = time_profiler(name)
+        run.pop("prof")
+        profs.append(run["cpu"])
+        bares.append(time_bare(name)["cpu"])
+    fmt = " ".join
+    print(f"\n{name}, one process (CPU s): profiler {fmt(f'{c:.2f}' for c in profs)}; "
+          f"bare {fmt(f'{c:.2f}' for c in bares)}")
+    print(f"  cold ratio {profs[0] / bares[0]:.2f}; warm ratio {min(profs[1:]) / min(bares[1:]):.2f} "
+          f"(best of the last {rounds - 1})")
+
+
 def _fmt_runs(runs: list[dict]) -> str:
     return " ".join(f"{r['wall']:.2f}" for r in runs) + " s"
 
@@ -238,6 +255,8 @@ def main(argv=None) -> None:
                         help="big configs to time (none: skip the timing)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--gpu-memory", action="store_true", help="also check the peak on the GPU")
+    parser.add_argument("--alternate", type=int, metavar="N", default=0,
+                        help="instead: N alternating profiles and bare passes in this one process")
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -245,7 +264,10 @@ def main(argv=None) -> None:
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
     for name in args.configs:
-        compare(name, args.repeat)
+        if args.alternate:
+            alternate(name, max(args.alternate, 2))
+        else:
+            compare(name, args.repeat)
     if args.gpu_memory:
         print("\npeak memory of a steady-state AdamW step on the GPU (predicted / measured):")
         gpu_memory_check()
