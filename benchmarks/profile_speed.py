@@ -10,12 +10,15 @@ For each config (built on the meta device; nothing real is allocated) it prints:
   backward under ``FlopCounterMode`` (what any FLOP count costs at least);
 - the ratio profiler / bare (target: <= 1.5), and the profile's headline figures.
 
-Every judged figure is COLD: each run is a fresh Python process that imports, warms up on the
-small zoo models (imports, lazy initialisation, nothing of the measured config), then times one
-profile, or one bare pass, of the big config. Profiler and bare processes alternate, ``--repeat``
-of each; the best of each is reported, in wall time and in the process's CPU time (the machine
-may be shared: CPU time is less sensitive to other load). The WARM line is a second profile of
-the same config in the same process (fake-tensor caches filled), printed separately.
+COLD figures: each run is a fresh Python process that imports, warms up on the small zoo models
+(imports, lazy initialisation, nothing of the measured config), then times one profile, or one
+bare pass, of the big config. Profiler and bare processes alternate, ``--repeat`` of each; the
+best of each is reported, in wall time and in the process's CPU time (the machine may be shared:
+CPU time is less sensitive to other load). WARM figures are the second profile, and the second
+bare pass, of the same config in the same process (fake-tensor caches filled); they get their own
+ratio. ``--alternate N`` instead alternates N profiles and N bare passes in one process, so warm
+and warm see the same load. Each run also records FakeTensorMode's dispatch-cache counters (hits,
+misses, bypasses by reason) for its capture and its bare pass, cold and warm.
 
 ``--gpu-memory`` (needs CUDA) also trains mid-size GPT-2 and Llama configs on the GPU and prints
 the predicted peak of a steady-state AdamW step next to ``torch.cuda.max_memory_allocated``, in
@@ -51,13 +54,13 @@ def time_profiler(name: str) -> dict:
     """Wall and CPU seconds of build + capture + profile; the profile's headline figures."""
     w0, c0 = time.perf_counter(), time.process_time()
     ex = zoo.build(name, device="meta")
-    w1 = time.perf_counter()
+    w1, counts = time.perf_counter(), _cache_counts()
     cap = capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
-    w2 = time.perf_counter()
+    w2, cache = time.perf_counter(), _cache_delta(counts)
     prof = profile_captured(cap)
     w3, c3 = time.perf_counter(), time.process_time()
     return {"wall": w3 - w0, "cpu": c3 - c0, "build": w1 - w0, "capture": w2 - w1, "profile": w3 - w2,
-            "prof": prof}
+            "cache": cache, "prof": prof}
 
 
 def time_bare(name: str) -> dict:
@@ -65,13 +68,33 @@ def time_bare(name: str) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    w0, c0 = time.perf_counter(), time.process_time()
+    w0, c0, counts = time.perf_counter(), time.process_time(), _cache_counts()
     with FakeTensorMode():
         ex = zoo.build(name)
         with FlopCounterMode(display=False) as counter:
             _loss(ex).backward()
     return {"wall": time.perf_counter() - w0, "cpu": time.process_time() - c0,
-            "flops": counter.get_total_flops()}
+            "cache": _cache_delta(counts), "flops": counter.get_total_flops()}
+
+
+def _cache_counts() -> dict:
+    """FakeTensorMode's dispatch-cache counters (class-level, summed over every fake mode)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return {"hits": FakeTensorMode.cache_hits, "misses": FakeTensorMode.cache_misses,
+            "bypasses": dict(FakeTensorMode.cache_bypasses)}
+
+
+def _cache_delta(before: dict) -> dict:
+    now = _cache_counts()
+    bypasses = {k: v - before["bypasses"].get(k, 0) for k, v in now["bypasses"].items()}
+    return {"hits": now["hits"] - before["hits"], "misses": now["misses"] - before["misses"],
+            "bypasses": {k: v for k, v in bypasses.items() if v}}
+
+
+def _fmt_cache(c: dict) -> str:
+    bypasses = ", ".join(f"{k} {v}" for k, v in sorted(c["bypasses"].items())) or "none"
+    return f"{c['hits']} hits, {c['misses']} misses, bypasses: {bypasses}"
 
 
 def warm_up() -> None:
@@ -85,7 +108,8 @@ def worker(kind: str, name: str) -> None:
     """One cold measurement in this (fresh) process; prints one JSON line."""
     warm_up()
     if kind == "bare":
-        print(json.dumps(time_bare(name)))
+        cold = time_bare(name)
+        print(json.dumps({**cold, "warm": time_bare(name)}))
         return
     cold = time_profiler(name)
     prof = cold.pop("prof")
@@ -118,15 +142,43 @@ def compare(name: str, repeat: int) -> None:
     bare_wall, bare_cpu = min(b["wall"] for b in bares), min(b["cpu"] for b in bares)
     prof_cpu = min(p["cpu"] for p in profs)
     warm = min((p["warm"] for p in profs), key=lambda r: r["wall"])
+    warm_bare_wall = min(b["warm"]["wall"] for b in bares)
+    warm_prof_cpu = min(p["warm"]["cpu"] for p in profs)
+    warm_bare_cpu = min(b["warm"]["cpu"] for b in bares)
     print(f"\n{name}: {best['summary']}")
     print(f"  profiler  {best['wall']:6.2f} s  (build {best['build']:.2f} + capture {best['capture']:.2f} + "
           f"profile {best['profile']:.2f}); CPU {prof_cpu:.2f} s   [cold, best of {repeat}]")
     print(f"  bare      {bare_wall:6.2f} s  (FakeTensorMode build + FlopCounterMode fwd+bwd); "
           f"CPU {bare_cpu:.2f} s   [cold, best of {repeat}]")
-    print(f"  RATIO     {best['wall'] / bare_wall:6.2f}   (wall; target <= 1.5); CPU {prof_cpu / bare_cpu:.2f}")
+    print(f"  RATIO     {best['wall'] / bare_wall:6.2f}   (cold, wall; target <= 1.5); CPU {prof_cpu / bare_cpu:.2f}")
     print(f"  all runs  profiler {_fmt_runs(profs)}; bare {_fmt_runs(bares)}")
-    print(f"  warm      {warm['wall']:6.2f} s  (capture {warm['capture']:.2f} + profile {warm['profile']:.2f}; "
-          f"second profile in the same process, not judged)")
+    print(f"  warm prof {warm['wall']:6.2f} s  (build {warm['build']:.2f} + capture {warm['capture']:.2f} + "
+          f"profile {warm['profile']:.2f}); CPU {warm_prof_cpu:.2f} s   [second profile in the same process]")
+    print(f"  warm bare {warm_bare_wall:6.2f} s  CPU {warm_bare_cpu:.2f} s   [second bare pass in the same process]")
+    print(f"  RATIO     {warm['wall'] / warm_bare_wall:6.2f}   (warm, wall; target <= 1.5); "
+          f"CPU {warm_prof_cpu / warm_bare_cpu:.2f}")
+    print(f"  all warm  profiler {_fmt_runs([p['warm'] for p in profs])}; "
+          f"bare {_fmt_runs([b['warm'] for b in bares])}")
+    print("  fake-tensor dispatch cache (first run of each):")
+    for label, c in (("capture cold", profs[0]["cache"]), ("capture warm", profs[0]["warm"]["cache"]),
+                     ("bare cold", bares[0]["cache"]), ("bare warm", bares[0]["warm"]["cache"])):
+        print(f"    {label:12s} {_fmt_cache(c)}")
+
+
+def alternate(name: str, rounds: int) -> None:
+    """Warm against warm in THIS process: ``rounds`` x (profile, bare pass), both under the same load."""
+    warm_up()
+    profs, bares = [], []
+    for _ in range(rounds):
+        run = time_profiler(name)
+        run.pop("prof")
+        profs.append(run["cpu"])
+        bares.append(time_bare(name)["cpu"])
+    fmt = " ".join
+    print(f"\n{name}, one process (CPU s): profiler {fmt(f'{c:.2f}' for c in profs)}; "
+          f"bare {fmt(f'{c:.2f}' for c in bares)}")
+    print(f"  cold ratio {profs[0] / bares[0]:.2f}; warm ratio {min(profs[1:]) / min(bares[1:]):.2f} "
+          f"(best of the last {rounds - 1})")
 
 
 def _fmt_runs(runs: list[dict]) -> str:
@@ -203,6 +255,8 @@ def main(argv=None) -> None:
                         help="big configs to time (none: skip the timing)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--gpu-memory", action="store_true", help="also check the peak on the GPU")
+    parser.add_argument("--alternate", type=int, metavar="N", default=0,
+                        help="instead: N alternating profiles and bare passes in this one process")
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -210,7 +264,10 @@ def main(argv=None) -> None:
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
     for name in args.configs:
-        compare(name, args.repeat)
+        if args.alternate:
+            alternate(name, max(args.alternate, 2))
+        else:
+            compare(name, args.repeat)
     if args.gpu_memory:
         print("\npeak memory of a steady-state AdamW step on the GPU (predicted / measured):")
         gpu_memory_check()

@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.export._trace as export_trace
 import torch.export.exported_program as exported_program
@@ -117,3 +119,31 @@ def test_model_errors_are_not_retried(monkeypatch):
     with pytest.raises(capture_mod.CaptureError):
         capture_mod.capture(Bad(), (torch.randn(3),))
     assert len(exports) == 1
+
+
+# The tracer's tensor_meta (its memory format) is computed by the shortcut; same values as plain export.
+@pytest.mark.parametrize("name", ["llama", "resnet"])
+def test_tensor_meta_as_plain_export(name):
+    ex = zoo.build(name)
+    plain, fast = _export(ex, trimmed=False), _export(ex, trimmed=True)
+    for a, b in zip(plain.graph.nodes, fast.graph.nodes, strict=True):
+        assert a.meta.get("tensor_meta") == b.meta.get("tensor_meta"), a.name
+
+
+_dims = st.lists(st.integers(0, 4), min_size=0, max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=_dims, data=st.data())
+def test_memory_format_matches_prims_common(shape, data):
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    stride = data.draw(st.lists(st.integers(0, 40), min_size=len(shape), max_size=len(shape)))
+    if data.draw(st.booleans()) and len(shape) in (4, 5):  # a real channels-last layout
+        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        t = torch.empty(shape, device="meta").contiguous(memory_format=fmt)
+    else:
+        t = torch.empty_strided(shape, stride, device="meta")
+    fast = fastexport._static_tensor_metadata(_extract_tensor_metadata)
+    assert fast(t) == _extract_tensor_metadata(t)
+    assert fast(t, include_contiguity=False) == _extract_tensor_metadata(t, include_contiguity=False)
