@@ -30,7 +30,10 @@ from autopar.mesh import Device, Link, Mesh
 
 DEFAULT_SIZES = {"cpu": (2**10, 2**14, 2**17, 2**20, 2**22), "cuda": (2**12, 2**16, 2**20, 2**24, 2**26)}
 """Message sizes in bytes swept per axis, by device type (a short sweep: about a second on gloo)."""
-_KINDS = ("all_reduce", "all_gather")
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+"""Collective kinds swept per axis: the four the runtime's resharding steps issue."""
+_LINK_KINDS = ("all_reduce", "all_gather")
+"""The kinds the axis' own ``Link(alpha, beta)`` is fitted on (broadcast and send use it)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -53,16 +56,28 @@ def _median_time(fn, device, repeats: int, warmup: int, barrier: bool) -> float:
     return statistics.median(times)
 
 
+def _message_bytes(nbytes: int, n: int) -> int:
+    """``nbytes`` rounded down to whole fp32 elements that split evenly over ``n`` ranks."""
+    return max(n, nbytes // 4 // n * n) * 4
+
+
 def _collective_fn(kind: str, nbytes: int, dm, axis: int, device):
-    """A closure running one collective of ``kind`` and ``nbytes`` over ``axis``."""
-    group, n = dm.get_group(axis), dm.size(axis)
-    numel = max(1, nbytes // 4)  # fp32 elements
-    if kind == "all_reduce":
-        buf = torch.ones(numel, device=device)
-        return lambda: dist.all_reduce(buf, group=group)  # noqa: E731
-    inp = torch.ones(max(1, numel // n), device=device)  # all_gather: nbytes is the gathered output
-    out = torch.empty(inp.numel() * n, device=device)
-    return lambda: dist.all_gather_single(out, inp, group=group)  # noqa: E731
+    """A closure running one collective of ``kind`` and ``nbytes`` (see :func:`_message_bytes`)
+    over ``axis``. The
+    closure issues the functional collective the runtime's resharding step issues
+    (``autopar.runtime.collectives``) and waits for it, so its price includes what a step pays
+    around the transfer (gloo's reduce-scatter is an all-reduce underneath, for one)."""
+    import torch.distributed._functional_collectives as funcol
+
+    group, n = (dm, axis), dm.size(axis)
+    numel = _message_bytes(nbytes, n) // 4  # fp32 elements of the logical tensor
+    full = torch.ones(numel, device=device)
+    piece = torch.ones(numel // n, device=device)
+    run = {"all_reduce": lambda: funcol.all_reduce(full, "sum", group),
+           "all_gather": lambda: funcol.all_gather_single(piece, 0, group),  # nbytes: the gathered output
+           "reduce_scatter": lambda: funcol.reduce_scatter_single(full, "sum", 0, group),  # nbytes: the input
+           "all_to_all": lambda: funcol.all_to_all_single(full, None, None, group)}[kind]
+    return lambda: funcol.wait_tensor(run())  # noqa: E731
 
 
 def _time_collectives(plan, dm, device, repeats: int, warmup: int) -> list[float]:
@@ -115,6 +130,21 @@ def fit_alpha_beta(points: Sequence[dict], n: int) -> dict:
             "max_rel_error": float(np.max(np.abs(err)))}
 
 
+def fit_link(points: Sequence[dict], n: int) -> tuple[Link, dict]:
+    """The :class:`Link` of an axis of ``n`` ranks from measured ``points`` (dicts with kind,
+    nbytes, seconds), and its record: ``(alpha, beta)`` fitted on the all-reduce and all-gather
+    points (:func:`fit_alpha_beta`), and one ``(kind, alpha, beta)`` per kind with at least two
+    sizes, fitted on that kind alone (``Link.kinds``; the cost model prices that kind with them)."""
+    base = fit_alpha_beta([p for p in points if p["kind"] in _LINK_KINDS] or points, n)
+    kinds = {}
+    for kind in dict.fromkeys(p["kind"] for p in points):
+        pts = [p for p in points if p["kind"] == kind]
+        if len({p["nbytes"] for p in pts}) >= 2:  # alpha and beta both need two sizes
+            kinds[kind] = fit_alpha_beta(pts, n)
+    link = Link(base["alpha"], base["beta"], tuple((k, f["alpha"], f["beta"]) for k, f in kinds.items()))
+    return link, {**base, "kinds": kinds}
+
+
 def _matmul_time(n: int, dtype, device, repeats, warmup) -> float | None:
     try:
         x = torch.randn(n, n, device=device).to(dtype)
@@ -147,6 +177,7 @@ def _device_times(device: torch.device, repeats: int, warmup: int) -> dict:
     numel = (4 << 20) if device.type == "cpu" else (256 << 20)  # fp32 elements: 16 MiB / 1 GiB
     src, dst = torch.ones(numel, device=device), torch.empty(numel, device=device)
     out["copy"] = (numel * 4, _median_time(lambda: dst.copy_(src), device, repeats, warmup, barrier=True))
+    out["elementwise"] = _elementwise_time(device, repeats, warmup)
     tiny, k = torch.zeros(1, device=device), 50
 
     def tiny_ops():  # back to back, as a training step issues them: launch cost, not sync cost
@@ -155,6 +186,28 @@ def _device_times(device: torch.device, repeats: int, warmup: int) -> dict:
 
     out["kernel"] = (k, _median_time(tiny_ops, device, repeats, warmup, barrier=True))
     return out
+
+
+def _elementwise_time(device: torch.device, repeats: int, warmup: int) -> tuple[int, float]:
+    """(bytes read + written, seconds) of one pass over the memory-bound kernels a training step is
+    made of (pointwise arithmetic, transcendentals, a GELU, softmax, layer norm, a pointwise
+    backward), on an activation-sized (rows, 256) fp32 tensor. Bytes are counted as the profiler
+    counts an op's (inputs + outputs). On CPUs a copy runs 5-15x faster per byte than tanh or exp,
+    so the copy rate priced a step's pointwise ops 2-3x too fast; on GPUs all of these are
+    bandwidth-bound and read close to the copy rate."""
+    numel = (1 << 20) if device.type == "cpu" else (64 << 20)  # 4 MiB (a small layer's activation) / 256 MiB
+    x, y, g = (torch.randn(numel // 256, 256, device=device) for _ in range(3))
+    f = torch.nn.functional
+    # (kernel, tensors it reads + writes, in units of x)
+    ops = [(lambda: x + y, 3), (lambda: x * y, 3), (lambda: torch.tanh(x), 2), (lambda: torch.exp(x), 2),
+           (lambda: x.pow(3), 2), (lambda: f.gelu(x), 2), (lambda: torch.softmax(x, -1), 2),
+           (lambda: f.layer_norm(x, (256,)), 2), (lambda: torch.ops.aten.tanh_backward(g, y), 3)]
+
+    def run():
+        for op, _ in ops:
+            op()
+
+    return sum(u for _, u in ops) * numel * 4, _median_time(run, device, repeats, warmup, barrier=True)
 
 
 def _max_over_ranks(values: list[float], device) -> list[float]:
@@ -190,7 +243,8 @@ def calibrate(device_mesh, *, sizes: Sequence[int] | None = None, repeats: int =
     if not sizes or any(s < 4 for s in sizes):
         raise ValueError(f"sizes must be message sizes of at least 4 bytes, got {sizes}")
 
-    plan = [(ax, k, s) for ax in range(base.ndim) if base.shape[ax] > 1 for k in _KINDS for s in sizes]
+    plan = [(ax, k, _message_bytes(s, base.shape[ax])) for ax in range(base.ndim) if base.shape[ax] > 1
+            for k in _KINDS for s in sizes]
     raw = _time_collectives(plan, device_mesh, device, repeats, warmup)
     dev = _device_times(device, repeats, warmup)
     agreed = _max_over_ranks(raw + [v[1] for v in dev.values()], device)
@@ -202,8 +256,7 @@ def calibrate(device_mesh, *, sizes: Sequence[int] | None = None, repeats: int =
         if not pts:
             axes[name] = {"size": 1, "skipped": "axis of size 1: nothing to measure, preset link kept"}
             continue
-        fit = fit_alpha_beta(pts, base.shape[ax])
-        links[ax] = Link(fit["alpha"], fit["beta"])
+        links[ax], fit = fit_link(pts, base.shape[ax])
         axes[name] = {"size": base.shape[ax], "points": pts, **fit}
     new_device, dev_record = _device_from_times(base.device, dev, device)
     record = {"backend": dist.get_backend(), "world_size": dist.get_world_size(), "repeats": repeats,
@@ -227,7 +280,9 @@ def _device_from_times(preset: Device, dev: dict, device: torch.device) -> tuple
     for name in ("bf16", "fp16"):
         rates.setdefault(name, rates["fp32"])
     copy_bytes, copy_t = dev["copy"]
-    mem_bw = 2 * copy_bytes / copy_t  # a copy reads and writes every byte
+    ew_bytes, ew_t = dev["elementwise"]
+    # The rate memory-bound kernels reach: the pointwise mix, which a copy (2 x bytes / time) outruns.
+    mem_bw = ew_bytes / ew_t
     memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
               else _host_memory_per_rank())
     new = dataclasses.replace(preset, name=f"{preset.name} (calibrated)", fp32_flops=rates["fp32"],
@@ -236,7 +291,8 @@ def _device_from_times(preset: Device, dev: dict, device: torch.device) -> tuple
                               kernel_floor=dev["kernel"][1] / dev["kernel"][0])
     record = {"matmul": {k: {"n": dev[k][0], "seconds": dev[k][1], "flops_per_s": rates.get(k)}
                          for k in ("fp32", "tf32", "bf16", "fp16") if k in dev},
-              "copy": {"bytes": copy_bytes, "seconds": copy_t, "bytes_per_s": mem_bw},
+              "copy": {"bytes": copy_bytes, "seconds": copy_t, "bytes_per_s": 2 * copy_bytes / copy_t},
+              "elementwise": {"bytes": ew_bytes, "seconds": ew_t, "bytes_per_s": mem_bw},
               "kernel_floor_s": dev["kernel"][1] / dev["kernel"][0], "memory_bytes": int(memory),
               "note": "peaks are measured achieved rates, so matmul_efficiency is 1.0"}
     return new, record
