@@ -1,18 +1,29 @@
-"""Measure the live cluster: alpha and beta per mesh axis, matmul FLOP/s, copy bandwidth.
+"""Measure the live cluster: alpha and beta per mesh axis and collective kind, matmul FLOP/s, the
+rate of memory-bound kernels and the per-kernel floor.
 
 ``calibrate(device_mesh)`` runs on every rank of a live process group and returns the same
 :class:`autopar.Mesh` on all of them, with the measured figures and a JSON-serialisable
 ``mesh.calibration`` record (measured points, fits, residuals).
 
-Per axis, all-reduce and all-gather run over a sweep of message sizes inside every axis group at
-once (as in training), each timed between world barriers, median of ``repeats``. The points take
-turns round by round rather than one after the other: a shared host's speed drifts by 2x within
-minutes, and round-robin spreads that drift over every point instead of tilting the fit. The ring model
-``t = alpha * steps + nbytes * factor / beta`` (all-reduce: steps 2(n-1), factor 2(n-1)/n;
-all-gather: steps n-1, factor (n-1)/n) is fitted by least squares on RELATIVE errors, so small
-messages (which set alpha) weigh as much as large ones (which set beta); the residual reported is
-the RMS relative error of the fit. Every rank's times are max-reduced first: the slowest rank sets
-the pace and all ranks derive identical figures.
+Per axis, the four collectives the runtime's resharding steps issue (all-reduce, all-gather,
+reduce-scatter, all-to-all, through the same functional collectives and waits) run over a sweep
+of message sizes inside every axis group at once (as in training), each timed between world
+barriers, median of ``repeats``. The points take turns round by round rather than one after the
+other: a shared host's speed drifts by 2x within minutes, and round-robin spreads that drift over
+every point instead of tilting the fit. The ring model ``t = alpha * steps + nbytes * factor /
+beta`` (all-reduce: steps 2(n-1), factor 2(n-1)/n; the others: steps n-1, factor (n-1)/n) is
+fitted by least squares on RELATIVE errors, so small messages (which set alpha) weigh as much as
+large ones (which set beta); the residual reported is the RMS relative error of the fit. The
+axis' ``Link(alpha, beta)`` is the fit over all-reduce and all-gather; each kind also gets its
+own fit (``Link.kinds``), which prices it: on gloo the kinds differ by more than the ring's step
+counts (a reduce-scatter is an all-reduce underneath; on two ranks an all-gather waits as long as
+an all-reduce). Every rank's times are max-reduced first: the slowest rank sets the pace and all
+ranks derive identical figures.
+
+Device: matmul FLOP/s per dtype; ``mem_bandwidth`` from a mix of a step's memory-bound kernels
+(pointwise arithmetic, transcendentals, softmax, layer norm), not from a copy, which runs several
+times faster per byte on CPUs; ``kernel_floor`` from a chain of tiny ops run forward and backward
+through autograd, per kernel.
 """
 from __future__ import annotations
 
@@ -178,14 +189,23 @@ def _device_times(device: torch.device, repeats: int, warmup: int) -> dict:
     src, dst = torch.ones(numel, device=device), torch.empty(numel, device=device)
     out["copy"] = (numel * 4, _median_time(lambda: dst.copy_(src), device, repeats, warmup, barrier=True))
     out["elementwise"] = _elementwise_time(device, repeats, warmup)
-    tiny, k = torch.zeros(1, device=device), 50
-
-    def tiny_ops():  # back to back, as a training step issues them: launch cost, not sync cost
-        for _ in range(k):
-            tiny.add_(1)
-
-    out["kernel"] = (k, _median_time(tiny_ops, device, repeats, warmup, barrier=True))
+    out["kernel"] = _kernel_floor_time(device, repeats, warmup)
     return out
+
+
+def _kernel_floor_time(device: torch.device, repeats: int, warmup: int) -> tuple[int, float]:
+    """(kernels, seconds) of a forward + backward through autograd of a chain of tiny ops: the least
+    a step's op costs, per kernel (dispatch, launch, the autograd node and the engine's work), not
+    a bare kernel's launch, which is 2-3x cheaper on CPUs. Back to back, as a step issues them."""
+    x, k = torch.zeros(8, device=device, requires_grad=True), 25
+
+    def chain():
+        y = x
+        for _ in range(k):
+            y = y * 1.0001
+        y.sum().backward()  # k multiplies and a sum forward; their k + 1 gradients backward
+
+    return 2 * k + 2, _median_time(chain, device, repeats, warmup, barrier=True)
 
 
 def _elementwise_time(device: torch.device, repeats: int, warmup: int) -> tuple[int, float]:

@@ -158,7 +158,7 @@ def _collectives(pm, ex) -> int:
 
 
 def _calibration(mesh) -> dict:
-    return {"links": [{"alpha": lk.alpha, "beta": lk.beta} for lk in mesh.links],
+    return {"links": [{"alpha": lk.alpha, "beta": lk.beta, "kinds": [list(k) for k in lk.kinds]} for lk in mesh.links],
             "device": {"fp32_flops": mesh.device.fp32_flops, "mem_bandwidth": mesh.device.mem_bandwidth,
                        "kernel_floor": mesh.device.kernel_floor}}
 
@@ -240,7 +240,7 @@ def spearman(x, y) -> float:
 def _fmt_cal(c: dict) -> str:
     lk = ", ".join(f"alpha {x['alpha'] * 1e6:.0f} us beta {x['beta'] / 1e9:.2f} GB/s" for x in c["links"])
     d = c["device"]
-    return (f"{lk}; {d['fp32_flops'] / 1e9:.1f} GFLOP/s, copy {d['mem_bandwidth'] / 1e9:.1f} GB/s, "
+    return (f"{lk}; {d['fp32_flops'] / 1e9:.1f} GFLOP/s, pointwise {d['mem_bandwidth'] / 1e9:.1f} GB/s, "
             f"kernel floor {d['kernel_floor'] * 1e6:.1f} us")
 
 
