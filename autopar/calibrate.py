@@ -17,8 +17,8 @@ large ones (which set beta); the residual reported is the RMS relative error of 
 axis' ``Link(alpha, beta)`` is the fit over all-reduce and all-gather; each kind also gets its
 own fit (``Link.kinds``), which prices it: on gloo the kinds differ by more than the ring's step
 counts (a reduce-scatter is an all-reduce underneath; on two ranks an all-gather waits as long as
-an all-reduce). Every rank's times are max-reduced first: the slowest rank sets the pace and all
-ranks derive identical figures.
+an all-reduce). Each run's time is max-reduced over the ranks before the median (a step waits
+for its slowest rank), so all ranks derive identical figures.
 
 Device: matmul FLOP/s per dtype; ``mem_bandwidth`` from a mix of a step's memory-bound kernels
 (pointwise arithmetic, transcendentals, softmax, layer norm), not from a copy, which runs several
@@ -52,7 +52,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn, device, repeats: int, warmup: int, barrier: bool) -> float:
+def _run_times(fn, device, repeats: int, warmup: int, barrier: bool) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``fn`` on this rank, after ``warmup`` runs."""
     for _ in range(warmup):
         fn()
     times = []
@@ -64,7 +65,7 @@ def _median_time(fn, device, repeats: int, warmup: int, barrier: bool) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def _message_bytes(nbytes: int, n: int) -> int:
@@ -91,8 +92,8 @@ def _collective_fn(kind: str, nbytes: int, dm, axis: int, device):
     return lambda: funcol.wait_tensor(run())  # noqa: E731
 
 
-def _time_collectives(plan, dm, device, repeats: int, warmup: int) -> list[float]:
-    """Median seconds of each ``(axis, kind, nbytes)`` in ``plan``. The points take turns, one
+def _time_collectives(plan, dm, device, repeats: int, warmup: int) -> list[list[float]]:
+    """Seconds of each run of each ``(axis, kind, nbytes)`` in ``plan`` on this rank. The points take turns, one
     run each per round (a host whose speed drifts within seconds then biases no point against
     another), every run started together on all ranks (barrier), as in a training step."""
     fns = [_collective_fn(k, s, dm, ax, device) for ax, k, s in plan]
@@ -106,7 +107,7 @@ def _time_collectives(plan, dm, device, repeats: int, warmup: int) -> list[float
             _sync(device)
             if r >= warmup:
                 times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def ring_terms(kind: str, n: int) -> tuple[int, float]:
@@ -156,11 +157,11 @@ def fit_link(points: Sequence[dict], n: int) -> tuple[Link, dict]:
     return link, {**base, "kinds": kinds}
 
 
-def _matmul_time(n: int, dtype, device, repeats, warmup) -> float | None:
+def _matmul_time(n: int, dtype, device, repeats, warmup) -> list[float] | None:
     try:
         x = torch.randn(n, n, device=device).to(dtype)
         y = torch.randn(n, n, device=device).to(dtype)
-        return _median_time(lambda: torch.mm(x, y), device, repeats, warmup, barrier=True)
+        return _run_times(lambda: torch.mm(x, y), device, repeats, warmup, barrier=True)
     except (RuntimeError, TypeError):  # dtype without a matmul kernel on this device
         return None
 
@@ -187,14 +188,14 @@ def _device_times(device: torch.device, repeats: int, warmup: int) -> dict:
         out[name] = (n_low, _matmul_time(n_low, dt, device, repeats, warmup))
     numel = (4 << 20) if device.type == "cpu" else (256 << 20)  # fp32 elements: 16 MiB / 1 GiB
     src, dst = torch.ones(numel, device=device), torch.empty(numel, device=device)
-    out["copy"] = (numel * 4, _median_time(lambda: dst.copy_(src), device, repeats, warmup, barrier=True))
+    out["copy"] = (numel * 4, _run_times(lambda: dst.copy_(src), device, repeats, warmup, barrier=True))
     out["elementwise"] = _elementwise_time(device, repeats, warmup)
     out["kernel"] = _kernel_floor_time(device, repeats, warmup)
     return out
 
 
 def _kernel_floor_time(device: torch.device, repeats: int, warmup: int) -> tuple[int, float]:
-    """(kernels, seconds) of a forward + backward through autograd of a chain of tiny ops: the least
+    """(kernels, seconds of each run) of a forward + backward through autograd of a chain of tiny ops: the least
     a step's op costs, per kernel (dispatch, launch, the autograd node and the engine's work), not
     a bare kernel's launch, which is 2-3x cheaper on CPUs. Back to back, as a step issues them."""
     x, k = torch.zeros(8, device=device, requires_grad=True), 25
@@ -205,11 +206,11 @@ def _kernel_floor_time(device: torch.device, repeats: int, warmup: int) -> tuple
             y = y * 1.0001
         y.sum().backward()  # k multiplies and a sum forward; their k + 1 gradients backward
 
-    return 2 * k + 2, _median_time(chain, device, repeats, warmup, barrier=True)
+    return 2 * k + 2, _run_times(chain, device, repeats, warmup, barrier=True)
 
 
 def _elementwise_time(device: torch.device, repeats: int, warmup: int) -> tuple[int, float]:
-    """(bytes read + written, seconds) of one pass over the memory-bound kernels a training step is
+    """(bytes read + written, seconds of each run) of one pass over the memory-bound kernels a training step is
     made of (pointwise arithmetic, transcendentals, a GELU, softmax, layer norm, a pointwise
     backward), on an activation-sized (rows, 256) fp32 tensor. Bytes are counted as the profiler
     counts an op's (inputs + outputs). On CPUs a copy runs 5-15x faster per byte than tanh or exp,
@@ -227,14 +228,19 @@ def _elementwise_time(device: torch.device, repeats: int, warmup: int) -> tuple[
         for op, _ in ops:
             op()
 
-    return sum(u for _, u in ops) * numel * 4, _median_time(run, device, repeats, warmup, barrier=True)
+    return sum(u for _, u in ops) * numel * 4, _run_times(run, device, repeats, warmup, barrier=True)
 
 
-def _max_over_ranks(values: list[float], device) -> list[float]:
-    # A missing measurement is sent as -1 and stays missing only if every rank lacks it.
-    t = torch.tensor([-1.0 if v is None else v for v in values], dtype=torch.float64, device=device)
+def _slowest_median(runs: list[list[float] | None], repeats: int, device) -> list[float | None]:
+    """Per point, the median over runs of the slowest rank's seconds: a step waits for its slowest
+    rank at every collective, so each run is max-reduced before the median (the median of each
+    rank first, then the max, read a step's kernels and collectives up to 30% fast where ranks
+    share cores). A missing point (``None``: no kernel for that dtype) stays missing only if every
+    rank lacks it."""
+    rows = [[-1.0] * repeats if r is None else r for r in runs]
+    t = torch.tensor(rows, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [None if v < 0 else v for v in t.tolist()]
+    return [None if row[0] < 0 else statistics.median(row) for row in t.tolist()]
 
 
 def _host_memory_per_rank() -> int:
@@ -267,7 +273,7 @@ def calibrate(device_mesh, *, sizes: Sequence[int] | None = None, repeats: int =
             for k in _KINDS for s in sizes]
     raw = _time_collectives(plan, device_mesh, device, repeats, warmup)
     dev = _device_times(device, repeats, warmup)
-    agreed = _max_over_ranks(raw + [v[1] for v in dev.values()], device)
+    agreed = _slowest_median(raw + [v[1] for v in dev.values()], repeats, device)
     coll, dev = agreed[:len(raw)], dict(zip(dev, ((v[0], t) for v, t in zip(dev.values(), agreed[len(raw):]))))
 
     links, axes = list(base.links), {}
