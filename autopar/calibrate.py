@@ -322,3 +322,30 @@ def _device_from_times(preset: Device, dev: dict, device: torch.device) -> tuple
               "kernel_floor_s": dev["kernel"][1] / dev["kernel"][0], "memory_bytes": int(memory),
               "note": "peaks are measured achieved rates, so matmul_efficiency is 1.0"}
     return new, record
+
+
+def combine(meshes: Sequence[Mesh]) -> Mesh:
+    """One mesh from several calibrations of the same mesh: the median of each measured figure
+    (every link's alpha and beta, each kind's, the device's rates and floor). Calibrating a few
+    times spread over a run (between its steps) and combining prices the run at the speed the
+    host had while it ran, where one calibration catches one moment of a shared host."""
+    if not meshes:
+        raise ValueError("combine needs at least one calibrated mesh")
+    first = meshes[0]
+    if any(m.shape != first.shape or m.axis_names != first.axis_names for m in meshes):
+        raise ValueError(f"combine needs calibrations of one mesh, got shapes {[m.shape for m in meshes]}")
+
+    def med(values):
+        return statistics.median(values)
+
+    links = []
+    for ax in range(first.ndim):
+        lks = [m.links[ax] for m in meshes]
+        names = [k for k, _, _ in lks[0].kinds if all(k in {x for x, _, _ in lk.kinds} for lk in lks)]
+        kinds = tuple((k, med([a for lk in lks for x, a, _ in lk.kinds if x == k]),
+                       med([b for lk in lks for x, _, b in lk.kinds if x == k])) for k in names)
+        links.append(Link(med([lk.alpha for lk in lks]), med([lk.beta for lk in lks]), kinds))
+    fields = ("fp32_flops", "tf32_flops", "bf16_flops", "fp16_flops", "mem_bandwidth", "kernel_floor")
+    device = dataclasses.replace(first.device, **{f: med([getattr(m.device, f) for m in meshes]) for f in fields})
+    record = {"combined": len(meshes), "records": [m.calibration for m in meshes]}
+    return first.replace(links=tuple(links), device=device, calibration=record)

@@ -3,6 +3,7 @@
 All real-process checks of the mesh, cost and resharding tests share ONE launch of 4 processes
 (module fixture); the tests below assert on what the ranks wrote back.
 """
+import dataclasses
 import itertools
 import json
 import math
@@ -165,3 +166,18 @@ def test_fit_link_prices_each_kind_on_its_own_fit():
     assert collective_time("broadcast", 1 << 20, mesh, 0) == pytest.approx(link.alpha + (1 << 20) / link.beta)
     # A kind measured at one size only keeps the joint figures.
     assert [k for k, _, _ in fit_link(pts[:4], n)[0].kinds] == ["all_reduce"]
+
+
+def test_combine_takes_the_median_of_each_figure():
+    from autopar.calibrate import combine
+
+    base = Mesh((2, 2), cluster="cpu")
+    meshes = [base.replace(links=(Link(a, 1e9 * a * 1e3, (("all_to_all", 2 * a, 5e8 / a / 1e3),)), Link(a, 2e9)),
+                           device=dataclasses.replace(base.device, fp32_flops=f, kernel_floor=a / 100))
+              for a, f in ((1e-3, 30e9), (3e-3, 10e9), (2e-3, 20e9))]
+    m = combine(meshes)
+    assert m.links[0] == Link(2e-3, 2e9, (("all_to_all", 4e-3, 2.5e8),)) and m.links[1] == Link(2e-3, 2e9)
+    assert m.device.fp32_flops == 20e9 and m.device.kernel_floor == 2e-5
+    assert m.device.mem_bandwidth == base.device.mem_bandwidth and m.calibration["combined"] == 3
+    with pytest.raises(ValueError, match="one mesh"):
+        combine([base, Mesh((4,), cluster="cpu")])
