@@ -160,7 +160,8 @@ def _collectives(pm, ex) -> int:
 
 
 def _calibration(mesh) -> dict:
-    return {"links": [{"alpha": lk.alpha, "beta": lk.beta, "kinds": [list(k) for k in lk.kinds]} for lk in mesh.links],
+    return {"links": [{"alpha": lk.alpha, "beta": lk.beta, "kinds": [list(k) for k in lk.kinds]}
+                      for lk in mesh.links],
             "device": {"fp32_flops": mesh.device.fp32_flops, "mem_bandwidth": mesh.device.mem_bandwidth,
                        "kernel_floor": mesh.device.kernel_floor}}
 
@@ -170,7 +171,8 @@ def worker(rank, world, shape, families, warmup, steps):
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar import zoo
-    from autopar.calibrate import calibrate, combine  # autopar.calibrate, the attribute, turns into the module once imported
+    # autopar.calibrate, the attribute, turns into the module once imported: import from the module
+    from autopar.calibrate import calibrate, combine
     from autopar.plan import Plan
     from autopar.planner.comms import plan_collectives
     from autopar.runtime.module import ParallelModule
