@@ -1,18 +1,29 @@
-"""Measure the live cluster: alpha and beta per mesh axis, matmul FLOP/s, copy bandwidth.
+"""Measure the live cluster: alpha and beta per mesh axis and collective kind, matmul FLOP/s, the
+rate of memory-bound kernels and the per-kernel floor.
 
 ``calibrate(device_mesh)`` runs on every rank of a live process group and returns the same
 :class:`autopar.Mesh` on all of them, with the measured figures and a JSON-serialisable
 ``mesh.calibration`` record (measured points, fits, residuals).
 
-Per axis, all-reduce and all-gather run over a sweep of message sizes inside every axis group at
-once (as in training), each timed between world barriers, median of ``repeats``. The points take
-turns round by round rather than one after the other: a shared host's speed drifts by 2x within
-minutes, and round-robin spreads that drift over every point instead of tilting the fit. The ring model
-``t = alpha * steps + nbytes * factor / beta`` (all-reduce: steps 2(n-1), factor 2(n-1)/n;
-all-gather: steps n-1, factor (n-1)/n) is fitted by least squares on RELATIVE errors, so small
-messages (which set alpha) weigh as much as large ones (which set beta); the residual reported is
-the RMS relative error of the fit. Every rank's times are max-reduced first: the slowest rank sets
-the pace and all ranks derive identical figures.
+Per axis, the four collectives the runtime's resharding steps issue (all-reduce, all-gather,
+reduce-scatter, all-to-all, through the same functional collectives and waits) run over a sweep
+of message sizes inside every axis group at once (as in training), each timed between world
+barriers, median of ``repeats``. The points take turns round by round rather than one after the
+other: a shared host's speed drifts by 2x within minutes, and round-robin spreads that drift over
+every point instead of tilting the fit. The ring model ``t = alpha * steps + nbytes * factor /
+beta`` (all-reduce: steps 2(n-1), factor 2(n-1)/n; the others: steps n-1, factor (n-1)/n) is
+fitted by least squares on RELATIVE errors, so small messages (which set alpha) weigh as much as
+large ones (which set beta); the residual reported is the RMS relative error of the fit. The
+axis' ``Link(alpha, beta)`` is the fit over all-reduce and all-gather; each kind also gets its
+own fit (``Link.kinds``), which prices it: on gloo the kinds differ by more than the ring's step
+counts (a reduce-scatter is an all-reduce underneath; on two ranks an all-gather waits as long as
+an all-reduce). Each run's time is max-reduced over the ranks before the median (a step waits
+for its slowest rank), so all ranks derive identical figures.
+
+Device: matmul FLOP/s per dtype; ``mem_bandwidth`` from a mix of a step's memory-bound kernels
+(pointwise arithmetic, transcendentals, softmax, layer norm), not from a copy, which runs several
+times faster per byte on CPUs; ``kernel_floor`` from a chain of tiny ops run forward and backward
+through autograd, per kernel.
 """
 from __future__ import annotations
 
@@ -30,7 +41,10 @@ from autopar.mesh import Device, Link, Mesh
 
 DEFAULT_SIZES = {"cpu": (2**10, 2**14, 2**17, 2**20, 2**22), "cuda": (2**12, 2**16, 2**20, 2**24, 2**26)}
 """Message sizes in bytes swept per axis, by device type (a short sweep: about a second on gloo)."""
-_KINDS = ("all_reduce", "all_gather")
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+"""Collective kinds swept per axis: the four the runtime's resharding steps issue."""
+_LINK_KINDS = ("all_reduce", "all_gather")
+"""The kinds the axis' own ``Link(alpha, beta)`` is fitted on (broadcast and send use it)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -38,7 +52,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn, device, repeats: int, warmup: int, barrier: bool) -> float:
+def _run_times(fn, device, repeats: int, warmup: int, barrier: bool) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``fn`` on this rank, after ``warmup`` runs."""
     for _ in range(warmup):
         fn()
     times = []
@@ -50,23 +65,35 @@ def _median_time(fn, device, repeats: int, warmup: int, barrier: bool) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def _message_bytes(nbytes: int, n: int) -> int:
+    """``nbytes`` rounded down to whole fp32 elements that split evenly over ``n`` ranks."""
+    return max(n, nbytes // 4 // n * n) * 4
 
 
 def _collective_fn(kind: str, nbytes: int, dm, axis: int, device):
-    """A closure running one collective of ``kind`` and ``nbytes`` over ``axis``."""
-    group, n = dm.get_group(axis), dm.size(axis)
-    numel = max(1, nbytes // 4)  # fp32 elements
-    if kind == "all_reduce":
-        buf = torch.ones(numel, device=device)
-        return lambda: dist.all_reduce(buf, group=group)  # noqa: E731
-    inp = torch.ones(max(1, numel // n), device=device)  # all_gather: nbytes is the gathered output
-    out = torch.empty(inp.numel() * n, device=device)
-    return lambda: dist.all_gather_single(out, inp, group=group)  # noqa: E731
+    """A closure running one collective of ``kind`` and ``nbytes`` (see :func:`_message_bytes`)
+    over ``axis``. The
+    closure issues the functional collective the runtime's resharding step issues
+    (``autopar.runtime.collectives``) and waits for it, so its price includes what a step pays
+    around the transfer (gloo's reduce-scatter is an all-reduce underneath, for one)."""
+    import torch.distributed._functional_collectives as funcol
+
+    group, n = (dm, axis), dm.size(axis)
+    numel = _message_bytes(nbytes, n) // 4  # fp32 elements of the logical tensor
+    full = torch.ones(numel, device=device)
+    piece = torch.ones(numel // n, device=device)
+    run = {"all_reduce": lambda: funcol.all_reduce(full, "sum", group),
+           "all_gather": lambda: funcol.all_gather_single(piece, 0, group),  # nbytes: the gathered output
+           "reduce_scatter": lambda: funcol.reduce_scatter_single(full, "sum", 0, group),  # nbytes: the input
+           "all_to_all": lambda: funcol.all_to_all_single(full, None, None, group)}[kind]
+    return lambda: funcol.wait_tensor(run())  # noqa: E731
 
 
-def _time_collectives(plan, dm, device, repeats: int, warmup: int) -> list[float]:
-    """Median seconds of each ``(axis, kind, nbytes)`` in ``plan``. The points take turns, one
+def _time_collectives(plan, dm, device, repeats: int, warmup: int) -> list[list[float]]:
+    """Seconds of each run of each ``(axis, kind, nbytes)`` in ``plan`` on this rank. The points take turns, one
     run each per round (a host whose speed drifts within seconds then biases no point against
     another), every run started together on all ranks (barrier), as in a training step."""
     fns = [_collective_fn(k, s, dm, ax, device) for ax, k, s in plan]
@@ -80,7 +107,7 @@ def _time_collectives(plan, dm, device, repeats: int, warmup: int) -> list[float
             _sync(device)
             if r >= warmup:
                 times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def ring_terms(kind: str, n: int) -> tuple[int, float]:
@@ -115,11 +142,26 @@ def fit_alpha_beta(points: Sequence[dict], n: int) -> dict:
             "max_rel_error": float(np.max(np.abs(err)))}
 
 
-def _matmul_time(n: int, dtype, device, repeats, warmup) -> float | None:
+def fit_link(points: Sequence[dict], n: int) -> tuple[Link, dict]:
+    """The :class:`Link` of an axis of ``n`` ranks from measured ``points`` (dicts with kind,
+    nbytes, seconds), and its record: ``(alpha, beta)`` fitted on the all-reduce and all-gather
+    points (:func:`fit_alpha_beta`), and one ``(kind, alpha, beta)`` per kind with at least two
+    sizes, fitted on that kind alone (``Link.kinds``; the cost model prices that kind with them)."""
+    base = fit_alpha_beta([p for p in points if p["kind"] in _LINK_KINDS] or points, n)
+    kinds = {}
+    for kind in dict.fromkeys(p["kind"] for p in points):
+        pts = [p for p in points if p["kind"] == kind]
+        if len({p["nbytes"] for p in pts}) >= 2:  # alpha and beta both need two sizes
+            kinds[kind] = fit_alpha_beta(pts, n)
+    link = Link(base["alpha"], base["beta"], tuple((k, f["alpha"], f["beta"]) for k, f in kinds.items()))
+    return link, {**base, "kinds": kinds}
+
+
+def _matmul_time(n: int, dtype, device, repeats, warmup) -> list[float] | None:
     try:
         x = torch.randn(n, n, device=device).to(dtype)
         y = torch.randn(n, n, device=device).to(dtype)
-        return _median_time(lambda: torch.mm(x, y), device, repeats, warmup, barrier=True)
+        return _run_times(lambda: torch.mm(x, y), device, repeats, warmup, barrier=True)
     except (RuntimeError, TypeError):  # dtype without a matmul kernel on this device
         return None
 
@@ -146,22 +188,59 @@ def _device_times(device: torch.device, repeats: int, warmup: int) -> dict:
         out[name] = (n_low, _matmul_time(n_low, dt, device, repeats, warmup))
     numel = (4 << 20) if device.type == "cpu" else (256 << 20)  # fp32 elements: 16 MiB / 1 GiB
     src, dst = torch.ones(numel, device=device), torch.empty(numel, device=device)
-    out["copy"] = (numel * 4, _median_time(lambda: dst.copy_(src), device, repeats, warmup, barrier=True))
-    tiny, k = torch.zeros(1, device=device), 50
-
-    def tiny_ops():  # back to back, as a training step issues them: launch cost, not sync cost
-        for _ in range(k):
-            tiny.add_(1)
-
-    out["kernel"] = (k, _median_time(tiny_ops, device, repeats, warmup, barrier=True))
+    out["copy"] = (numel * 4, _run_times(lambda: dst.copy_(src), device, repeats, warmup, barrier=True))
+    out["elementwise"] = _elementwise_time(device, repeats, warmup)
+    out["kernel"] = _kernel_floor_time(device, repeats, warmup)
     return out
 
 
-def _max_over_ranks(values: list[float], device) -> list[float]:
-    # A missing measurement is sent as -1 and stays missing only if every rank lacks it.
-    t = torch.tensor([-1.0 if v is None else v for v in values], dtype=torch.float64, device=device)
+def _kernel_floor_time(device: torch.device, repeats: int, warmup: int) -> tuple[int, float]:
+    """(kernels, seconds of each run) of a forward + backward through autograd of a chain of tiny ops: the least
+    a step's op costs, per kernel (dispatch, launch, the autograd node and the engine's work), not
+    a bare kernel's launch, which is 2-3x cheaper on CPUs. Back to back, as a step issues them."""
+    x, k = torch.zeros(8, device=device, requires_grad=True), 25
+
+    def chain():
+        y = x
+        for _ in range(k):
+            y = y * 1.0001
+        y.sum().backward()  # k multiplies and a sum forward; their k + 1 gradients backward
+
+    return 2 * k + 2, _run_times(chain, device, repeats, warmup, barrier=True)
+
+
+def _elementwise_time(device: torch.device, repeats: int, warmup: int) -> tuple[int, float]:
+    """(bytes read + written, seconds of each run) of one pass over the memory-bound kernels a training step is
+    made of (pointwise arithmetic, transcendentals, a GELU, softmax, layer norm, a pointwise
+    backward), on an activation-sized (rows, 256) fp32 tensor. Bytes are counted as the profiler
+    counts an op's (inputs + outputs). On CPUs a copy runs 5-15x faster per byte than tanh or exp,
+    so the copy rate priced a step's pointwise ops 2-3x too fast; on GPUs all of these are
+    bandwidth-bound and read close to the copy rate."""
+    numel = (1 << 20) if device.type == "cpu" else (64 << 20)  # 4 MiB (a small layer's activation) / 256 MiB
+    x, y, g = (torch.randn(numel // 256, 256, device=device) for _ in range(3))
+    f = torch.nn.functional
+    # (kernel, tensors it reads + writes, in units of x)
+    ops = [(lambda: x + y, 3), (lambda: x * y, 3), (lambda: torch.tanh(x), 2), (lambda: torch.exp(x), 2),
+           (lambda: x.pow(3), 2), (lambda: f.gelu(x), 2), (lambda: torch.softmax(x, -1), 2),
+           (lambda: f.layer_norm(x, (256,)), 2), (lambda: torch.ops.aten.tanh_backward(g, y), 3)]
+
+    def run():
+        for op, _ in ops:
+            op()
+
+    return sum(u for _, u in ops) * numel * 4, _run_times(run, device, repeats, warmup, barrier=True)
+
+
+def _slowest_median(runs: list[list[float] | None], repeats: int, device) -> list[float | None]:
+    """Per point, the median over runs of the slowest rank's seconds: a step waits for its slowest
+    rank at every collective, so each run is max-reduced before the median (the median of each
+    rank first, then the max, read a step's kernels and collectives up to 30% fast where ranks
+    share cores). A missing point (``None``: no kernel for that dtype) stays missing only if every
+    rank lacks it."""
+    rows = [[-1.0] * repeats if r is None else r for r in runs]
+    t = torch.tensor(rows, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [None if v < 0 else v for v in t.tolist()]
+    return [None if row[0] < 0 else statistics.median(row) for row in t.tolist()]
 
 
 def _host_memory_per_rank() -> int:
@@ -190,10 +269,11 @@ def calibrate(device_mesh, *, sizes: Sequence[int] | None = None, repeats: int =
     if not sizes or any(s < 4 for s in sizes):
         raise ValueError(f"sizes must be message sizes of at least 4 bytes, got {sizes}")
 
-    plan = [(ax, k, s) for ax in range(base.ndim) if base.shape[ax] > 1 for k in _KINDS for s in sizes]
+    plan = [(ax, k, _message_bytes(s, base.shape[ax])) for ax in range(base.ndim) if base.shape[ax] > 1
+            for k in _KINDS for s in sizes]
     raw = _time_collectives(plan, device_mesh, device, repeats, warmup)
     dev = _device_times(device, repeats, warmup)
-    agreed = _max_over_ranks(raw + [v[1] for v in dev.values()], device)
+    agreed = _slowest_median(raw + [v[1] for v in dev.values()], repeats, device)
     coll, dev = agreed[:len(raw)], dict(zip(dev, ((v[0], t) for v, t in zip(dev.values(), agreed[len(raw):]))))
 
     links, axes = list(base.links), {}
@@ -202,8 +282,7 @@ def calibrate(device_mesh, *, sizes: Sequence[int] | None = None, repeats: int =
         if not pts:
             axes[name] = {"size": 1, "skipped": "axis of size 1: nothing to measure, preset link kept"}
             continue
-        fit = fit_alpha_beta(pts, base.shape[ax])
-        links[ax] = Link(fit["alpha"], fit["beta"])
+        links[ax], fit = fit_link(pts, base.shape[ax])
         axes[name] = {"size": base.shape[ax], "points": pts, **fit}
     new_device, dev_record = _device_from_times(base.device, dev, device)
     record = {"backend": dist.get_backend(), "world_size": dist.get_world_size(), "repeats": repeats,
@@ -227,7 +306,9 @@ def _device_from_times(preset: Device, dev: dict, device: torch.device) -> tuple
     for name in ("bf16", "fp16"):
         rates.setdefault(name, rates["fp32"])
     copy_bytes, copy_t = dev["copy"]
-    mem_bw = 2 * copy_bytes / copy_t  # a copy reads and writes every byte
+    ew_bytes, ew_t = dev["elementwise"]
+    # The rate memory-bound kernels reach: the pointwise mix, which a copy (2 x bytes / time) outruns.
+    mem_bw = ew_bytes / ew_t
     memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
               else _host_memory_per_rank())
     new = dataclasses.replace(preset, name=f"{preset.name} (calibrated)", fp32_flops=rates["fp32"],
@@ -236,7 +317,35 @@ def _device_from_times(preset: Device, dev: dict, device: torch.device) -> tuple
                               kernel_floor=dev["kernel"][1] / dev["kernel"][0])
     record = {"matmul": {k: {"n": dev[k][0], "seconds": dev[k][1], "flops_per_s": rates.get(k)}
                          for k in ("fp32", "tf32", "bf16", "fp16") if k in dev},
-              "copy": {"bytes": copy_bytes, "seconds": copy_t, "bytes_per_s": mem_bw},
+              "copy": {"bytes": copy_bytes, "seconds": copy_t, "bytes_per_s": 2 * copy_bytes / copy_t},
+              "elementwise": {"bytes": ew_bytes, "seconds": ew_t, "bytes_per_s": mem_bw},
               "kernel_floor_s": dev["kernel"][1] / dev["kernel"][0], "memory_bytes": int(memory),
               "note": "peaks are measured achieved rates, so matmul_efficiency is 1.0"}
     return new, record
+
+
+def combine(meshes: Sequence[Mesh]) -> Mesh:
+    """One mesh from several calibrations of the same mesh: the median of each measured figure
+    (every link's alpha and beta, each kind's, the device's rates and floor). Calibrating a few
+    times spread over a run (between its steps) and combining prices the run at the speed the
+    host had while it ran, where one calibration catches one moment of a shared host."""
+    if not meshes:
+        raise ValueError("combine needs at least one calibrated mesh")
+    first = meshes[0]
+    if any(m.shape != first.shape or m.axis_names != first.axis_names for m in meshes):
+        raise ValueError(f"combine needs calibrations of one mesh, got shapes {[m.shape for m in meshes]}")
+
+    def med(values):
+        return statistics.median(values)
+
+    links = []
+    for ax in range(first.ndim):
+        lks = [m.links[ax] for m in meshes]
+        names = [k for k, _, _ in lks[0].kinds if all(k in {x for x, _, _ in lk.kinds} for lk in lks)]
+        kinds = tuple((k, med([a for lk in lks for x, a, _ in lk.kinds if x == k]),
+                       med([b for lk in lks for x, _, b in lk.kinds if x == k])) for k in names)
+        links.append(Link(med([lk.alpha for lk in lks]), med([lk.beta for lk in lks]), kinds))
+    fields = ("fp32_flops", "tf32_flops", "bf16_flops", "fp16_flops", "mem_bandwidth", "kernel_floor")
+    device = dataclasses.replace(first.device, **{f: med([getattr(m.device, f) for m in meshes]) for f in fields})
+    record = {"combined": len(meshes), "records": [m.calibration for m in meshes]}
+    return first.replace(links=tuple(links), device=device, calibration=record)

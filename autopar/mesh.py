@@ -33,6 +33,9 @@ class Link:
     """Latency of one message step, seconds."""
     beta: float
     """Bandwidth one device can push over this link in one direction, bytes per second."""
+    kinds: tuple[tuple[str, float, float], ...] = ()
+    """Measured ``(kind, alpha, beta)`` of single collective kinds (``autopar.calibrate``), which
+    replace ``(alpha, beta)`` when that kind is priced on this link; empty for presets."""
 
     def __post_init__(self):
         for name in ("alpha", "beta"):
@@ -40,6 +43,10 @@ class Link:
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (name == "beta" and v == 0):
                 raise ValueError(f"Link.{name} must be a finite {'positive' if name == 'beta' else 'non-negative'} "
                                  f"number, got {v!r}")
+        for entry in self.kinds:
+            ok = isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], str)
+            if not ok or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in entry[1:]):
+                raise ValueError(f"Link.kinds entries must be (kind, alpha > 0, beta > 0), got {entry!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -265,7 +272,8 @@ class Mesh:
         """JSON-safe dict; ``Mesh.from_dict(m.to_dict()) == m`` exactly (floats round-trip)."""
         return {"shape": list(self.shape), "axis_names": list(self.axis_names), "cluster": self.cluster,
                 "gpus_per_node": self.gpus_per_node,
-                "links": [{"alpha": lk.alpha, "beta": lk.beta} for lk in self.links],
+                "links": [{"alpha": lk.alpha, "beta": lk.beta, **({"kinds": [list(k) for k in lk.kinds]}
+                                                                   if lk.kinds else {})} for lk in self.links],
                 "device": dataclasses.asdict(self.device), "calibration": self.calibration}
 
     @classmethod
@@ -275,7 +283,7 @@ class Mesh:
         if missing:
             raise ValueError(f"mesh dict lacks {sorted(missing)}; build it with Mesh.to_dict()")
         try:
-            links = [Link(lk["alpha"], lk["beta"]) for lk in d["links"]]
+            links = [Link(lk["alpha"], lk["beta"], tuple(tuple(k) for k in lk.get("kinds", ()))) for lk in d["links"]]
             device = Device(**d["device"])
         except (KeyError, TypeError) as e:
             raise ValueError(f"bad mesh dict: {e}") from e
@@ -359,5 +367,5 @@ def _apply_link_overrides(links, names, overrides) -> tuple[Link, ...]:
             raise TypeError(f"unknown Mesh option {key!r}; valid: {', '.join(valid)}, links, device, gpus_per_node")
         name, field = key.rsplit("_", 1)
         i = names.index(name)
-        links[i] = dataclasses.replace(links[i], **{field: value})
+        links[i] = dataclasses.replace(links[i], **{field: value}, kinds=())  # measured kinds no longer apply
     return tuple(links)

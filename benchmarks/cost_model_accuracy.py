@@ -10,10 +10,12 @@ a small GPT-2 (HF ``GPT2LMHeadModel``, 2 layers, hidden 256, vocab 2048, batch 8
 the calibrated mesh once per plan family (``force=``; without overlap chunks, ``chunks=(1,)``, so
 that every collective can be listed and counted), freely, and freely under 0.8 x the free
 plan's peak (``free@0.8``: the solver then checkpoints layers), builds every plan's
-``ParallelModule``, calibrates again and right away measures ``train_step`` (forward + backward +
-gradient reduction; the optimizer step is not part of the prediction). Each plan's choices are
-re-priced on that second calibration (``pred ms``; ``plan ms`` is the figure it was planned with):
-planning takes about a minute and the host drifts by 2x within minutes. The modules take turns
+``ParallelModule`` and measures ``train_step`` (forward + backward + gradient reduction; the
+optimizer step is not part of the prediction). Each plan's choices are re-priced on a calibration
+taken DURING the timing (``pred ms``; ``plan ms`` is the figure it was planned with): planning takes
+about a minute and the host drifts by 2x within minutes, so a short calibration
+(``calibrate(dm, repeats=1)``) takes its turn in every round with the plans and
+``autopar.calibrate.combine`` takes the median of each figure over the rounds. The modules take turns
 step by step (so load that comes and goes on a shared host hits them alike), every step starts
 together on all ranks (barrier) and is timed on the slowest rank; median over ``--steps`` after
 two warm-up rounds. Memory: one train_step + AdamW step under ``LiveMemory``
@@ -158,7 +160,8 @@ def _collectives(pm, ex) -> int:
 
 
 def _calibration(mesh) -> dict:
-    return {"links": [{"alpha": lk.alpha, "beta": lk.beta} for lk in mesh.links],
+    return {"links": [{"alpha": lk.alpha, "beta": lk.beta, "kinds": [list(k) for k in lk.kinds]}
+                      for lk in mesh.links],
             "device": {"fp32_flops": mesh.device.fp32_flops, "mem_bandwidth": mesh.device.mem_bandwidth,
                        "kernel_floor": mesh.device.kernel_floor}}
 
@@ -168,7 +171,8 @@ def worker(rank, world, shape, families, warmup, steps):
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar import zoo
-    from autopar.calibrate import calibrate  # autopar.calibrate, the attribute, turns into the module once imported
+    # autopar.calibrate, the attribute, turns into the module once imported: import from the module
+    from autopar.calibrate import calibrate, combine
     from autopar.plan import Plan
     from autopar.planner.comms import plan_collectives
     from autopar.runtime.module import ParallelModule
@@ -199,10 +203,16 @@ def worker(rank, world, shape, families, warmup, steps):
             pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
         return step
 
-    # Calibrate right before timing (planning took a minute, the host drifts by 2x in minutes);
-    # the plans are re-priced on this calibration below.
-    now = calibrate(dm)
-    measured = round_robin({f: stepper(pm) for f, (pm, _) in mods.items()}, warmup, steps)
+    # The calibration takes turns with the plans: one short calibration per round, the median of
+    # each figure over the rounds (planning took a minute, and a shared host's speed drifts by 2x
+    # within minutes, so one calibration before timing caught one moment of it). The plans are
+    # re-priced on the combined calibration below.
+    cals = []
+    steps_of = {f: stepper(pm) for f, (pm, _) in mods.items()}
+    steps_of[" calibrate"] = lambda: cals.append(calibrate(dm, repeats=1, warmup=1))
+    measured = round_robin(steps_of, warmup, steps)
+    del measured[" calibrate"]
+    now = combine(cals)
     for fam, t in measured.items():
         rows[fam]["measured_s"] = t
     for fam, (pm, opt) in mods.items():
@@ -240,7 +250,7 @@ def spearman(x, y) -> float:
 def _fmt_cal(c: dict) -> str:
     lk = ", ".join(f"alpha {x['alpha'] * 1e6:.0f} us beta {x['beta'] / 1e9:.2f} GB/s" for x in c["links"])
     d = c["device"]
-    return (f"{lk}; {d['fp32_flops'] / 1e9:.1f} GFLOP/s, copy {d['mem_bandwidth'] / 1e9:.1f} GB/s, "
+    return (f"{lk}; {d['fp32_flops'] / 1e9:.1f} GFLOP/s, pointwise {d['mem_bandwidth'] / 1e9:.1f} GB/s, "
             f"kernel floor {d['kernel_floor'] * 1e6:.1f} us")
 
 
@@ -249,7 +259,7 @@ def _print_launch(shape, res) -> None:
     for s in shape:
         world *= s
     print(f"\nmesh {'x'.join(map(str, shape))} ({world} gloo processes)\n  calibrated to plan:  {_fmt_cal(res['planned'])}"
-          f"\n  right before timing: {_fmt_cal(res)}\n  after timing:        {_fmt_cal(res['after'])}")
+          f"\n  during timing:       {_fmt_cal(res)}\n  after timing:        {_fmt_cal(res['after'])}")
     print(f"{'plan':<15} {'chosen':<26} {'plan ms':>8} {'pred ms':>8} {'meas ms':>8} {'err':>7} {'pred MiB':>9} {'meas MiB':>9} "
           f"{'err':>7} {'colls':>5} {'pric':>4} {'resh':>4}  split when planned (ms)")
     for r in res["rows"]:

@@ -18,6 +18,12 @@ One axis of n ranks with link (alpha, beta), B = nbytes (NCCL's algorithms):
 - send:       alpha + B / beta
 - n == 1: 0.
 
+A calibrated link carries its own ``(alpha, beta)`` for each kind it measured (``Link.kinds``):
+that kind is then priced with the ring formula above on those figures (all-reduce: the ring
+only, the form the figures were fitted with). On gloo the kinds differ beyond the ring's step
+counts: a reduce-scatter is an all-reduce underneath, and on two ranks a one-step all-gather
+waits about as long as a two-step all-reduce.
+
 Several axes (listed outer to inner) are hierarchical, innermost (fastest) axis first so that the
 slow outer links carry 1/n_inner of the data:
 
@@ -88,7 +94,13 @@ def ring_time(kind: str, b: float, n: int, link: Link) -> float:
     joined by ``link``."""
     if n <= 1:
         return 0.0
-    a, beta = link.alpha, link.beta
+    measured = next(((a, beta) for k, a, beta in link.kinds if k == kind), None)
+    if measured is not None:
+        a, beta = measured
+        if kind == "all_reduce":  # fitted with the ring's terms, so priced with them alone
+            return 2 * (n - 1) * a + 2 * (n - 1) / n * b / beta
+    else:
+        a, beta = link.alpha, link.beta
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) * a + (n - 1) / n * b / beta
     if kind == "all_reduce":

@@ -3,6 +3,7 @@
 All real-process checks of the mesh, cost and resharding tests share ONE launch of 4 processes
 (module fixture); the tests below assert on what the ranks wrote back.
 """
+import dataclasses
 import itertools
 import json
 import math
@@ -12,7 +13,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from autopar.calibrate import fit_alpha_beta, ring_terms
+from autopar.calibrate import fit_alpha_beta, fit_link, ring_terms
+from autopar.costs import collective_time
 from autopar.mesh import Link, Mesh
 
 WORLD, MESH_SHAPE, SHAPE = 4, (2, 2), (4, 8, 4)
@@ -105,11 +107,19 @@ def test_calibrate_on_gloo(ranks):
         rec = m.calibration["axes"][name]
         assert rec["alpha"] == link.alpha and rec["beta"] == link.beta
         assert math.isfinite(rec["residual"]) and rec["residual"] >= 0
-        assert len(rec["points"]) == 2 * len(m.calibration["sizes"])
+        kinds = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+        assert len(rec["points"]) == len(kinds) * len(m.calibration["sizes"])
         assert all(p["seconds"] > 0 for p in rec["points"])
+        assert [k for k, _, _ in link.kinds] == list(kinds)  # each kind priced on its own fit
+        assert all(a > 0 and math.isfinite(b) and b > 0 for _, a, b in link.kinds)
     d = m.device
     assert d.fp32_flops > 0 and d.mem_bandwidth > 0 and d.kernel_floor > 0 and d.memory_bytes > 0
     assert m.calibration["device"]["matmul"]["fp32"]["seconds"] > 0
+    rec = m.calibration["device"]
+    # Step-like pointwise kernels are priced at their own rate, which no copy is slower than by 10x.
+    assert d.mem_bandwidth == rec["elementwise"]["bytes_per_s"]
+    assert rec["copy"]["bytes_per_s"] > 0.1 * d.mem_bandwidth
+    assert Mesh.from_dict(json.loads(json.dumps(m.to_dict()))) == m  # Link.kinds round-trips exactly
 
 
 def test_device_mesh_on_gloo(ranks):
@@ -136,3 +146,38 @@ def test_fit_recovers_known_link():
     flat = [dict(p, seconds=1e-3) for p in pts]
     fit = fit_alpha_beta(flat, n)
     assert fit["alpha"] > 0 and math.isfinite(fit["beta"]) and fit["beta"] > 0
+
+
+def test_fit_link_prices_each_kind_on_its_own_fit():
+    # gloo-like: every kind has its own latency and bandwidth, not the ring's step counts. The
+    # link fitted on synthetic points reproduces every point through collective_time.
+    n, truth = 2, {"all_reduce": (2e-3, 4e8), "all_gather": (2.5e-3, 6e8), "reduce_scatter": (3e-3, 3e8),
+                   "all_to_all": (1e-3, 9e8)}
+    pts = [{"kind": k, "nbytes": s, "seconds": a * ring_terms(k, n)[0] + s * ring_terms(k, n)[1] / b}
+           for k, (a, b) in truth.items() for s in (1 << 10, 1 << 18, 1 << 22)]
+    link, rec = fit_link(pts, n)
+    assert set(rec["kinds"]) == set(truth) and rec["kinds"]["all_to_all"]["residual"] < 1e-9
+    mesh = Mesh((n,), cluster="cpu", links=[link])
+    for p in pts:
+        assert collective_time(p["kind"], p["nbytes"], mesh, 0) == pytest.approx(p["seconds"], rel=1e-9)
+    # The axis' own (alpha, beta) is the joint all-reduce + all-gather fit; broadcast uses it.
+    joint = fit_alpha_beta([p for p in pts if p["kind"] in ("all_reduce", "all_gather")], n)
+    assert (link.alpha, link.beta) == (joint["alpha"], joint["beta"])
+    assert collective_time("broadcast", 1 << 20, mesh, 0) == pytest.approx(link.alpha + (1 << 20) / link.beta)
+    # A kind measured at one size only keeps the joint figures.
+    assert [k for k, _, _ in fit_link(pts[:4], n)[0].kinds] == ["all_reduce"]
+
+
+def test_combine_takes_the_median_of_each_figure():
+    from autopar.calibrate import combine
+
+    base = Mesh((2, 2), cluster="cpu")
+    meshes = [base.replace(links=(Link(a, 1e9 * a * 1e3, (("all_to_all", 2 * a, 5e8 / a / 1e3),)), Link(a, 2e9)),
+                           device=dataclasses.replace(base.device, fp32_flops=f, kernel_floor=a / 100))
+              for a, f in ((1e-3, 30e9), (3e-3, 10e9), (2e-3, 20e9))]
+    m = combine(meshes)
+    assert m.links[0] == Link(2e-3, 2e9, (("all_to_all", 4e-3, 2.5e8),)) and m.links[1] == Link(2e-3, 2e9)
+    assert m.device.fp32_flops == 20e9 and m.device.kernel_floor == 2e-5
+    assert m.device.mem_bandwidth == base.device.mem_bandwidth and m.calibration["combined"] == 3
+    with pytest.raises(ValueError, match="one mesh"):
+        combine([base, Mesh((4,), cluster="cpu")])

@@ -94,3 +94,21 @@ def test_edge_cases():
         ts = [collective_time(kind, b, Mesh((2, 8), cluster="a100"), (0, 1)) for b in (0, 1e3, 1e6, 1e9)]
         assert all(math.isfinite(t) and t > 0 for t in ts) and ts == sorted(ts)  # monotone in size
     assert CLUSTERS["cpu"].device.kernel_floor > 0
+
+
+def test_measured_kinds_replace_the_link_figures():
+    # Link.kinds (calibrate's per-kind fits) price that kind; other kinds keep (alpha, beta).
+    lk = Link(30e-6, 2e9, (("reduce_scatter", 2e-3, 3e8), ("all_reduce", 1e-3, 5e8)))
+    m = Mesh((2, 4), cluster="cpu", links=[Link(30e-6, 2e9), lk])
+    b = float(1 << 20)
+    assert collective_time("reduce_scatter", b, m, 1) == pytest.approx(3 * 2e-3 + 3 / 4 * b / 3e8, rel=1e-12)
+    # all-reduce: the ring form it was fitted with, even where the tree would be cheaper
+    assert collective_time("all_reduce", 64, m, 1) == pytest.approx(6 * 1e-3 + 1.5 * 64 / 5e8, rel=1e-12)
+    assert collective_time("all_gather", b, m, 1) == pytest.approx(3 * 30e-6 + 3 / 4 * b / 2e9, rel=1e-12)
+    assert collective_time("reduce_scatter", b, m, 0) == ring_time("reduce_scatter", b, 2, Link(30e-6, 2e9))
+    # exact JSON round trip; an override of the axis' figures drops the measured kinds
+    import json
+    assert Mesh.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    assert Mesh((2, 4), cluster="cpu", links=[lk, lk], tp_alpha=1e-4).links[1].kinds == ()
+    with pytest.raises(ValueError, match="kinds entries"):
+        Link(1e-6, 1e9, (("all_reduce", -1.0, 1e9),))
