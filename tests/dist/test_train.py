@@ -17,6 +17,7 @@ pipelines included. A plan the test edits after planning (every op recomputed, m
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 
@@ -183,6 +184,50 @@ def test_pipeline_checkpoint(pool, name):
     ex = cases.example(name)
     plan = recompute_and_chunk(two_stages(_plan(name, "pp-tp"), name), name, chunks=1)
     check_case(pool, name, plan, f"{name}/pp-tp+ckpt", loss_fn=ex.loss_fn)
+
+
+def pipeline_state_case(name: str, plan_json: str) -> dict:
+    """(Run on every rank.) One pipelined step of ``name``: parameter numels this rank holds
+    against the model's, ``clip_grad_norm_``'s norm against the norm of ``full_grads()``, and
+    the largest difference between ``state_dict()`` (DTensors, gathered) and ``full_state_dict()``."""
+    import torch
+
+    import workers
+    from autopar.plan import Plan
+    from autopar.runtime.module import ParallelModule
+
+    ex, cap = workers._example(name)
+    plan = Plan.from_json(plan_json)
+    pm = ParallelModule(ex.model, cap, plan, workers.mesh(tuple(plan.mesh["shape"])), loss_fn=ex.loss_fn)
+    pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+    grads = pm.full_grads()
+    once = {id(g): g for g in grads.values() if g is not None}  # a tied weight's aliases are one tensor
+    want = torch.sqrt(sum(g.double().pow(2).sum() for g in once.values())).item()
+    got = float(pm.clip_grad_norm_(1e9))
+    full = pm.full_state_dict()
+    sharded = {k: v.full_tensor() for k, v in pm.state_dict().items()}
+    diff = max(float((sharded[k] - full[k]).abs().max()) for k in sharded)
+    from autopar import placement as pl
+    from autopar.codegen.lower import canonical_fqns
+
+    held = sum(p.numel() for p in pm.parameters())
+    canon, sig = canonical_fqns(cap), pm.signature
+    shards = {canon.get(s.name, s.name): math.prod(pl.local_shape(tuple(s.shape), s.placements, sig.ctx.shape))
+              for s in sig.slots if s.kind == "param"}  # every parameter's shard: what a rank held before
+    return {"norm": got, "want": want, "diff": diff, "held": held, "all_shards": sum(shards.values())}
+
+
+def test_pipeline_holds_its_stages(pool):
+    """A GPT-2 pipeline rank holds its stages' parameter shards only (the tied embedding on both
+    stages), yet the global gradient norm and the sharded state_dict are the whole model's."""
+    plan = two_stages(_plan("gpt2", "pp-tp"), "gpt2")
+    res = pool.run("test_train:pipeline_state_case", "gpt2", plan)
+    for rank, r in enumerate(res):
+        assert r["held"] < 0.75 * r["all_shards"], f"rank {rank} holds {r['held']} parameter entries, the " \
+                                                   f"shards of every stage are {r['all_shards']}"
+        assert abs(r["norm"] - r["want"]) <= 1e-5 * r["want"], f"rank {rank}: clip norm {r['norm']} vs {r['want']}"
+        assert r["diff"] == 0.0, f"rank {rank}: state_dict differs from full_state_dict by {r['diff']}"
+    assert len({r["norm"] for r in res}) == 1, "ranks compute different global norms"
 
 
 def test_report_memory(capsys):
