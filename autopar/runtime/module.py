@@ -15,6 +15,8 @@ plan's input placements; with ``inputs_sharded=True`` each rank passes its own s
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
@@ -427,7 +429,22 @@ class ParallelModule(nn.Module):
         if assign:
             raise NotImplementedError("ParallelModule.load_state_dict copies into its shards; assign=True is not "
                                       "supported")
-        return _IncompatibleKeys(*load_sharded_state_dict(self, state_dict, strict=strict))
+        if self._pipe is None:
+            return _IncompatibleKeys(*load_sharded_state_dict(self, state_dict, strict=strict))
+        # A pipeline rank loads every stage's shards into its placeholders for the time of the
+        # load (each rank must take its pieces of every tensor), then drops the others again.
+        dropped = {}
+        for s in self._sig.slots:
+            p = self._get(s.name) if s.kind == "param" and not self._holds(s.name) else None
+            shape = pl.local_shape(tuple(s.shape), s.placements, self._sig.ctx.shape)
+            if p is not None and id(p) not in dropped and p.numel() != math.prod(shape):
+                dropped[id(p)] = p
+                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+        try:
+            return _IncompatibleKeys(*load_sharded_state_dict(self, state_dict, strict=strict))
+        finally:
+            for p in dropped.values():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def print_code(self) -> str:
         """The per-rank graph as readable code, resharding steps named (and print it)."""

@@ -189,7 +189,8 @@ def test_pipeline_checkpoint(pool, name):
 def pipeline_state_case(name: str, plan_json: str) -> dict:
     """(Run on every rank.) One pipelined step of ``name``: parameter numels this rank holds
     against the model's, ``clip_grad_norm_``'s norm against the norm of ``full_grads()``, and
-    the largest difference between ``state_dict()`` (DTensors, gathered) and ``full_state_dict()``."""
+    the largest difference between ``state_dict()`` (DTensors, gathered) and ``full_state_dict()``
+    and between a full state loaded (``load_state_dict``) and ``full_state_dict()`` after it."""
     import torch
 
     import workers
@@ -207,6 +208,10 @@ def pipeline_state_case(name: str, plan_json: str) -> dict:
     full = pm.full_state_dict()
     sharded = {k: v.full_tensor() for k, v in pm.state_dict().items()}
     diff = max(float((sharded[k] - full[k]).abs().max()) for k in sharded)
+    shifted = {k: v + 1 if v.is_floating_point() else v for k, v in full.items()}
+    pm.load_state_dict(shifted)  # full tensors: every rank keeps its pieces
+    after = pm.full_state_dict()
+    diff = max([diff] + [float((after[k] - shifted[k]).abs().max()) for k in shifted])
     from autopar import placement as pl
     from autopar.codegen.lower import canonical_fqns
 
@@ -219,7 +224,8 @@ def pipeline_state_case(name: str, plan_json: str) -> dict:
 
 def test_pipeline_holds_its_stages(pool):
     """A GPT-2 pipeline rank holds its stages' parameter shards only (the tied embedding on both
-    stages), yet the global gradient norm and the sharded state_dict are the whole model's."""
+    stages), yet the global gradient norm and the sharded state_dict are the whole model's, and a
+    loaded state reaches every stage."""
     plan = two_stages(_plan("gpt2", "pp-tp"), "gpt2")
     res = pool.run("test_train:pipeline_state_case", "gpt2", plan)
     for rank, r in enumerate(res):
