@@ -215,11 +215,17 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int) -> dic
         vs = [1] if sched != "interleaved-1f1b" else [v for v in (2, 4) if p * v <= len(units)]
         for v in vs:
             flight = solver.pipeline.in_flight(sched, p, m, v)
-            try:
-                part = solver.pipeline.partition(t, mem, p * v, memory_budget=cfg.memory_budget if v == 1 else None,
-                                                 layer_act=act, in_flight=list(flight) if v == 1 else None,
-                                                 send_times=send)
-            except solver.Infeasible:
+            part = None
+            # The partition's linear memory figure can exceed the per-rank replay (which decides
+            # below): without a partition under the budget, the fastest one is replayed.
+            for budget in dict.fromkeys((cfg.memory_budget if v == 1 else None, None)):
+                try:
+                    part = solver.pipeline.partition(t, mem, p * v, memory_budget=budget, layer_act=act,
+                                                     in_flight=list(flight) if v == 1 else None, send_times=send)
+                    break
+                except solver.Infeasible:
+                    continue
+            if part is None:
                 continue
             chunks = [[part.bounds[c] for c in range(d, p * v, p)] for d in range(p)]
             dev_times = [sum(part.stage_times[c] for c in range(d, p * v, p)) for d in range(p)]

@@ -144,9 +144,9 @@ def _value_bytes(world, name: str) -> int:
 def _rank_replay(world, local: list[int], schedule: str, p: int, optimizer: str, foreach: bool):
     """One rank of the pipeline axis running stages ``local`` (``autopar.runtime.pipeline``):
 
-    - resident: every parameter of the model (each rank holds the whole module's shards), its
-      buffers; AdamW state and gradients only for the parameters its stages read, and for those
-      read by several stages (the runtime gives them a gradient on every rank);
+    - resident: the parameters its stages read and those read by several stages (the runtime
+      holds them on every rank and gives them a gradient there), with their gradients and AdamW
+      state; every buffer of the model;
     - ``PipelineStage``'s buffers, one per micro-batch: the values received from the stage before
       and the gradients received for the values sent on; the gradients of the received values
       stay (``.grad`` of those buffers) until the next step;
@@ -164,8 +164,9 @@ def _rank_replay(world, local: list[int], schedule: str, p: int, optimizer: str,
     used = {a for n in mine for a in n.inputs if a in places}
     ph = {}
     for a, x in places.items():
-        if x.kind == "param":
-            ph[a] = x if a in used or a in world["shared"] else dataclasses.replace(x, kind="frozen")
+        if x.kind == "param":  # the runtime drops parameters of other stages (numel-0 placeholders)
+            if a in used or a in world["shared"]:
+                ph[a] = x
         elif x.kind != "input" or 0 in local:
             ph[a] = x
     by_name = {n.name: n for n in world["steps"]}

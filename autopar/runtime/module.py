@@ -15,6 +15,8 @@ plan's input placements; with ``inputs_sharded=True`` each rank passes its own s
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
@@ -76,16 +78,18 @@ class ParallelModule(nn.Module):
         self._program = gm
         object.__setattr__(self, "_run", torch.compile(gm, backend="inductor") if backend == "inductor" else gm)
         self._install_state(model, graph, sig)
+        object.__setattr__(self, "_pipe", None)
+        if pipelined:
+            self._setup_pipeline(gm, device_mesh, inputs_sharded)
         pairs, seen = [], set()
         for s in sig.slots:
-            p = self.get_parameter(s.name) if s.kind == "param" else None
+            p = self.get_parameter(s.name) if s.kind == "param" and self._holds(s.name) else None
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 pairs.append((p, sig.param_grads[s.name]))
         object.__setattr__(self, "_grad_sync", GradSync(pairs, sig.ctx.device_mesh, bucket_bytes=bucket_bytes))
-        object.__setattr__(self, "_pipe", None)
-        if pipelined:
-            self._setup_pipeline(gm, device_mesh, inputs_sharded)
+        # Pipelines: gradients are reduced once, after the last micro-batch.
+        self._grad_sync.enabled = not pipelined
 
     def _setup_pipeline(self, gm, device_mesh, inputs_sharded):
         from autopar.runtime.pipeline import PipelineRunner, split_stages
@@ -94,7 +98,6 @@ class ParallelModule(nn.Module):
             raise NotImplementedError("inputs_sharded=True is not supported with pipeline stages: pass the "
                                       "global batch (the first stage cuts micro-batches and shards)")
         stages = split_stages(gm, self.plan, self._sig.slots)
-        self._grad_sync.enabled = False  # gradients are reduced once, after the last micro-batch
         from autopar.codegen.lower import canonical_fqns
 
         canon = canonical_fqns(self._captured)
@@ -109,6 +112,31 @@ class ParallelModule(nn.Module):
                 uses.setdefault(s.name, uses[canon.get(s.name, s.name)])
         object.__setattr__(self, "_stage_uses", uses)
         object.__setattr__(self, "_pipe", PipelineRunner(self, stages, self.plan, device_mesh))
+        self._drop_other_stages(canon)
+
+    def _holds(self, name: str) -> bool:
+        """Whether this rank keeps parameter ``name``: always without a pipeline; under one, when
+        a local stage reads it or several stages do (a tied embedding: its gradient is summed
+        over the pipeline axis, so every rank of that axis holds it)."""
+        if self._pipe is None:
+            return True
+        uses = self._stage_uses.get(name, {0})  # a parameter no op reads: with the first stage
+        return len(uses) > 1 or bool(uses & set(self._pipe.local))
+
+    def _drop_other_stages(self, canon: dict) -> None:
+        """Parameters of other pipeline stages become numel-0 placeholders (same names, no
+        storage, never a gradient): a pipeline rank holds its stages' shards only. Their values
+        live on the rank of the first stage that reads them (``_from_owner_stage``)."""
+        for s in self._sig.slots:
+            if s.kind != "param" or self._holds(s.name):
+                continue
+            name = canon.get(s.name, s.name)
+            p = self._get(name)
+            if p.numel() == 0 and s.shape and 0 not in s.shape:
+                continue  # already dropped under another name
+            empty = nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
+            for alias in [n for n, c in canon.items() if c == name] or [name]:
+                self._set(alias, empty)
 
     def _input_slots(self):
         return [s for s in self._sig.slots if s.kind == "input"]
@@ -322,15 +350,13 @@ class ParallelModule(nn.Module):
             if s.kind not in kinds:
                 continue
             t = pick(self._get(s.name))
+            if self._pipe is not None:  # this rank's shard, as the owner stage's rank holds it
+                t = self._from_owner_stage(s, t)
             if t is not None:
                 t = t.detach()
                 steps = plan_reshard(s.placements, _R(len(ctx.shape)), tuple(s.shape), t.element_size(),
                                      ctx.mesh).steps
-                t = apply_steps(t, steps, ctx.device_mesh)
-            if self._pipe is not None:
-                t = self._from_owner_stage(s, t)
-            if t is not None:
-                out[s.name] = t
+                out[s.name] = apply_steps(t, steps, ctx.device_mesh)
         for ph, names in (getattr(self._captured, "param_aliases", {}) or {}).items():
             fqn = self._captured.params.get(ph)
             for alias in names or []:
@@ -339,8 +365,11 @@ class ParallelModule(nn.Module):
         return out
 
     def _from_owner_stage(self, slot, t):
-        # Under a pipeline only the stages that use a tensor keep it current: every rank takes
-        # the first such stage's copy (every rank calls this for every slot, in order).
+        """This rank's shard of ``slot`` (``t``: what this rank holds, maybe a placeholder or
+        None) as held by the rank of the first stage that reads it: only that rank keeps it
+        current (others hold nothing, or a copy). The ranks of the pipeline axis share their
+        coordinate on the sharding axis, so the owner's shard is this rank's. Every rank calls
+        this for every slot, in order."""
         import torch.distributed as dist
 
         ranks = dist.get_process_group_ranks(self._pipe.group)
@@ -350,7 +379,9 @@ class ParallelModule(nn.Module):
         if not int(has.item()):
             return None
         ref = self._get(slot.name)
-        buf = t.contiguous() if t is not None else torch.empty(slot.shape, dtype=ref.dtype, device=ref.device)
+        shape = pl.local_shape(tuple(slot.shape), slot.placements, self._sig.ctx.shape)
+        mine = t is not None and tuple(t.shape) == tuple(shape)
+        buf = t.detach().contiguous() if mine else torch.empty(shape, dtype=ref.dtype, device=ref.device)
         dist.broadcast(buf, src=owner, group=self._pipe.group)
         return buf
 
@@ -362,8 +393,31 @@ class ParallelModule(nn.Module):
         from autopar.checkpoint import sharded_state_dict
 
         out = {} if destination is None else destination
-        for k, v in sharded_state_dict(self).items():
+        state = sharded_state_dict(self)
+        if self._pipe is not None:
+            state = self._owner_stage_state(state)
+        for k, v in state.items():
             out[prefix + k] = v
+        return out
+
+    def _owner_stage_state(self, state: dict) -> dict:
+        """``state`` with every tensor taken from the rank of its owner stage (a pipeline rank
+        holds placeholders for the other stages' parameters; see ``_from_owner_stage``). The
+        DTensors of tensors fetched from another rank are copies: saving works, loading into
+        them does not reach the owner."""
+        from autopar.checkpoint import _dtensor
+        from autopar.codegen.lower import canonical_fqns
+
+        canon = canonical_fqns(self._captured)
+        slot_of = {}
+        for s in self._sig.slots:
+            if s.kind in ("param", "buffer"):
+                slot_of.setdefault(canon.get(s.name, s.name) if s.kind == "param" else s.name, s)
+        out = {}
+        for k, v in state.items():  # the same order on every rank
+            s = slot_of[k]
+            local = self._from_owner_stage(s, v.to_local())
+            out[k] = v if local is None else _dtensor(local, v.placements, tuple(s.shape), v.device_mesh)
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -375,7 +429,22 @@ class ParallelModule(nn.Module):
         if assign:
             raise NotImplementedError("ParallelModule.load_state_dict copies into its shards; assign=True is not "
                                       "supported")
-        return _IncompatibleKeys(*load_sharded_state_dict(self, state_dict, strict=strict))
+        if self._pipe is None:
+            return _IncompatibleKeys(*load_sharded_state_dict(self, state_dict, strict=strict))
+        # A pipeline rank loads every stage's shards into its placeholders for the time of the
+        # load (each rank must take its pieces of every tensor), then drops the others again.
+        dropped = {}
+        for s in self._sig.slots:
+            p = self._get(s.name) if s.kind == "param" and not self._holds(s.name) else None
+            shape = pl.local_shape(tuple(s.shape), s.placements, self._sig.ctx.shape)
+            if p is not None and id(p) not in dropped and p.numel() != math.prod(shape):
+                dropped[id(p)] = p
+                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+        try:
+            return _IncompatibleKeys(*load_sharded_state_dict(self, state_dict, strict=strict))
+        finally:
+            for p in dropped.values():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def print_code(self) -> str:
         """The per-rank graph as readable code, resharding steps named (and print it)."""

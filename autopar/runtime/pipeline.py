@@ -23,6 +23,7 @@ its placements shard over the other axis. Steps:
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.distributed as dist
@@ -155,15 +156,39 @@ def _meta(node: fx.Node, grad: dict, mesh_shape, local: bool = True):
 
 
 def _requires_grad(gm: fx.GraphModule, slots, slot_of) -> dict:
-    """Which per-rank values carry gradients: parameters, and floating values computed from them."""
-    out = {}
+    """Which per-rank values carry gradients: parameters, and floating values computed from them.
+
+    A checkpointed region's call (:class:`autopar.runtime.checkpoint.CheckpointRegion`) returns
+    a tuple: its flags are those of the body's outputs, and each ``getitem`` takes its own."""
+    seeds = {n: floating(n) and slots[slot_of[n]].kind == "param" for n in gm.graph.nodes if n.op == "placeholder"}
+    return _propagate(gm, seeds)
+
+
+def floating(n: fx.Node) -> bool:
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
+def _propagate(gm: fx.GraphModule, seeds: dict) -> dict:
+    """``seeds`` (placeholder -> flag) carried through ``gm``: a node carries gradients when it
+    is floating and an input does; a region call maps to the tuple of its outputs' flags.
+    Checkpointing leaves a value's flag as it was (the region's outputs carry gradients exactly
+    when they would unwrapped), so a stage cut after a recomputed op sends what it would send."""
+    out = dict(seeds)
     for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        floating = isinstance(v, torch.Tensor) and v.is_floating_point()
-        if n.op == "placeholder":
-            out[n] = floating and slots[slot_of[n]].kind == "param"
-        else:
-            out[n] = floating and any(out.get(a, False) for a in n.all_input_nodes)
+        if n.op in ("placeholder", "output"):
+            continue
+        body = getattr(gm.get_submodule(n.target), "body", None) if n.op == "call_module" else None
+        if isinstance(body, fx.GraphModule):  # a checkpointed region
+            phs = [b for b in body.graph.nodes if b.op == "placeholder"]
+            inner = _propagate(body, {b: bool(out.get(a, False)) for b, a in zip(phs, n.args)})
+            ret = next(b for b in body.graph.nodes if b.op == "output").args[0]
+            out[n] = tuple(bool(inner.get(r, False)) for r in ret)
+        elif n.target is operator.getitem and isinstance(out.get(n.args[0]), tuple):
+            out[n] = out[n.args[0]][n.args[1]]
+        else:  # a multi-output op (a list ``val``) carries when an input does; its getitems decide
+            carried = any(out.get(a, False) is True for a in n.all_input_nodes)
+            out[n] = carried and (floating(n) or isinstance(n.meta.get("val"), (list, tuple)))
     return out
 
 
