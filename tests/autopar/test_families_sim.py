@@ -24,7 +24,7 @@ from autopar.zoo import ZOO  # noqa: E402
 TOL = 1e-5
 STEPS = 1
 # None: the planner's own plan. "replicate" is left out: it shards nothing, and its recomputed and
-# chunked step is the one-device program (tests/autopar/test_codegen.py covers that runtime path).
+# chunked step runs the same recompute and chunk code as the sharded families, without collectives.
 FAMILIES = (None,) + tuple(f for f in cases.FAMILIES if f != "replicate")
 _MATMULS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default", "aten.matmul.default")
 
