@@ -181,7 +181,34 @@ def capture(model: nn.Module, args, kwargs: dict | None = None, *, loss_fn: Call
             raise
         except Exception as e:  # export raises many types; all are reported the same way
             raise _capture_error(model, e) from e
+    _refuse_data_dependent_sizes(ep, model)
     return _build_captured(ep, model)
+
+
+def _refuse_data_dependent_sizes(ep: torch.export.ExportedProgram, model: nn.Module) -> None:
+    """Raise :class:`CaptureError` when a node's output size depends on tensor values.
+
+    torch.export accepts such a graph (an unbacked symbol stands for the size, e.g. the rows a
+    boolean mask keeps), but every later pass — FLOPs, memory, sharding, the per-rank program —
+    needs static shapes, and a fake tensor cannot produce the data-dependent size.
+    """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        if not any(isinstance(v, torch.Tensor) and free_unbacked_symbols(v) for v in vals):
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        path = next(reversed(stack.values()))[0] if stack else ""
+        module = path[len("model."):] if path.startswith("model.") else ""  # the loss wrapper's prefix
+        where = f" in module '{module}'" if module else f" in {type(model).__name__}.forward"
+        raise CaptureError(
+            f"capturing {type(model).__name__} failed: {node.target} ({node.name}){where} has a data-dependent "
+            f"output shape: its size depends on tensor values (boolean-mask indexing, nonzero, unique, ...). "
+            f"autopar plans static shapes; keep the shape fixed instead (multiply by the mask or use "
+            f"torch.where, and divide by the mask's sum for a mean).\n{_REMEDIES}",
+            construct=f"{node.target}{where}")
 
 
 def _export(wrapper: nn.Module, inputs: tuple) -> torch.export.ExportedProgram:

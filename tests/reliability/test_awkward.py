@@ -275,11 +275,10 @@ def test_data_dependent_branch_is_refused_naming_the_line():
     assert "if h.sum() > 0:" in (err.value.construct or ""), err.value.construct
 
 
-@pytest.mark.xfail(strict=True, reason="export accepts the unbacked size; profiler/execute.py then raises a bare "
-                                       "DynamicOutputShapeException(aten.nonzero) instead of a CaptureError")
 def test_data_dependent_shape_is_refused_clearly():
     from profiler.capture import CaptureError
 
     x, y = _inputs(MaskSelect())
-    with pytest.raises(CaptureError, match="data-dependent"):
+    with pytest.raises(CaptureError, match="data-dependent output shape") as err:
         autopar.plan(MaskSelect(), Mesh(MESH, cluster="cpu"), (x,), loss_fn=F.cross_entropy, target=y)
+    assert "torch.where" in str(err.value)
