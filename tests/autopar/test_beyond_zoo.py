@@ -68,8 +68,6 @@ MODELS = {
 def test_free_plan_matches_one_device(mesh, name):
     import autopar
     from autopar.mesh import Mesh
-    from autopar.runtime.module import ParallelModule
-    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
     ex = MODELS[name]()
     ref = cases.reference(ex, steps=2)
@@ -78,20 +76,7 @@ def test_free_plan_matches_one_device(mesh, name):
         plan = autopar.plan(ex.model, Mesh((2, 2), cluster="cpu"), ex.args, example_kwargs=ex.kwargs,
                             loss_fn=ex.loss_fn, target=ex.target)
     cap = cases.capture(ex)
-
-    def full(t):
-        return t.reconcile() if isinstance(t, LocalTensor) else t
-
-    losses = []
-    with LocalTensorMode(4):
-        pm = ParallelModule(ex.model, cap, plan, mesh)
-        opt = torch.optim.AdamW(pm.parameters(), lr=cases.LR, eps=cases.EPS)
-        for _ in range(2):
-            loss = pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
-            opt.step()
-            opt.zero_grad()
-            losses.append(full(loss).item())
-        state = {k: full(v) for k, v in pm.full_state_dict().items()}
+    _, losses, _, state = cases.train_local(ex, cap, plan, mesh, world=4, steps=2)
     assert cases.loss_err(losses, ref["losses"]) < TOL, (losses, ref["losses"])
     err = cases.compare_state(state, ref["state"])
     assert err["global"] < TOL, err

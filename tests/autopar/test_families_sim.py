@@ -14,7 +14,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
 import cases  # noqa: E402
@@ -63,28 +62,6 @@ def _recompute_and_chunk(plan, cap):
     return matmuls
 
 
-def _train(ex, cap, plan, dm):
-    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
-
-    from autopar.runtime.module import ParallelModule
-
-    def full(t):
-        return t.reconcile() if isinstance(t, LocalTensor) else t
-
-    losses = []
-    with LocalTensorMode(4):
-        pm = ParallelModule(ex.model, cap, plan, dm)
-        opt = torch.optim.AdamW(pm.parameters(), lr=cases.LR, eps=cases.EPS)
-        for i in range(STEPS):
-            loss = pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
-            if i == 0:
-                grads = {k: full(v) for k, v in pm.full_grads().items()}
-            opt.step()
-            opt.zero_grad()
-            losses.append(full(loss).item())
-        state = {k: full(v) for k, v in pm.full_state_dict().items()}
-        regions = pm.signature.regions
-    return losses, grads, state, regions
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -99,8 +76,8 @@ def test_every_family_recomputed_and_chunked(mesh, name):
             assert family is not None, err
             continue
         assert _recompute_and_chunk(plan, cap) > 0
-        losses, grads, state, regions = _train(ex, cap, plan, mesh)
-        assert regions > 0, f"{name}/{family}: no recomputed region was emitted"
+        pm, losses, grads, state = cases.train_local(ex, cap, plan, mesh, world=4, steps=STEPS)
+        assert pm.signature.regions > 0, f"{name}/{family}: no recomputed region was emitted"
         lerr = cases.loss_err(losses, ref["losses"])
         gerr = cases.grad_err(grads, ref["grads"])
         serr = cases.compare_state(state, ref["state"])["global"]

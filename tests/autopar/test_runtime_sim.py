@@ -49,21 +49,7 @@ def _setup(name: str, family: str):
 
 
 def _train(ex, cap, plan, dm, steps=2, **options):
-    with LocalTensorMode(WORLD):
-        from autopar.runtime.module import ParallelModule
-
-        pm = ParallelModule(ex.model, cap, plan, dm, **options)
-        opt = torch.optim.AdamW(pm.parameters(), lr=cases.LR, eps=cases.EPS)
-        losses, grads = [], None
-        for i in range(steps):
-            loss = pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
-            if i == 0:
-                grads = {k: _r(v) for k, v in pm.full_grads().items()}
-            opt.step()
-            opt.zero_grad()
-            losses.append(_r(loss).item())
-        state = {k: _r(v) for k, v in pm.full_state_dict().items()}
-    return pm, losses, grads, state
+    return cases.train_local(ex, cap, plan, dm, world=WORLD, steps=steps, **options)
 
 
 @pytest.mark.parametrize("name,family", [("gpt2", "dp"), ("gpt2", "megatron-axis1"), ("gpt2", "atp-col-first"),

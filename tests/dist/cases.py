@@ -182,6 +182,31 @@ def reference(ex, steps: int = STEPS, lr: float = LR) -> dict:
     return {"losses": losses, "grads": grads, "state": state}
 
 
+def train_local(ex, cap, plan, dm, *, world: int, steps: int = STEPS, **options):
+    """``steps`` AdamW steps of ``ParallelModule`` on ``world`` simulated ranks (LocalTensorMode):
+    (module, losses, first-step full gradients, full state after the last step)."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+
+    from autopar.runtime.module import ParallelModule
+
+    def full(t):
+        return t.reconcile() if isinstance(t, LocalTensor) else t
+
+    with LocalTensorMode(world):
+        pm = ParallelModule(ex.model, cap, plan, dm, **options)
+        opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+        losses, grads = [], None
+        for i in range(steps):
+            loss = pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+            if i == 0:
+                grads = {k: full(v) for k, v in pm.full_grads().items()}
+            opt.step()
+            opt.zero_grad()
+            losses.append(full(loss).item())
+        state = {k: full(v) for k, v in pm.full_state_dict().items()}
+    return pm, losses, grads, state
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     den = b.norm().item()
