@@ -174,15 +174,15 @@ def capture(model: nn.Module, args, kwargs: dict | None = None, *, loss_fn: Call
     """
     args, kwargs = _check_inputs(model, args, kwargs, loss_fn, target)
     wrapper = _LossModule(model, loss_fn)
-    with _export_context(stack_traces):
+    with paused_gc(), _export_context(stack_traces):
         try:
             ep = _export(wrapper, (args, kwargs, target))
         except CaptureError:
             raise
         except Exception as e:  # export raises many types; all are reported the same way
             raise _capture_error(model, e) from e
-    _refuse_data_dependent_sizes(ep, model)
-    return _build_captured(ep, model)
+        _refuse_data_dependent_sizes(ep, model)
+        return _build_captured(ep, model)
 
 
 def _refuse_data_dependent_sizes(ep: torch.export.ExportedProgram, model: nn.Module) -> None:
@@ -229,8 +229,8 @@ def _export_context(stack_traces: bool):
 
     A lazy GraphModule defers Python code generation to the first call (export recompiles the
     graph after each of its passes: about 1.5 s of a 4 s Llama-2-7B capture); skipping stack
-    traces saves a traceback per node; the cyclic garbage collector is paused (see
-    :func:`paused_gc`). FakeTensor logs failing meta kernels at ERROR level: we report them
+    traces saves a traceback per node (the caller pauses the cyclic garbage collector: see
+    :class:`paused_gc`). FakeTensor logs failing meta kernels at ERROR level: we report them
     ourselves.
     """
     try:
@@ -249,7 +249,7 @@ def _export_context(stack_traces: bool):
         if old is not None:
             fx_config.do_not_emit_stack_traces = not stack_traces
         fake_log.setLevel(logging.CRITICAL)
-        with lazy, paused_gc():
+        with lazy:
             yield
     finally:
         if old is not None:
@@ -257,20 +257,23 @@ def _export_context(stack_traces: bool):
         fake_log.setLevel(old_level)
 
 
-@contextlib.contextmanager
-def paused_gc():
-    """Pause Python's cyclic garbage collector for a tracing pass.
+class paused_gc:
+    """Pause Python's cyclic garbage collector for a tracing pass (a context manager).
 
     Tracing creates hundreds of thousands of small objects (fake tensors, fx nodes, pytree
     specs); with a big model alive, each automatic full collection walks all of them. Nothing
-    cyclic needs freeing before the pass ends; the collector resumes afterwards.
+    cyclic needs freeing before the pass ends; the collector resumes afterwards. A class, not a
+    generator: resuming is the last thing its exit does, so the young collection that the pass's
+    allocations have queued runs at the caller's next allocation, not inside this exit (which
+    lets :func:`profiler.profile.profile_captured` freeze the capture's objects first).
     """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
+
+    def __enter__(self) -> None:
+        self.was_enabled = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc) -> None:
+        if self.was_enabled:
             gc.enable()
 
 

@@ -1,6 +1,8 @@
 """capture(): the training-IR graph, its maps to model names, its hash, and clear errors."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -9,6 +11,7 @@ import torch.utils._pytree as pytree
 
 from autopar import zoo
 from profiler.capture import CaptureError, capture, module_path
+from profiler.profile import profile_captured
 
 
 @pytest.mark.parametrize("name", zoo.ZOO)
@@ -136,3 +139,43 @@ def test_meta_weights_with_cpu_inputs():
     model = _NoLoss().to("meta")
     with pytest.raises(CaptureError, match="build the inputs on device='meta'"):
         capture(model, (torch.randn(2, 4),), loss_fn=lambda out: out.sum())
+
+
+def test_collector_is_restored_and_skips_the_capture(monkeypatch):
+    """capture() pauses the cyclic collector; profile_captured() freezes what exists when it
+    starts, so no collection during the profile scans the capture's objects (the graph among
+    them). Both leave the collector as they found it, also when they fail."""
+    import gc
+
+    ex = zoo.build("mlp")
+    scanned = []
+
+    def seen(phase, info):
+        if phase == "start":  # does this collection walk the capture's graph?
+            scanned.append(any(o is graph for g in range(info["generation"] + 1)
+                               for o in gc.get_objects(generation=g)))
+
+    captured = capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    graph = captured.graph
+    assert gc.isenabled() and gc.get_count()[0] > gc.get_threshold()[0]  # a young collection is queued
+    gc.callbacks.append(seen)
+    try:
+        gp = profile_captured(captured)
+    finally:
+        gc.callbacks.remove(seen)
+    assert gc.get_freeze_count() == 0 and gp.fwd_flops > 0
+    assert scanned and not any(scanned), scanned  # collections ran, none over the capture
+    assert any(o is graph for o in gc.get_objects(generation=2))  # back in the oldest generation
+
+    gc.disable()  # a caller that keeps the collector off gets it back off
+    try:
+        capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+    monkeypatch.setattr(sys.modules["profiler.profile"], "_profile_captured",
+                        lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        profile_captured(captured)
+    assert gc.get_freeze_count() == 0
