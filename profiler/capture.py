@@ -194,6 +194,8 @@ def _refuse_data_dependent_sizes(ep: torch.export.ExportedProgram, model: nn.Mod
     """
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+    if not _may_have_unbacked(ep):
+        return
     for node in ep.graph.nodes:
         val = node.meta.get("val")
         vals = val if isinstance(val, (tuple, list)) else (val,)
@@ -209,6 +211,22 @@ def _refuse_data_dependent_sizes(ep: torch.export.ExportedProgram, model: nn.Mod
             f"autopar plans static shapes; keep the shape fixed instead (multiply by the mask or use "
             f"torch.where, and divide by the mask's sum for a mean).\n{_REMEDIES}",
             construct=f"{node.target}{where}")
+
+
+def _may_have_unbacked(ep: torch.export.ExportedProgram) -> bool:
+    """False when the trace's shape environment never created an unbacked (data-dependent) size,
+    so no node can carry one (skips a walk over every node's shapes); True when unsure."""
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    try:
+        from torch._export.utils import _get_shape_env_from_gm
+
+        shape_env = _get_shape_env_from_gm(ep.graph_module)
+    except Exception:  # internals moved: walk the nodes
+        return True
+    if shape_env is None:
+        return False  # no symbolic value anywhere: every size is an int
+    return any(symbol_is_type(s, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT)) for s in shape_env.var_to_range)
 
 
 def _export(wrapper: nn.Module, inputs: tuple) -> torch.export.ExportedProgram:
