@@ -24,8 +24,8 @@ import time
 
 from launch import launch
 
-# (label, helper, shape of the helper's input, helper args, bytes read + written, kernels)
 SIZES = (8 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 8 << 20)
+"""Bytes of the fp32 input of each timed helper."""
 
 
 def _cases(n: int):
@@ -38,7 +38,8 @@ def _cases(n: int):
         out += [
             (f"gather cat dim 1 ({rows}, 256)", lambda x: C._rows_to_dim(x, n, 1), (rows, 256), 2 * size),
             (f"rows of dim 1 ({rows}, 256)", lambda x: C._dim_to_rows(x, n, 1), (rows, 256), 2 * size),
-            (f"gather cat dim 2 (8, {rows // 8}, 256)", lambda x: C._rows_to_dim(x, n, 2), (8, rows // 8, 256), 2 * size),
+            (f"gather cat dim 2 (8, {rows // 8}, 256)", lambda x: C._rows_to_dim(x, n, 2), (8, rows // 8, 256),
+             2 * size),
             (f"slice dim 0 ({rows}, 256)", lambda x: C._chunk(x, 0, n, 1), (rows, 256), 2 * size // n),
             (f"slice dim 1 ({rows}, 256)", lambda x: C._chunk(x, 1, n, 1), (rows, 256), 2 * size // n),
             (f"zero_partial ({rows}, 256)", lambda x: C._keep_on_first(x, 0), (rows, 256), 2 * size),

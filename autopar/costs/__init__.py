@@ -7,5 +7,5 @@ from autopar.costs.reshard import (STEP_KINDS, ReshardPlan, Step, apply_step, co
                                    step_cost)
 
 __all__ = ["KINDS", "STEP_KINDS", "ReshardPlan", "Step", "apply_step", "collective_time", "compute_time",
-           "copy_bytes", "grad_placements", "local_copy_time", "normalize", "reshard", "reshard_cost", "reshard_cost_with_grad", "ring_time",
-           "step_cost"]
+           "copy_bytes", "grad_placements", "local_copy_time", "normalize", "reshard", "reshard_cost",
+           "reshard_cost_with_grad", "ring_time", "step_cost"]
