@@ -314,7 +314,8 @@ def _device_from_times(preset: Device, dev: dict, device: torch.device) -> tuple
     new = dataclasses.replace(preset, name=f"{preset.name} (calibrated)", fp32_flops=rates["fp32"],
                               tf32_flops=rates["tf32"], bf16_flops=rates["bf16"], fp16_flops=rates["fp16"],
                               mem_bandwidth=mem_bw, memory_bytes=int(memory), matmul_efficiency=1.0,
-                              kernel_floor=dev["kernel"][1] / dev["kernel"][0])
+                              kernel_floor=dev["kernel"][1] / dev["kernel"][0],
+                              copy_bandwidth=2 * copy_bytes / copy_t)
     record = {"matmul": {k: {"n": dev[k][0], "seconds": dev[k][1], "flops_per_s": rates.get(k)}
                          for k in ("fp32", "tf32", "bf16", "fp16") if k in dev},
               "copy": {"bytes": copy_bytes, "seconds": copy_t, "bytes_per_s": 2 * copy_bytes / copy_t},
@@ -345,7 +346,8 @@ def combine(meshes: Sequence[Mesh]) -> Mesh:
         kinds = tuple((k, med([a for lk in lks for x, a, _ in lk.kinds if x == k]),
                        med([b for lk in lks for x, _, b in lk.kinds if x == k])) for k in names)
         links.append(Link(med([lk.alpha for lk in lks]), med([lk.beta for lk in lks]), kinds))
-    fields = ("fp32_flops", "tf32_flops", "bf16_flops", "fp16_flops", "mem_bandwidth", "kernel_floor")
+    fields = ("fp32_flops", "tf32_flops", "bf16_flops", "fp16_flops", "mem_bandwidth", "kernel_floor",
+              "copy_bandwidth")
     device = dataclasses.replace(first.device, **{f: med([getattr(m.device, f) for m in meshes]) for f in fields})
     record = {"combined": len(meshes), "records": [m.calibration for m in meshes]}
     return first.replace(links=tuple(links), device=device, calibration=record)

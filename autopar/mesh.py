@@ -71,6 +71,9 @@ class Device:
     """Fraction of peak FLOP/s kernels reach (large GEMMs reach 0.6-0.8 of peak)."""
     kernel_floor: float = 5e-6
     """Least time one kernel takes (launch and dispatch overhead), seconds."""
+    copy_bandwidth: float = 0.0
+    """Bytes per second (read + written) of a layout copy (resharding's concatenations and clones);
+    0 means ``mem_bandwidth``. On CPUs a copy runs several times faster than pointwise math."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

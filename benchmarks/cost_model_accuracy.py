@@ -26,7 +26,9 @@ collectives seen by the dispatcher, gradient buckets included; not their waits n
 autograd wrappers); ``pric``: the collectives the cost model prices for the plan
 (``autopar.planner.comms.plan_collectives``), which should equal ``colls``; ``resh``: the
 resharding modules the codegen inserted. The mesh is calibrated a third time after measuring, to
-show how far the host drifted.
+show how far the host drifted. ``pred ms split / meas resh``: the prediction's compute, in-op
+communication, resharding and recompute seconds, then the seconds rank 0 measured inside the
+resharding step lists (collectives, waits and layout copies; median of 3 steps after timing).
 
 Printed per plan: predicted and measured ms, relative error, predicted and measured peak MiB and
 the error; then the figures the cost model is judged by: the Spearman rank correlation of
@@ -92,9 +94,10 @@ def _plans_on_rank0(cap, mesh, families):
     return out, gp
 
 
-def _reprice(gp, text: str, mesh) -> float:
-    """Predicted seconds of a finished plan on a freshly calibrated ``mesh``: the plan's own
-    choices, priced by the planner's problem for that mesh (``solver.evaluate``)."""
+def _reprice(gp, text: str, mesh) -> tuple[float, dict]:
+    """Predicted seconds of a finished plan on a freshly calibrated ``mesh`` and their split
+    (compute, comm, reshard, recompute): the plan's own choices, priced by the planner's problem
+    for that mesh (``solver.evaluate``)."""
     import solver
     from autopar import placement as pl
     from autopar.plan import Plan
@@ -113,8 +116,9 @@ def _reprice(gp, text: str, mesh) -> float:
                 choice[node.id] = k
                 break
         else:
-            return float("nan")  # the plan's strategy is not offered on this problem
-    return solver.evaluate(built.problem, choice, plan.solver.get("checkpointed", ())).objective
+            return float("nan"), {}  # the plan's strategy is not offered on this problem
+    ev = solver.evaluate(built.problem, choice, plan.solver.get("checkpointed", ()))
+    return ev.objective, {k: float(v) for k, v in ev.split.items()}
 
 
 def _peak(pm, ex, opt) -> int:
@@ -159,11 +163,39 @@ def _collectives(pm, ex) -> int:
     return Count.n
 
 
+def _reshard_seconds(pm, ex, steps: int = 3) -> float:
+    """Median over ``steps`` train_steps of the seconds this rank spends running resharding step
+    lists (``autopar.runtime.reshard.apply_steps``: collectives, their waits and layout copies,
+    forward and backward); the figure to hold against the ``reshard`` part of the prediction."""
+    import autopar.runtime.reshard as R
+
+    orig, spent = R.apply_steps, [0.0]
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    R.apply_steps, runs = timed, []
+    try:
+        for _ in range(steps):
+            pm.zero_grad(set_to_none=True)
+            spent[0] = 0.0
+            pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+            runs.append(spent[0])
+    finally:
+        R.apply_steps = orig
+    pm.zero_grad(set_to_none=True)
+    return statistics.median(runs)
+
+
 def _calibration(mesh) -> dict:
     return {"links": [{"alpha": lk.alpha, "beta": lk.beta, "kinds": [list(k) for k in lk.kinds]}
                       for lk in mesh.links],
             "device": {"fp32_flops": mesh.device.fp32_flops, "mem_bandwidth": mesh.device.mem_bandwidth,
-                       "kernel_floor": mesh.device.kernel_floor}}
+                       "kernel_floor": mesh.device.kernel_floor, "copy_bandwidth": mesh.device.copy_bandwidth}}
 
 
 def worker(rank, world, shape, families, warmup, steps):
@@ -218,13 +250,14 @@ def worker(rank, world, shape, families, warmup, steps):
     for fam, (pm, opt) in mods.items():
         rows[fam]["measured_bytes"] = _peak(pm, ex, opt)
         rows[fam]["collectives"] = _collectives(pm, ex)
+        rows[fam]["measured_reshard_s"] = _reshard_seconds(pm, ex)
         rows[fam]["priced_collectives"] = len(plan_collectives(cap, pm.plan))
         rows[fam]["reshards"] = len(pm.signature.reshards)
     after = calibrate(dm)  # how far the host drifted while we measured
     if gp is not None:
         for fam, text in texts.items():
             rows[fam]["planned_s"] = rows[fam]["predicted_s"]
-            rows[fam]["predicted_s"] = _reprice(gp, text, now)
+            rows[fam]["predicted_s"], rows[fam]["predicted_split"] = _reprice(gp, text, now)
     out = {"rows": list(rows.values()), **_calibration(now), "planned": _calibration(mesh),
            "after": _calibration(after)}
     return out if rank == 0 else None
@@ -251,7 +284,7 @@ def _fmt_cal(c: dict) -> str:
     lk = ", ".join(f"alpha {x['alpha'] * 1e6:.0f} us beta {x['beta'] / 1e9:.2f} GB/s" for x in c["links"])
     d = c["device"]
     return (f"{lk}; {d['fp32_flops'] / 1e9:.1f} GFLOP/s, pointwise {d['mem_bandwidth'] / 1e9:.1f} GB/s, "
-            f"kernel floor {d['kernel_floor'] * 1e6:.1f} us")
+            f"copy {d.get('copy_bandwidth', 0) / 1e9:.1f} GB/s, kernel floor {d['kernel_floor'] * 1e6:.1f} us")
 
 
 def _print_launch(shape, res) -> None:
@@ -261,19 +294,20 @@ def _print_launch(shape, res) -> None:
     print(f"\nmesh {'x'.join(map(str, shape))} ({world} gloo processes)\n  calibrated to plan:  {_fmt_cal(res['planned'])}"
           f"\n  during timing:       {_fmt_cal(res)}\n  after timing:        {_fmt_cal(res['after'])}")
     print(f"{'plan':<15} {'chosen':<26} {'plan ms':>8} {'pred ms':>8} {'meas ms':>8} {'err':>7} {'pred MiB':>9} {'meas MiB':>9} "
-          f"{'err':>7} {'colls':>5} {'pric':>4} {'resh':>4}  split when planned (ms)")
+          f"{'err':>7} {'colls':>5} {'pric':>4} {'resh':>4}  pred ms split / meas resh")
     for r in res["rows"]:
         if "error" in r:
             print(f"{r['family']:<15} n/a: {r['error'][:100]}")
             continue
         te = r["predicted_s"] / r["measured_s"] - 1
         me = r["predicted_bytes"] / r["measured_bytes"] - 1
-        bd = r["breakdown"]
+        bd = r.get("predicted_split") or r["breakdown"]
         split = " ".join(f"{k[:4]} {bd[k] * 1e3:.1f}" for k in ("compute", "comm", "reshard", "recompute") if k in bd)
         print(f"{r['family']:<15} {str(r['plan_family'])[:25]:<26} {r.get('planned_s', float('nan')) * 1e3:>8.1f} "
               f"{r['predicted_s'] * 1e3:>8.1f} "
               f"{r['measured_s'] * 1e3:>8.1f} {te:>+7.0%} {r['predicted_bytes'] / 2**20:>9.2f} "
-              f"{r['measured_bytes'] / 2**20:>9.2f} {me:>+7.0%} {r['collectives']:>5} {r.get('priced_collectives', -1):>4} {r['reshards']:>4}  {split}", flush=True)
+              f"{r['measured_bytes'] / 2**20:>9.2f} {me:>+7.0%} {r['collectives']:>5} {r.get('priced_collectives', -1):>4} {r['reshards']:>4}  {split} / "
+              f"{r.get('measured_reshard_s', float('nan')) * 1e3:.1f}", flush=True)
 
 
 def _judge(rows, label) -> dict:

@@ -2,7 +2,8 @@
 
 States are the placement tuples of ONE tensor on the mesh (one of R, P, S(d) per axis) whose
 local shards are even. Edges are single-axis steps; each is priced by
-:func:`autopar.costs.collective_time` on that axis' link (local ops are free):
+:func:`autopar.costs.collective_time` on that axis' link plus the local layout copies the runtime
+runs around it (:func:`copy_bytes`: bytes at the device's copy rate and a kernel floor per copy):
 
 ============  =====================  ==========================================================
 step          placement on `axis`    local effect (n = size of `axis`)
@@ -11,8 +12,8 @@ all_gather    S(d) -> R              concatenate the n chunks of dim d
 reduce_scatter P -> S(d)             sum over the axis, keep chunk c of dim d
 all_reduce    P -> R                 sum over the axis
 all_to_all    S(d) -> S(d2)          split dim d2 in n, exchange, concatenate dim d
-slice         R -> S(d)              keep chunk c of dim d (free)
-zero_partial  R -> P                 keep the value on coordinate 0, zeros elsewhere (free)
+slice         R -> S(d)              keep (a copy of) chunk c of dim d (no communication)
+zero_partial  R -> P                 keep the value on coordinate 0, zeros elsewhere (no communication)
 ============  =====================  ==========================================================
 
 A dim sharded over several axes is nested left to right, as in DTensor: under ``S(0)S(0)`` rank
@@ -190,15 +191,61 @@ def local_bytes(shape: Sequence[int], placements: Placements, mesh_shape: Sequen
     return math.prod(local_shape(shape, placements, mesh_shape)) * itemsize
 
 
+def local_copy_time(nbytes: float, mesh: Mesh, kernels: int = 1) -> float:
+    """Seconds of ``kernels`` local layout copies that read and write ``nbytes`` in all: each
+    kernel's floor plus the bytes at the device's copy rate (``Device.copy_bandwidth``, else
+    ``mem_bandwidth``). 0 when nothing is copied."""
+    if nbytes <= 0 or kernels <= 0:
+        return 0.0
+    d = mesh.device
+    return kernels * d.kernel_floor + nbytes / (d.copy_bandwidth or d.mem_bandwidth)
+
+
+def copy_bytes(step: Step, state: Placements, shape: Sequence[int], itemsize: int,
+               mesh_shape: Sequence[int]) -> tuple[int, int]:
+    """(bytes read + written, kernels) of the local layout copies the runtime runs for ``step``
+    on a tensor placed as ``state`` (``autopar.runtime.collectives``; n = size of the axis, B = the
+    local bytes before the step). Each copy is a view op and a copy kernel (chunk + cat, narrow +
+    clone); ``zero_partial`` is one clone (or one fill of zeros). Steps on a dim 0 only hand the
+    buffer to the collective, and any step over an axis of size 1 is the identity:
+
+    - ``all_gather`` along dim d != 0: the n gathered row blocks concatenated along d: 2 n B;
+    - ``reduce_scatter`` along d != 0: the chunks of d stacked into rows first: 2 B;
+    - ``all_to_all``: 2 B to stack the chunks of ``dim2`` unless it is 0, 2 B to join ``dim``
+      unless it is 0;
+    - ``slice``: a clone of the chunk, 2 B / n (a view would keep the whole input alive);
+    - ``zero_partial``: a clone on coordinate 0, zeros elsewhere: 2 B.
+    """
+    n, k = mesh_shape[step.axis], step.kind
+    if n == 1 or k in ("all_reduce", "noop"):
+        return 0, 0
+    b = local_bytes(shape, state, mesh_shape, itemsize)
+    if k == "all_gather":
+        return (2 * n * b, 2) if step.dim != 0 else (0, 0)
+    if k == "reduce_scatter":
+        return (2 * b, 2) if step.dim != 0 else (0, 0)
+    if k == "all_to_all":
+        copies = (step.dim2 != 0) + (step.dim != 0)
+        return 2 * b * copies, 2 * copies
+    if k == "slice":
+        return 2 * b // n, 2
+    return 2 * b, 1  # zero_partial
+
+
 def step_cost(step: Step, state: Placements, shape: Sequence[int], itemsize: int, mesh: Mesh) -> float:
     """Seconds of ``step`` applied to a tensor of ``shape`` placed as ``state``: the collective's
-    alpha-beta time on the step's axis (local ops are free)."""
-    if step.kind in ("slice", "zero_partial", "noop"):
+    alpha-beta time on the step's axis plus the local layout copies the runtime runs around it
+    (:func:`copy_bytes`, priced by :func:`local_copy_time`)."""
+    if step.kind == "noop":
         return 0.0
+    copied, kernels = copy_bytes(step, state, shape, itemsize, mesh.shape)
+    local = local_copy_time(copied, mesh, kernels)
+    if step.kind in ("slice", "zero_partial"):
+        return local
     b = local_bytes(shape, state, mesh.shape, itemsize)
     # nbytes: gathered output for all_gather, per-rank input for the others (see costs.collectives).
     nbytes = b * mesh.shape[step.axis] if step.kind == "all_gather" else b
-    return collective_time(step.kind, nbytes, mesh, step.axis)
+    return collective_time(step.kind, nbytes, mesh, step.axis) + local
 
 
 def neighbors(state: Placements, shape: tuple[int, ...], itemsize: int, mesh: Mesh):

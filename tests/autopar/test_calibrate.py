@@ -119,6 +119,8 @@ def test_calibrate_on_gloo(ranks):
     # Step-like pointwise kernels are priced at their own rate, which no copy is slower than by 10x.
     assert d.mem_bandwidth == rec["elementwise"]["bytes_per_s"]
     assert rec["copy"]["bytes_per_s"] > 0.1 * d.mem_bandwidth
+    # Resharding's layout copies are priced at the measured copy rate (bytes read + written).
+    assert d.copy_bandwidth == rec["copy"]["bytes_per_s"] > 0
     assert Mesh.from_dict(json.loads(json.dumps(m.to_dict()))) == m  # Link.kinds round-trips exactly
 
 
@@ -173,11 +175,12 @@ def test_combine_takes_the_median_of_each_figure():
 
     base = Mesh((2, 2), cluster="cpu")
     meshes = [base.replace(links=(Link(a, 1e9 * a * 1e3, (("all_to_all", 2 * a, 5e8 / a / 1e3),)), Link(a, 2e9)),
-                           device=dataclasses.replace(base.device, fp32_flops=f, kernel_floor=a / 100))
+                           device=dataclasses.replace(base.device, fp32_flops=f, kernel_floor=a / 100,
+                                                      copy_bandwidth=f / 2))
               for a, f in ((1e-3, 30e9), (3e-3, 10e9), (2e-3, 20e9))]
     m = combine(meshes)
     assert m.links[0] == Link(2e-3, 2e9, (("all_to_all", 4e-3, 2.5e8),)) and m.links[1] == Link(2e-3, 2e9)
-    assert m.device.fp32_flops == 20e9 and m.device.kernel_floor == 2e-5
+    assert m.device.fp32_flops == 20e9 and m.device.kernel_floor == 2e-5 and m.device.copy_bandwidth == 10e9
     assert m.device.mem_bandwidth == base.device.mem_bandwidth and m.calibration["combined"] == 3
     with pytest.raises(ValueError, match="one mesh"):
         combine([base, Mesh((4,), cluster="cpu")])

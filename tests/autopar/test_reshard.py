@@ -19,7 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from autopar.costs import (Step, apply_step, collective_time, grad_placements, reshard, reshard_cost,
                            reshard_cost_with_grad, step_cost)
 from autopar.mesh import Mesh
-from autopar.placement import fits, fmt, parse
+from autopar.placement import fits, fmt, local_shape, parse
 from autopar.runtime import Reshard, apply_steps, reshard_local
 
 SHAPE = (4, 8, 4)
@@ -126,28 +126,54 @@ def test_hand_computed_paths():
     mesh = Mesh((2, 8), cluster="a100")  # dp: HDR IB 25 GB/s, tp: NVLink3 300 GB/s
     shape, b = (1024, 1024), 1024 * 1024 * 2  # bf16, 2 MiB
     ib, nv = mesh.links
-    # S(0)R -> RR: rather than one all-gather of 2 MiB over IB, slice dim 1 over tp for free so the
-    # IB all-gather moves 1/8 of the data, then all-gather over NVLink.
+    dev = mesh.device
+    # A layout copy of B bytes read + written with k kernels (view op + copy kernel: k = 2).
+    def copy(nbytes, k=2):
+        return k * dev.kernel_floor + nbytes / dev.mem_bandwidth
+    # S(0)R -> RR: rather than one all-gather of 2 MiB over IB, slice dim 1 over tp (a local
+    # clone of 1/16 of the tensor) so the IB all-gather moves 1/8 of the data, then all-gather
+    # over NVLink, whose gather along dim 1 concatenates the 2 MiB it receives.
     plan = reshard("S(0)R", "RR", shape, 2, mesh)
     assert plan.steps == (Step("slice", 1, 1), Step("all_gather", 0, 0), Step("all_gather", 1, 1))
     direct = ib.alpha + 0.5 * b / ib.beta
-    assert plan.cost == pytest.approx((ib.alpha + 0.5 * b / 8 / ib.beta) + (7 * nv.alpha + 7 / 8 * b / nv.beta),
-                                      rel=1e-12)
+    assert plan.step_costs == pytest.approx((copy(2 * b / 16), ib.alpha + 0.5 * b / 8 / ib.beta,
+                                             7 * nv.alpha + 7 / 8 * b / nv.beta + copy(2 * b)), rel=1e-12)
     assert plan.cost < direct
-    # On a 1-D mesh the same move is the one all-gather.
+    # On a 1-D mesh the same move is the one all-gather, along dim 0: no copy.
     mesh1 = Mesh((2,), cluster="a100")
     assert reshard("S(0)", "R", shape, 2, mesh1).steps == (Step("all_gather", 0, 0),)
     assert reshard_cost("S(0)", "R", shape, 2, mesh1) == pytest.approx(mesh1.links[0].alpha + 0.5 * b / 300e9)
-    # PP -> RR: hierarchical, reduce-scatter on the fast inner axis first (the slow link carries 1/8).
+    # PP -> RR: hierarchical, reduce-scatter on the fast inner axis first (the slow link carries 1/8),
+    # all along dim 0, so no step copies and the price is the hierarchical all-reduce's.
     plan = reshard("PP", "RR", shape, 2, mesh)
     expect = (7 * nv.alpha + 7 / 8 * b / nv.beta) * 2 + (2 * ib.alpha + b / 8 / ib.beta)
     assert plan.cost == pytest.approx(expect, rel=1e-12)
     assert plan.cost == pytest.approx(collective_time("all_reduce", b, mesh, ("dp", "tp")), rel=1e-12)
-    # R -> S is a free local slice; R -> P a free local zeroing.
-    assert reshard_cost("RR", "S(1)S(0)", shape, 2, mesh) == 0
-    assert reshard_cost("RR", "PP", shape, 2, mesh) == 0
+    # R -> S is a local slice, priced as the clone of the chunk the runtime makes (it does not keep
+    # a view, which would hold the whole input alive); R -> P a clone on coordinate 0.
+    assert reshard_cost("RR", "S(1)S(0)", shape, 2, mesh) == pytest.approx(copy(2 * b / 8) + copy(2 * b / 16))
+    assert reshard_cost("RR", "PP", shape, 2, mesh) == pytest.approx(2 * copy(2 * b, k=1))
     # the gradient convention: forward slice, backward all-gather.
-    assert reshard_cost_with_grad("RR", "RS(1)", shape, 2, mesh) == reshard_cost("RS(1)", "RR", shape, 2, mesh) > 0
+    assert reshard_cost_with_grad("RR", "RS(1)", shape, 2, mesh) == pytest.approx(
+        reshard_cost("RS(1)", "RR", shape, 2, mesh) + copy(2 * b / 8))
+
+
+def test_copies_priced_at_the_calibrated_copy_rate():
+    # A calibrated device prices copies at its copy rate, not the pointwise rate, and an axis of
+    # size 1 runs nothing.
+    import dataclasses
+    mesh = Mesh((2,), cluster="cpu")
+    fast = mesh.replace(device=dataclasses.replace(mesh.device, copy_bandwidth=4 * mesh.device.mem_bandwidth))
+    shape, b = (1024, 256), 1024 * 256 * 4
+    for m in (mesh, fast):
+        bw = m.device.copy_bandwidth or m.device.mem_bandwidth
+        assert step_cost(Step("slice", 0, 1), parse("R"), shape, 4, m) == pytest.approx(
+            2 * m.device.kernel_floor + b / bw)  # clone of half: b / 2 read + b / 2 written
+        gather = step_cost(Step("all_gather", 0, 1), parse("S(1)"), shape, 4, m)
+        assert gather == pytest.approx(collective_time("all_gather", b, m, 0) + 2 * m.device.kernel_floor + 2 * b / bw)
+        assert step_cost(Step("all_gather", 0, 0), parse("S(0)"), shape, 4, m) == collective_time(
+            "all_gather", b, m, 0)
+    assert step_cost(Step("slice", 0, 1), parse("RR"), shape, 4, Mesh((1, 2), cluster="cpu")) == 0
 
 
 def test_invalid_inputs_give_clear_errors():
@@ -232,3 +258,45 @@ def test_apply_steps_and_function_directly(sim):
         out = Reshard.apply(r, (), (Step("all_reduce", 1),), dm)
         out.backward(_local_map(lm, x_global, parse("RP"), mesh_shape, seed=5))
         assert torch.equal(assemble(r.grad._local_tensors, parse("RR"), mesh_shape, SHAPE), x_global)
+
+
+def test_priced_copies_are_the_runtime_copies(sim):
+    """``copy_bytes`` of every step from every placement equals what the runtime's step really
+    copies on this rank: the bytes read + written by the cat / clone / zero-fill kernels it
+    dispatches (a plain tensor on the fake process group: the collectives return buffers of the
+    right shape and the local ops run as on a real rank, coordinate 0 on every axis)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.costs import copy_bytes
+    from autopar.costs.reshard import _candidate_steps
+
+    mesh_shape, dm = sim
+    aten = torch.ops.aten
+    copies = {aten.cat.default: 2, aten.clone.default: 2, aten.zeros_like.default: 1}  # bytes per output byte
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in copies:
+                self.bytes += copies[func] * out.numel() * out.element_size()
+                self.kernels += 1
+            return out
+
+    seen = set()
+    for state in all_placements(mesh_shape):
+        for step in _candidate_steps(state, len(SHAPE)):
+            try:
+                nxt = apply_step(state, step)
+            except ValueError:
+                continue
+            if not fits(SHAPE, nxt, mesh_shape):
+                continue
+            x = torch.zeros(local_shape(SHAPE, state, mesh_shape))
+            with Count() as c:
+                c.bytes = c.kernels = 0
+                apply_steps(x, (step,), dm)
+            want, kernels = copy_bytes(step, state, SHAPE, 4, mesh_shape)
+            assert c.bytes == want, f"{step} from {fmt(state)}: runtime copies {c.bytes} bytes, priced {want}"
+            assert (c.kernels > 0) == (kernels > 0), f"{step} from {fmt(state)}"
+            seen.add(step.kind)
+    assert seen == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "slice", "zero_partial"}
