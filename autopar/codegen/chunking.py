@@ -103,11 +103,10 @@ def ex_val(x_node, node, low):
 # ---------------------------------------------------------------------------------------------
 # Chunk chains: see the module docstring's second part.
 
-_CHAIN_MATMULS = (torch.ops.aten.linear.default, torch.ops.aten.mm.default,
-                  torch.ops.aten.addmm.default)
-_NORMS = (torch.ops.aten.layer_norm.default,)
-_SOFTMAX = (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default,
-            torch.ops.aten.softmax.int, torch.ops.aten.log_softmax.int)
+aten = torch.ops.aten
+_CHAIN_MATMULS = (aten.linear.default, aten.mm.default, aten.addmm.default)
+_NORMS = (aten.layer_norm.default,)
+_SOFTMAX = (aten._softmax.default, aten._log_softmax.default, aten.softmax.int, aten.log_softmax.int)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -129,42 +128,80 @@ class Chain:
     every chunk of stage s, then every chunk of stage s + 1)."""
 
 
-def _row_roles(node, d: int) -> list[str] | None:
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+_SDPA = aten.scaled_dot_product_attention.default
+
+
+def _one(n) -> torch.Tensor | None:
+    v = _vals(n)
+    return v[0] if len(v) == 1 else None
+
+
+def _row_roles(node, d: int, k: int) -> list[str] | None:
     """Per input node of ``node``: ``"chunk"`` (its rows along ``d`` map to the output's rows) or
     ``"shared"`` (every chunk reads it whole: a weight, a bias, a broadcast); None when ``node``
-    does not act row-wise along ``d`` (then it cannot run per chunk)."""
+    does not act row-wise along ``d`` (then it cannot run per chunk).
+
+    Row-wise along d: matmuls on their activation, layer norm and softmax over other dims,
+    pointwise ops (inputs broadcast across d are shared), transposes that keep d, dropout with
+    p = 0, attention along its batch or head dim, splits along another dim and their getitems,
+    and reshapes that keep the dims before d (a chunk of d is then one contiguous block of
+    each leading index, before and after; GPT-2's (B, S, D) <-> (B * S, D) with d = 0)."""
     outs, ins, t = _vals(node), node.all_input_nodes, node.target
-    if len(outs) != 1 or outs[0].dim() <= d or any(len(_vals(n)) != 1 for n in ins):
+    x = node.args[ACTIVATION_ARG.get(t, 0)] if node.args else None
+    if not isinstance(x, fx.Node) or (ex.is_getitem(node) and len(_vals(x)) > 1):
+        return ["chunk"] if ex.is_getitem(node) and isinstance(x, fx.Node) else None
+    xv = _one(x)
+    if xv is None or xv.dim() <= d or any(_one(n) is None for n in ins) or ins.count(x) != 1:
         return None
-    nd, n_rows = outs[0].dim(), outs[0].shape[d]
-    first = node.args[0] if node.args else None
+    if t in _SPLITS:
+        split_dim = (node.args[2] if len(node.args) > 2 else 0) % xv.dim()
+        return ["chunk"] if split_dim != d and len(ins) == 1 else None
+    if len(outs) != 1 or outs[0].dim() <= d:
+        return None
+    nd, out = outs[0].dim(), outs[0]
+    if t in _RESHAPES:
+        ok = tuple(xv.shape[:d]) == tuple(out.shape[:d]) and xv.shape[d] % k == 0 and out.shape[d] % k == 0
+        return ["chunk"] if ok and len(ins) == 1 else None
+    if xv.dim() != nd:
+        return None
     if t in _CHAIN_MATMULS or t in _NORMS or t in _SOFTMAX:
-        x = node.args[ACTIVATION_ARG.get(t, 0)]
-        if not isinstance(x, fx.Node) or ins.count(x) != 1 or _vals(x)[0].dim() != nd or d >= nd - 1:
-            return None
-        if t in _NORMS and d >= nd - len(node.args[1]):
-            return None  # the norm reduces over d
-        if t in _SOFTMAX and node.args[1] % nd == d:
-            return None
+        if d >= nd - 1 or (t in _NORMS and d >= nd - len(node.args[1])) or (t in _SOFTMAX and node.args[1] % nd == d):
+            return None  # the op mixes rows along d
         return ["chunk" if n is x else "shared" for n in ins]
+    if t is aten.transpose.int:
+        return ["chunk"] if d not in (node.args[1] % nd, node.args[2] % nd) else None
+    if t is aten.dropout.default:
+        return ["chunk"] if node.args[1] == 0 or not node.args[2] else None
+    if t is _SDPA:
+        if d >= nd - 2 or node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0):
+            return None
+        return _broadcast_roles(ins, d, nd, out.shape[d])
     tags = getattr(t, "tags", ())
     if torch.Tag.pointwise not in tags or torch.Tag.nondeterministic_seeded in tags or ex.mutated_args(t):
         return None
+    return _broadcast_roles(ins, d, nd, out.shape[d])
+
+
+def _broadcast_roles(ins, d: int, nd: int, rows: int) -> list[str] | None:
+    """Pointwise-style roles: an input whose dim facing d (right-aligned broadcasting) is absent
+    or 1 is shared, one with the output's rows (same rank) is chunked; anything else: None."""
     roles = []
     for n in ins:
-        v = _vals(n)[0]
-        a = d - (nd - v.dim())  # right-aligned broadcasting: the input's dim facing d
+        v = _one(n)
+        a = d - (nd - v.dim())
         if a < 0 or v.shape[a] == 1:
             roles.append("shared")
-        elif a == d and v.shape[a] == n_rows:
+        elif a == d and v.shape[a] == rows:
             roles.append("chunk")
         else:
             return None
-    return roles if "chunk" in roles and first is not None else None
+    return roles if "chunk" in roles else None
 
 
 def _seed(low, node):
-    """(k, dim, rows) of a chunked matmul that may start or join a chain, or None."""
+    """(k, dim) of a chunked matmul that may start or join a chain, or None."""
     np_ = low.plan.nodes.get(node.name)
     if np_ is None or np_.chunks <= 1 or np_.recompute or node.target not in _CHAIN_MATMULS:
         return None
@@ -175,7 +212,7 @@ def _seed(low, node):
     x_pl = low.inputs_of(node)[0][node.all_input_nodes.index(x)] or low.outputs_of(x)[0]
     local = pl.local_shape(tuple(_vals(x)[0].shape), x_pl, low.ctx.shape)
     d = chunk_dim(local, np_.chunks, blocked_dims(len(local), (x_pl, low.outputs_of(node)[0]), ()))
-    return None if d is None else (np_.chunks, d, local[d])
+    return None if d is None else (np_.chunks, d)
 
 
 class _ChainPlanner:
@@ -185,21 +222,26 @@ class _ChainPlanner:
         self.low = low
         self.execs: dict[str, tuple] = {}
 
-    def member(self, node, d: int) -> list[str] | None:
+    def member(self, node, d: int, k: int) -> list[str] | None:
         """``node``'s input roles when it can run per chunk along ``d``, else None."""
         low = self.low
         np_ = low.plan.nodes.get(node.name)
-        if node.op != "call_function" or np_ is None or np_.recompute or ex.is_getitem(node):
+        if node.op != "call_function" or (np_ is None and not ex.is_getitem(node)) or (np_ and np_.recompute):
             return None
-        roles = _row_roles(node, d)
-        if roles is None:
+        roles = _row_roles(node, d, k)
+        if roles is None or any(v.shape[d] % k for v in _vals(node) if v.dim() > d):
             return None
+        if ex.is_getitem(node):  # an element of a split: taken as it is, never moved
+            src = node.args[0]
+            return roles if low.outputs_of(node)[0] == low.outputs_of(src)[node.args[1]] else None
         pls = low.inputs_of(node)[0]
         for r, p, n in zip(roles, pls, node.all_input_nodes):
             if r == "chunk" and d in blocked_dims(_vals(n)[0].dim(), (p or low.outputs_of(n)[0],), ()):
                 return None
-        if d in blocked_dims(_vals(node)[0].dim(), (low.outputs_of(node)[0],), ()):
+        if any(d in blocked_dims(v.dim(), (p,), ()) for v, p in zip(_vals(node), low.outputs_of(node))):
             return None
+        if node.target in _RESHAPES:
+            return roles  # run as a reshape of the chunk (see ChainEmitter._reshape)
         if node.name not in self.execs:
             self.execs[node.name] = low.make_exec(node)
         # The DTensor executor builds DTensors of the node's global shape: it cannot run a chunk.
@@ -219,9 +261,7 @@ class _ChainPlanner:
         seeds = {n.name: s for n in nodes if (s := _seed(low, n)) is not None}
         out = []
         for key in sorted(set(seeds.values())):
-            k, d, rows = key
-            if rows % k:
-                continue
+            k, d = key
             group = [n for n in nodes if seeds.get(n.name) == key]
             out += self._components(nodes, group, k, d)
         out.sort(key=lambda c: [n.name for n in nodes].index(c.nodes[0]))
@@ -234,7 +274,9 @@ class _ChainPlanner:
 
         def ok(n):
             if n.name not in roles:
-                roles[n.name] = self.member(n, d)
+                roles[n.name] = self.member(n, d, k)
+                if roles[n.name] is not None and ex.is_getitem(n) and not ok(n.args[0]):
+                    roles[n.name] = None  # an element of a split that runs whole
             return roles[n.name] is not None
 
         # Chain edges: a member's chunk-role input from another member, the edge not touching d.
@@ -325,22 +367,19 @@ class ChainEmitter:
         if c is None:
             return False
         low, k, d = self.low, c.k, c.dim
-        mod, kind, (a_t, k_t) = self.execs[node.name]
         members = set(c.nodes)
         per_input = []  # per input node: its k chunk values, or one shared value
-        for i, (prod, role) in enumerate(zip(node.all_input_nodes, _row_roles(node, d))):
+        for i, (prod, role) in enumerate(zip(node.all_input_nodes, _row_roles(node, d, k))):
             e = low.edge_args(prod, node, i)
             if role == "chunk":
                 chunks = self.vals[prod.name] if prod.name in members else self._split(prod, c)
                 per_input.append(self._edge(prod, node, e, c, chunks))
             else:
                 per_input.append(low.env[prod] if e is None else low.edge(prod, low.env[prod], node, *e))
-        name = low.add_module(node.name, mod) if mod is not None else None
+        call, kind = self._call(node, c)
         outs = []
         for ci in range(k):
-            args = [v[ci] if isinstance(v, list) else v for v in per_input]
-            n = (low.graph.call_module(name, tuple(args)) if name is not None
-                 else low.graph.call_function(node.target, ex.fill(a_t, args), ex.fill(k_t, args)))
+            n = call([v[ci] if isinstance(v, list) else v for v in per_input], ci)
             n.meta["autopar_chain"] = (c.index, c.stage[node.name], ci)
             outs.append(n)
         self.vals[node.name], self.anchor[node.name] = outs, list(outs)
@@ -351,6 +390,22 @@ class ChainEmitter:
         outside = [u for u in node.users if u.name not in members]
         low.env[node] = self._exit(node, outs, outside, c) if outside else None
         return True
+
+    def _call(self, node, c: Chain):
+        """(emit one chunk's call from its input values, executor kind) of member ``node``."""
+        g = self.low.graph
+        if ex.is_getitem(node):
+            return (lambda args, ci: g.call_function(operator.getitem, (args[0], node.args[1]))), "plain"
+        if node.target in _RESHAPES:
+            # A chunk's local shape: the node's local output shape with d cut in k.
+            shape = list(pl.local_shape(tuple(_vals(node)[0].shape), self.low.outputs_of(node)[0], self.low.ctx.shape))
+            shape[c.dim] //= c.k
+            return (lambda args, ci: g.call_function(aten.reshape.default, (args[0], shape))), "reshape"
+        mod, kind, (a_t, k_t) = self.execs[node.name]
+        if mod is None:
+            return (lambda args, ci: g.call_function(node.target, ex.fill(a_t, args), ex.fill(k_t, args))), kind
+        name = self.low.add_module(node.name, mod)
+        return (lambda args, ci: g.call_module(name, tuple(args))), kind
 
     def _split(self, prod, c: Chain) -> list:
         key = (prod.name, c.index)
@@ -406,7 +461,8 @@ class ChainEmitter:
                 cat.meta["autopar_pl"] = e[1] if e[1] is not None else low.outputs_of(node)[0]
                 cat.meta["val"] = node.meta.get("val")
                 return cat
-        cat = low.graph.call_function(torch.cat, (outs, c.dim))
+        multi = len(_vals(node)) > 1 or isinstance(node.meta.get("val"), (list, tuple))
+        cat = low.graph.call_function(cat_elements if multi else torch.cat, (outs, c.dim))
         cat.meta["val"] = node.meta.get("val")
         return cat
 
@@ -462,3 +518,8 @@ class ChainEmitter:
         for n in out:
             prev.append(n)
             prev = n
+
+
+def cat_elements(chunks: list, dim: int) -> list:
+    """A multi-output node's chunks (one tuple per chunk) as one list of whole elements."""
+    return [torch.cat(parts, dim) for parts in zip(*chunks)]

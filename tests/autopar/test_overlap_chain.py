@@ -1,7 +1,7 @@
 """Chunk chains (``autopar.codegen.chunking.ChainEmitter``): consecutive chunked matmuls and the
 row-wise ops between them run as k chunks without concatenating between them.
 
-A Megatron MLP (3 blocks) and the GPT-2 zoo model with every matmul in 2 chunks, on 2 simulated
+A Megatron MLP (3 blocks) and the GPT-2 zoo model (2 layers) with every matmul in 2 chunks, on 2 simulated
 ranks (LocalTensorMode + the fake process group): the emitted graph holds one chain over the
 blocks (no concatenation between its matmuls, the edges' all-reduces run per chunk as launch /
 wait pairs), and it trains with the numbers of one device (loss, gradients, updated parameters).
@@ -63,8 +63,8 @@ def _cats(gm) -> int:
     return sum(n.op == "call_function" and n.target in (torch.cat, torch.ops.aten.cat.default) for n in gm.graph.nodes)
 
 
-def _mods(pm, cls) -> int:
-    return sum(isinstance(m, cls) for m in pm.gm.modules()) if hasattr(pm, "gm") else None
+def _mods(gm, cls) -> int:
+    return sum(isinstance(m, cls) for m in gm.modules())
 
 
 def _train(model, cap, plan, tp_mesh, args, kwargs, target, loss_fn, steps=2):
@@ -116,4 +116,51 @@ def test_mlp_chain_forms_and_trains_like_one_device(tp_mesh):
     pm = _train(model, cap, plan, tp_mesh, (x,), {}, y, F.cross_entropy)
     how = pm.signature.chunking
     assert len(how) == 2 * DEPTH and all("chain 0: 6 matmuls" in v for v in how.values()), how
-    print(pm._program.code)
+    gm = pm._program
+    # One concatenation, before the loss; every all-reduce (DEPTH - 1 between blocks, one into
+    # the loss) runs per chunk; no ChunkedOp is left.
+    assert _cats(gm) == 1, gm.code
+    assert _mods(gm, EdgeLaunch) == _mods(gm, EdgeWait) == 2 * DEPTH
+    assert _mods(gm, ChunkedOp) == 0
+    # Chunk-major within a stage: the first block runs chunk 0 whole (both matmuls and the launch
+    # of its all-reduce) before chunk 1 starts.
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    first_launch = next(i for i, t in enumerate(calls) if t.startswith("launch_"))
+    assert calls[:first_launch].count("linear") == 1 and calls[:first_launch].count("linear_1") == 1, calls
+
+
+def test_gpt2_chain_forms_and_trains_like_one_device(tp_mesh):
+    """GPT-2 (2 layers) under the Megatron family with every matmul in 2 chunks: one chain runs
+    from the first layer's attention to the last MLP (views, attention, layer norms, residual adds
+    and GELU per chunk); the logits' matmul, whose consumer is the loss, stays a ChunkedOp."""
+    import os
+    import sys
+
+    import profiler
+    from autopar.planner import plan_profile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
+    import cases
+
+    ex = cases.example("gpt2")
+    gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    cap = gp.captured
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_profile(gp, Mesh((WORLD,), axis_names=("tp",), cluster="cpu"), force="megatron", pipeline=False)
+    n = _chunk_all(plan, cap)
+    ref = cases.reference(ex, steps=2)
+    pm, losses, grads, state = cases.train_local(ex, cap, plan, tp_mesh, world=WORLD, steps=2)
+    assert cases.loss_err(losses, ref["losses"]) < 1e-5
+    assert cases.grad_err(grads, ref["grads"]) < 1e-5
+    assert cases.compare_state(state, ref["state"])["global"] < 1e-5
+    how = pm.signature.chunking
+    chained = [k for k, v in how.items() if "chain 0: 8 matmuls" in v]
+    assert len(chained) == 8 and n == 9, how  # 4 per layer; the logits' matmul is not in it
+    gm = pm._program
+    # Two concatenations: the residual stream after the chain and the last MLP's partial output.
+    assert _cats(gm) == 2, gm.code
+    # Per chunk (the planner keeps attention replicated here): layer 0's MLP input-gradient and
+    # output all-reduces, layer 1's input-gradient all-reduce (its output's follows the chain).
+    assert _mods(gm, EdgeLaunch) == 3 * 2
+    assert _mods(gm, ChunkedOp) == 1
