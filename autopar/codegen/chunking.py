@@ -235,8 +235,11 @@ class _ChainPlanner:
             src = node.args[0]
             return roles if low.outputs_of(node)[0] == low.outputs_of(src)[node.args[1]] else None
         pls = low.inputs_of(node)[0]
-        for r, p, n in zip(roles, pls, node.all_input_nodes):
-            if r == "chunk" and d in blocked_dims(_vals(n)[0].dim(), (p or low.outputs_of(n)[0],), ()):
+        for i, (r, p, n) in enumerate(zip(roles, pls, node.all_input_nodes)):
+            # A chunked input arrives split along d, its edge then run per chunk: neither may
+            # shard or move d.
+            if r == "chunk" and (d in blocked_dims(_vals(n)[0].dim(), (p or low.outputs_of(n)[0],), ())
+                                 or not self.edge_ok(n, node, i, d)):
                 return None
         if any(d in blocked_dims(v.dim(), (p,), ()) for v, p in zip(_vals(node), low.outputs_of(node))):
             return None
@@ -287,7 +290,7 @@ class _ChainPlanner:
             if not ok(n):
                 continue
             for i, (p, r) in enumerate(zip(n.all_input_nodes, roles[n.name])):
-                if r == "chunk" and p.op == "call_function" and ok(p) and self.edge_ok(p, n, i, d):
+                if r == "chunk" and p.op == "call_function" and ok(p):
                     succ.setdefault(p.name, []).append(n.name)
                     pred.setdefault(n.name, []).append(p.name)
         # Members on a path from one chunked matmul to another.
