@@ -254,17 +254,18 @@ def main():
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--depth", type=int, default=4, help="MLP blocks")
+    ap.add_argument("--procs", type=int, default=2, help="gloo processes (one thread each)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    res = launch(2, worker, args.batch, args.dim, args.hidden, args.depth, args.warmup, args.steps)[0]
+    res = launch(args.procs, worker, args.batch, args.dim, args.hidden, args.depth, args.warmup, args.steps)[0]
     s = res["seconds"]
     t1 = s["reference|1"]
     share = min(1.0, s["comm only|1"] / t1)
     print(f"row-parallel MLP, {args.depth} blocks, batch {args.batch}, dim {args.dim}, hidden {args.hidden}, "
-          f"2 gloo processes; ms per forward + backward (median of {args.steps})")
+          f"{args.procs} gloo processes; ms per forward + backward (median of {args.steps})")
     print(res["mesh"])
     print(f"communication share of the k=1 step (reference): {share:.0%} (its {2 * args.depth - 1} all-reduces "
           f"alone {s['comm only|1'] * 1e3:.1f} ms; the step without them {s['compute only|1'] * 1e3:.1f} ms)")

@@ -84,6 +84,12 @@ def pipeline_time(c: float, m: float, k: int) -> float:
     return k * c + k * m - (k - 1) * min(c, m)
 
 
+def chain_time(c: float, m: float, k: int) -> float:
+    """A chained site (module docstring): ``k max(c, m)`` for k > 1, ``c + m`` unchunked; the
+    message or kernel a lone site leaves exposed overlaps the neighbouring site's chunks."""
+    return c + m if k == 1 else k * max(c, m)
+
+
 def _edge(src, dst, shape, item, mesh, ks):
     """One direction of the chunked edge as the codegen runs it: (dims its steps touch, seconds
     of one chunk's messages per chunk count). A chunk of 1/k of a dim no step touches sends 1/k
@@ -169,8 +175,10 @@ class _Pricer:
                 tuple(compute_time(f / k, b / k, mesh, dt) if f or b else 0.0 for f, b, dt in comp) for k in self.ks)
         return hit
 
-    def best(self, comp, comm) -> tuple[float, int]:
-        """(``D`` = min_k T(k) - T(1), the argmin k) of one kernel and one edge."""
+    def best(self, comp, comm, chained: bool = False) -> tuple[float, int]:
+        """(``D`` = min_k T(k) - T(1), the argmin k) of one kernel and one edge; ``chained``:
+        priced with :func:`chain_time`."""
+        overlap = chain_time if chained else pipeline_time
         kern = self.kernel(comp)
         base = best = None
         pick = 1
@@ -178,7 +186,7 @@ class _Pricer:
             if m is None:
                 continue
             # m: per direction (one chunk's message seconds, whether they run asynchronously).
-            t = sum(pipeline_time(cd, md, k) if hides else k * (cd + md) for cd, (md, hides) in zip(c, m))
+            t = sum(overlap(cd, md, k) if hides else k * (cd + md) for cd, (md, hides) in zip(c, m))
             if base is None:
                 base = best = t
             elif t < best - 1e-12:
@@ -213,7 +221,7 @@ def _candidates(gm, options):
     return out
 
 
-def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer):
+def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer, chained=False):
     """(D, K) over (v's own strategies, other's own strategies); each distinct pair of placements
     is priced once, then each distinct kernel against it."""
     xv, ov = _vals(x)[0], _vals(v)[0]
@@ -265,7 +273,7 @@ def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer):
             except ValueError:  # a placement pair no resharding reaches: the edge is forbidden anyway
                 continue
             if comm is not None:
-                d, k = pricer.best(comp, comm)
+                d, k = pricer.best(comp, comm, chained)
                 if d < -MIN_SAVING:
                     D[r, c], K[r, c] = d, k
     ri, ci = np.ix_(np.where(row_of < 0, len(rows), row_of), np.where(col_of < 0, len(cols), col_of))
@@ -281,6 +289,7 @@ def add_overlap(gm, gp, options, leader, follow, acc, inner, cfg, chunks=CHUNKS)
     pricer = _Pricer(cfg, chunks)
     cands = _candidates(gm, options)
     out_side = {v.name for v, _, _, c in cands if c is not None}
+    names, rows = {v.name for v, _, _, _ in cands}, {}
     memo: dict[tuple, tuple] = {}
     sites = []
     for v, x, xi, consumer in cands:
@@ -296,10 +305,11 @@ def add_overlap(gm, gp, options, leader, follow, acc, inner, cfg, chunks=CHUNKS)
             if role == "input" and (x.name in out_side or x.name in gp.captured.params):
                 continue
             oopt = options[other.name]
+            chained = _chained(v, x, role, names, rows)
             key = (id(opt), id(oopt), role, xi, tuple(_vals(v)[0].shape), tuple(_vals(x)[0].shape),
-                   prof.fwd_flops, prof.bwd_flops, prof.fwd_bytes, prof.bwd_bytes)
+                   prof.fwd_flops, prof.bwd_flops, prof.fwd_bytes, prof.bwd_bytes, chained)
             if key not in memo:
-                memo[key] = _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer)
+                memo[key] = _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer, chained)
             D, K = memo[key]
             if (K == 1).all():
                 continue
@@ -308,15 +318,50 @@ def add_overlap(gm, gp, options, leader, follow, acc, inner, cfg, chunks=CHUNKS)
     return sites
 
 
+#: How many nodes the search for a chain neighbour visits at most (a transformer layer's worth).
+CHAIN_REACH = 96
+
+
+def _chained(v, x, role: str, candidates: set, rows: dict) -> bool:
+    """Whether the chunked edge's message is followed by another candidate's chunks: from the
+    output (role ``"output"``) forward, or from the activation (``"input"``) backward, through
+    nodes that act row-wise along the batch dim (``autopar.codegen.chunking``'s rule, dim 0), a
+    candidate matmul is reached. The codegen then runs both in one chunk chain when they get the
+    same k (a structural test: cheap, and independent of the strategies)."""
+    from autopar.codegen.chunking import _row_roles
+
+    start = list(v.users) if role == "output" else [x]
+    seen, todo = set(), start
+    while todo and len(seen) < CHAIN_REACH:
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if n is not v and n.name in candidates:
+            return True
+        if n not in rows:
+            rows[n] = _row_roles(n, 0, 1)  # memoised: every site's search crosses the same nodes
+        roles = rows[n]
+        if roles is None:
+            continue
+        if role == "output":
+            todo += list(n.users)
+        else:
+            todo += [p for p, r in zip(n.all_input_nodes, roles) if r == "chunk"]
+    return False
+
+
 def _fold(D, node, other, node_is_src, leader, follow, acc, inner):
     src, dst = (node, other) if node_is_src else (other, node)
     M = D if node_is_src else D.T                      # (src own strategies, dst own strategies)
     M = M[follow[src]][:, follow[dst]]                 # (src leader choices, dst leader choices)
     ls, ld = leader[src], leader[dst]
+    # A chained site's saving can reach its whole message (and its kernel's share): never price
+    # an edge below zero (the edge matrix and the discount are priced by different routines).
     if ls == ld:
-        inner[ls] = inner[ls] + np.diag(M)
+        inner[ls] = np.maximum(inner[ls] + np.diag(M), 0.0)
     elif (ls, ld) in acc:
-        acc[(ls, ld)] = acc[(ls, ld)] + M
+        acc[(ls, ld)] = np.maximum(acc[(ls, ld)] + M, 0.0)
     else:
         acc[(ls, ld)] = M.copy()
 
