@@ -108,7 +108,9 @@ def _edge(src, dst, shape, item, mesh, ks):
         return touched, None
     # The runtime launches a lone all-reduce / all-gather / reduce-scatter asynchronously; any
     # other step list runs synchronously per chunk, hiding nothing (priced with c = 0 below).
-    hides = len(r.steps) == 1 and r.steps[0].kind in ASYNC_KINDS
+    # 2: a lone all-reduce, asynchronous in a chunk chain too; 1: asynchronous in a ChunkedOp only.
+    lone = len(r.steps) == 1 and r.steps[0].kind in ASYNC_KINDS
+    hides = 2 if lone and r.steps[0].kind == "all_reduce" else int(lone)
     return touched, tuple((sum(collective_time(kd, b / k, mesh, a) for kd, b, a in msgs), hides) for k in ks)
 
 
@@ -160,7 +162,7 @@ class _Pricer:
         local = self.locals.get((xt, xshape))
         if local is None:
             local = self.locals[(xt, xshape)] = pl.local_shape(xshape, x_pl, self.cfg.mesh.shape)
-        none = (0.0, True)
+        none = (0.0, 2)
         return tuple(((fm[i] if fm else none), (bm[i] if bm else none))
                      if k == 1 or chunk_dim(local, k, blocked) is not None else None
                      for i, k in enumerate(self.ks))
@@ -178,7 +180,12 @@ class _Pricer:
     def best(self, comp, comm, chained: bool = False) -> tuple[float, int]:
         """(``D`` = min_k T(k) - T(1), the argmin k) of one kernel and one edge; ``chained``:
         priced with :func:`chain_time`."""
-        overlap = chain_time if chained else pipeline_time
+
+        def overlap(c, m, k, hides):
+            if chained:  # a chain runs only a lone all-reduce asynchronously (EdgeLaunch)
+                return chain_time(c, m, k) if hides == 2 else k * (c + m)
+            return pipeline_time(c, m, k) if hides else k * (c + m)
+
         kern = self.kernel(comp)
         base = best = None
         pick = 1
@@ -186,7 +193,7 @@ class _Pricer:
             if m is None:
                 continue
             # m: per direction (one chunk's message seconds, whether they run asynchronously).
-            t = sum(overlap(cd, md, k) if hides else k * (cd + md) for cd, (md, hides) in zip(c, m))
+            t = sum(overlap(cd, md, k, hides) for cd, (md, hides) in zip(c, m))
             if base is None:
                 base = best = t
             elif t < best - 1e-12:
@@ -194,11 +201,15 @@ class _Pricer:
         return best - base, pick
 
 
-def _comp(prof, strat, out, cfg):
-    """Per direction (flops, bytes, dtype) of one strategy on the local shard (as ``_price``)."""
+def _comp(prof, strat, out, cfg, stage=(0.0, 0.0, 0.0, 0.0)):
+    """Per direction (flops, bytes, dtype) of one strategy on the local shard (as ``_price``);
+    ``stage``: (fwd flops, fwd bytes, bwd flops, bwd bytes) of a chained site's neighbouring
+    row-wise work, split like the site's own (the strategy's divisor stands in for theirs)."""
     div = max(1, strat.divisor)
     dt = "bf16" if cfg.dtype == "bf16-mixed" else out.dtype
-    return ((prof.fwd_flops / div, prof.fwd_bytes / div, dt), (prof.bwd_flops / div, prof.bwd_bytes / div, dt))
+    ff, fb, bf, bb = stage
+    return (((prof.fwd_flops + ff) / div, (prof.fwd_bytes + fb) / div, dt),
+            ((prof.bwd_flops + bf) / div, (prof.bwd_bytes + bb) / div, dt))
 
 
 def _candidates(gm, options):
@@ -221,7 +232,7 @@ def _candidates(gm, options):
     return out
 
 
-def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer, chained=False):
+def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer, chained=None):
     """(D, K) over (v's own strategies, other's own strategies); each distinct pair of placements
     is priced once, then each distinct kernel against it."""
     xv, ov = _vals(x)[0], _vals(v)[0]
@@ -251,7 +262,7 @@ def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer, chained=Fa
         if chunked_edge(st.outputs[0]) != role or xi >= len(st.inputs) or st.inputs[xi] is None:
             continue
         gin = st.input_grads[xi] if xi < len(st.input_grads) else None
-        comp = _comp(prof, st, ov, cfg)
+        comp = _comp(prof, st, ov, cfg, *([chained] if chained else []))
         rk = (text(st.inputs[xi]), text(st.outputs[0]), text(gin), comp)
         row_of[s] = rows.setdefault(rk, (len(rows), (st.inputs[xi], st.outputs[0], gin)))[0]
     D = np.zeros((len(rows) + 1, len(cols) + 1))   # the last row/column: not on this edge
@@ -273,7 +284,7 @@ def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer, chained=Fa
             except ValueError:  # a placement pair no resharding reaches: the edge is forbidden anyway
                 continue
             if comm is not None:
-                d, k = pricer.best(comp, comm, chained)
+                d, k = pricer.best(comp, comm, chained is not None)
                 if d < -MIN_SAVING:
                     D[r, c], K[r, c] = d, k
     ri, ci = np.ix_(np.where(row_of < 0, len(rows), row_of), np.where(col_of < 0, len(cols), col_of))
@@ -305,7 +316,7 @@ def add_overlap(gm, gp, options, leader, follow, acc, inner, cfg, chunks=CHUNKS)
             if role == "input" and (x.name in out_side or x.name in gp.captured.params):
                 continue
             oopt = options[other.name]
-            chained = _chained(v, x, role, names, rows)
+            chained = _chained(v, x, role, names, rows, gp)
             key = (id(opt), id(oopt), role, xi, tuple(_vals(v)[0].shape), tuple(_vals(x)[0].shape),
                    prof.fwd_flops, prof.bwd_flops, prof.fwd_bytes, prof.bwd_bytes, chained)
             if key not in memo:
@@ -322,23 +333,30 @@ def add_overlap(gm, gp, options, leader, follow, acc, inner, cfg, chunks=CHUNKS)
 CHAIN_REACH = 96
 
 
-def _chained(v, x, role: str, candidates: set, rows: dict) -> bool:
+def _chained(v, x, role: str, candidates: set, rows: dict, gp) -> tuple | None:
     """Whether the chunked edge's message is followed by another candidate's chunks: from the
     output (role ``"output"``) forward, or from the activation (``"input"``) backward, through
     nodes that act row-wise along the batch dim (``autopar.codegen.chunking``'s rule, dim 0), a
     candidate matmul is reached. The codegen then runs both in one chunk chain when they get the
-    same k (a structural test: cheap, and independent of the strategies)."""
+    same k (a structural test: cheap, and independent of the strategies).
+
+    Returns None when not chained, else the (fwd flops, fwd bytes, bwd flops, bwd bytes) of the
+    nodes crossed on the way (the reached matmul included): the work of the neighbouring stage
+    that the runtime runs per chunk while this site's messages travel."""
     from autopar.codegen.chunking import _row_roles
 
     start = list(v.users) if role == "output" else [x]
-    seen, todo = set(), start
+    seen, todo, work = set(), start, []
     while todo and len(seen) < CHAIN_REACH:
         n = todo.pop()
         if n in seen or n.op != "call_function":
             continue
         seen.add(n)
+        prof = gp.nodes.get(n.name)
+        if prof is not None:
+            work.append((prof.fwd_flops, prof.fwd_bytes, prof.bwd_flops, prof.bwd_bytes))
         if n is not v and n.name in candidates:
-            return True
+            return tuple(float(sum(w[i] for w in work)) for i in range(4))
         if n not in rows:
             rows[n] = _row_roles(n, 0, 1)  # memoised: every site's search crosses the same nodes
         roles = rows[n]
@@ -348,7 +366,7 @@ def _chained(v, x, role: str, candidates: set, rows: dict) -> bool:
             todo += list(n.users)
         else:
             todo += [p for p, r in zip(n.all_input_nodes, roles) if r == "chunk"]
-    return False
+    return None
 
 
 def _fold(D, node, other, node_is_src, leader, follow, acc, inner):
