@@ -8,6 +8,40 @@ input gradient's reduction in backward, run per chunk). The other edge runs whol
 node. Which input is the activation: ``linear``/``mm``/``matmul``/``bmm`` take it first, ``addmm``
 second. The chunk dim is :func:`autopar.runtime.overlap.chunk_dim` of the activation's local
 shape. When there is none the node runs unchunked and ``LocalSignature.chunking`` says why.
+
+Chunk chains (:class:`ChainEmitter`). A lone ``ChunkedOp`` concatenates its chunks, so it exposes
+its last chunk's message and the ops after it run whole. Where chunked matmuls with the same k and
+chunk dim d are joined by ops that act row-wise along d (:func:`_row_roles`: pointwise ops, bias
+adds, activations, layer norm and softmax over other dims, reshapes that keep the dims before d,
+transposes that keep d, attention along its batch dim, splits along other dims, other matmuls
+whatever their k), the run of nodes between them is one *chain*, emitted unrolled into the
+per-rank graph rather than fused into one module (the graph stays printable and autograd does
+the backward):
+
+- every value of the chain is k fx nodes (one per chunk along d); every member is called once per
+  chunk with its usual local implementation (a reshape with its local shape cut in k);
+- a value entering the chain is cut once (``aten.split`` along d); a value with a consumer
+  outside the chain is concatenated once, after its last chunk (``torch.cat``, or
+  :func:`cat_elements` for a split's tuple), and only then;
+- an edge between members with steps runs per chunk as an :class:`EdgeLaunch` right after the
+  producer's chunk and an :class:`EdgeWait` right before the consumer's: a lone all-reduce is
+  asynchronous (in place on a matmul's fresh output), other step lists run synchronously. Backward
+  mirrors it: ``EdgeWait.backward`` starts chunk c's gradient all-reduce, ``EdgeLaunch.backward``
+  waits for it where chunk c's backward continues. When the chain's last member has one consumer
+  and its edge moves data, that edge also runs per chunk before the concatenation;
+- :meth:`ChainEmitter.order` then sorts the chain's nodes *stage by stage, chunk-major within a
+  stage* (a stage ends at an edge with collectives): chunk c's all-reduce travels while chunk c+1
+  of the same stage computes, and the next stage's chunk 0 starts as soon as its own message is
+  in, which is the hand-written reference's order. The autograd engine runs backward in reverse
+  creation order, which gives the mirrored schedule.
+
+A chain is formed from the members lying on a path from one chunked matmul to another (so that
+every message inside it is followed by chunked work); it needs at least two chunked matmuls. It is
+not formed under a pipeline (a chain never crosses a stage), where a member is recomputed
+(checkpoint regions keep only a region's inputs), where an edge touches d, or where a member's
+only implementation is the DTensor executor (which builds DTensors of the global shape); those
+matmuls stay :class:`ChunkedOp`. ``LocalSignature.chunking`` says ``"... (chain i: n matmuls, m
+nodes)"`` for chained matmuls. Weights are shared by the chunks; autograd sums their gradients.
 """
 from __future__ import annotations
 
@@ -101,7 +135,7 @@ def ex_val(x_node, node, low):
 
 
 # ---------------------------------------------------------------------------------------------
-# Chunk chains: see the module docstring's second part.
+# Chunk chains: see the module docstring.
 
 aten = torch.ops.aten
 _CHAIN_MATMULS = (aten.linear.default, aten.mm.default, aten.addmm.default)

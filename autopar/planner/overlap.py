@@ -25,6 +25,22 @@ all-gather or reduce-scatter; any other step list runs synchronously per chunk a
 ``k c_k + k m_k`` (nothing hidden). ``T(1) = c + m`` is
 what the ILP charges without chunking (``c`` in the node's time vector, ``m`` in the edge matrix).
 
+Chained sites. The codegen runs consecutive chunked matmuls joined by row-wise ops as one chunk
+chain (``autopar.codegen.chunking``): no concatenation between them, so a site's last message is
+hidden by the next stage's chunks and only the chain's ends stay exposed. A site is *chained*
+when, from its output (output edge) forward or from its activation (input edge) backward, the
+row-wise ops reach another candidate matmul (:func:`_chained`, a structural test on the graph,
+bounded by :data:`CHAIN_REACH` nodes). Such a site is priced
+
+    T(k) = k max(c_k, m_k)   (k > 1; :func:`chain_time`)
+
+with ``c`` the site's kernel plus the work of the ops crossed to the next matmul (that matmul
+included: what runs per chunk while the message travels; split by the site's own divisor). A
+chain runs only a lone all-reduce asynchronously; any other chained edge is priced ``k c_k +
+k m_k``. The one exposed message at each end of a chain is not charged, and a chained site whose
+neighbour keeps k = 1 (no chain forms) is priced as chained: the model errs by at most one
+message per chain. Chained edge entries are clipped at zero.
+
 Why no new ILP variables: offering ``(s, k)`` for every k as separate options of ``v`` changes
 only ``v``'s time and the chunked edge's matrix (memory is the same: chunks save the same
 activations, and the transient can only shrink, which we do not count). Since the chunked edge is

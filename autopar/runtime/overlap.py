@@ -14,6 +14,10 @@ NCCL chunk i's communication runs while chunk i+1 computes. The pieces are conca
 the collectives act elementwise or along other dims.
 
 Weights and other inputs are shared by the chunks; their gradients are summed over chunks.
+
+Runs of chunked matmuls joined by row-wise ops are not concatenated between them: the codegen
+emits them as a chunk chain (``autopar.codegen.chunking``), whose edges run per chunk through the
+:class:`EdgeLaunch` / :class:`EdgeWait` pair defined at the end of this module.
 """
 from __future__ import annotations
 
