@@ -1,6 +1,6 @@
 """Chunked overlap (ATP): a row-parallel MLP on 2 gloo processes with k = 1, 2, 4 chunks.
 
-    python benchmarks/overlap.py [--batch 4096] [--dim 512] [--hidden 16] [--depth 4] [--steps 10]
+    python benchmarks/overlap.py [--batch 4096] [--dim 512] [--hidden 16] [--depth 4] [--steps 10] [--procs 2]
 
 The model is ``--depth`` MLP blocks ``Linear(dim, hidden) -> GELU -> Linear(hidden, dim)`` with a
 cross-entropy loss over ``dim`` classes, tensor parallel on 2 processes (Megatron's layout: each
@@ -14,6 +14,10 @@ ready, so the next piece's matmuls run while it travels.
 Side by side (forward + backward per step, median over ``--steps`` after warm-up, each step
 started together and timed on the slower rank):
 
+autopar's codegen runs the chunked matmuls as one chunk chain (``autopar.codegen.chunking``):
+block i+1's chunk c starts when block i's chunk-c all-reduce is in, the GELU and bias adds run per
+chunk, and the chunks are concatenated once, before the loss (``codegen says`` below prints it).
+
 - ``autopar k``: the planner's Megatron plan on the mesh ``autopar.calibrate`` measured (every
   matmul held to Megatron's strategy, everything else the ILP's; see ``_megatron_plan``) with
   ``NodePlan.chunks = k`` on every matmul, run by ``ParallelModule``;
@@ -25,7 +29,9 @@ started together and timed on the slower rank):
 The communication share of a step is the time of the step's all-reduces run alone (same sizes)
 over the k = 1 step; the step without them is printed too. Judged: where communication is at
 least 30% of the k = 1 step, the best k > 1 should be at least 20% faster than k = 1
-(RATIO = t(k=1) / t(best k>1) >= 1.25).
+(RATIO = t(k=1) / t(best k>1) >= 1.25). ``--procs 4`` runs 4 processes (each one thread): the
+all-reduces grow to 1.5x the bytes per rank, and the share reaches about 30% on a 2-core host,
+where nothing is left to overlap with (docs/benchmarks.md, section 4).
 """
 from __future__ import annotations
 
