@@ -255,6 +255,7 @@ class _ChainPlanner:
     def __init__(self, low):
         self.low = low
         self.execs: dict[str, tuple] = {}
+        self.by_name = {x.name: x for x in low.cap.gm.graph.nodes}
 
     def member(self, node, d: int, k: int) -> list[str] | None:
         """``node``'s input roles when it can run per chunk along ``d``, else None."""
@@ -301,7 +302,8 @@ class _ChainPlanner:
             k, d = key
             group = [n for n in nodes if seeds.get(n.name) == key]
             out += self._components(nodes, group, k, d)
-        out.sort(key=lambda c: [n.name for n in nodes].index(c.nodes[0]))
+        pos = {n.name: i for i, n in enumerate(nodes)}
+        out.sort(key=lambda c: pos[c.nodes[0]])
         for i, c in enumerate(out):
             c.index = i
         return out
@@ -331,15 +333,15 @@ class _ChainPlanner:
         fwd, bwd = _reach(seeds, succ), _reach(seeds, pred)
         region = fwd & bwd
         chains, seen = [], set()
-        order = [n.name for n in nodes]
-        for s in sorted(seeds & region, key=order.index):
+        pos = {n.name: i for i, n in enumerate(nodes)}
+        for s in sorted(seeds & region, key=pos.__getitem__):
             if s in seen:
                 continue
             comp = _reach({s}, {a: [b for b in succ.get(a, []) + pred.get(a, []) if b in region] for a in region})
             seen |= comp
             if len(comp & seeds) < 2:
                 continue
-            names = sorted(comp, key=order.index)
+            names = sorted(comp, key=pos.__getitem__)
             stage = {}
             for n in names:
                 stage[n] = max((stage[p] + (1 if self._moves(p, n) else 0) for p in pred.get(n, []) if p in comp),
@@ -349,7 +351,7 @@ class _ChainPlanner:
         return chains
 
     def _moves(self, p: str, n: str) -> bool:
-        nodes = {x.name: x for x in self.low.cap.gm.graph.nodes}
+        nodes = self.by_name
         node = nodes[n]
         i = [x.name for x in node.all_input_nodes].index(p)
         e = self.low.edge_args(nodes[p], node, i)
