@@ -341,6 +341,8 @@ class _ChainPlanner:
             seen |= comp
             if len(comp & seeds) < 2:
                 continue
+            comp |= self._tail(comp, succ, seen)
+            seen |= comp
             names = sorted(comp, key=pos.__getitem__)
             stage = {}
             for n in names:
@@ -349,6 +351,25 @@ class _ChainPlanner:
             chains.append(Chain(index=0, k=k, dim=d, nodes=names, seeds=[n for n in names if n in seeds],
                                 stage=stage))
         return chains
+
+    def _tail(self, comp: set, succ: dict, taken: set) -> set:
+        """Members after the chain's last matmuls, up to the next edge with collectives beyond
+        one: the last message then overlaps that stage's chunks too, and the chain ends on the
+        edge after it (run per chunk when it is the last member's only consumer)."""
+        plan = self.low.plan.nodes
+        crossed = {n: 0 for n in comp}
+        todo, tail = list(comp), set()
+        while todo:
+            a = todo.pop()
+            for b in succ.get(a, ()):
+                if b in comp or b in taken or (plan[b].chunks > 1 if b in plan else False):
+                    continue  # another group's chunked matmul keeps its own chain or ChunkedOp
+                c = crossed[a] + (1 if self._moves(a, b) else 0)
+                if c <= 1 and c < crossed.get(b, 2):
+                    crossed[b] = c
+                    tail.add(b)
+                    todo.append(b)
+        return tail
 
     def _moves(self, p: str, n: str) -> bool:
         nodes = self.by_name
