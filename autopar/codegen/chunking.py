@@ -36,7 +36,9 @@ the backward):
   creation order, which gives the mirrored schedule.
 
 A chain is formed from the members lying on a path from one chunked matmul to another (so that
-every message inside it is followed by chunked work); it needs at least two chunked matmuls. It is
+every message inside it is followed by chunked work), plus the members after its last matmuls up
+to the next edge with collectives beyond one (:meth:`_ChainPlanner._tail`: the last matmul's
+message then overlaps that stage's chunks too); it needs at least two chunked matmuls. It is
 not formed under a pipeline (a chain never crosses a stage), where a member is recomputed
 (checkpoint regions keep only a region's inputs), where an edge touches d, or where a member's
 only implementation is the DTensor executor (which builds DTensors of the global shape); those
