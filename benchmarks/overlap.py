@@ -1,6 +1,6 @@
 """Chunked overlap (ATP): a row-parallel MLP on 2 gloo processes with k = 1, 2, 4 chunks.
 
-    python benchmarks/overlap.py [--batch 4096] [--dim 512] [--hidden 16] [--depth 4] [--steps 10]
+    python benchmarks/overlap.py [--batch 4096] [--dim 512] [--hidden 16] [--depth 4] [--steps 10] [--procs 2]
 
 The model is ``--depth`` MLP blocks ``Linear(dim, hidden) -> GELU -> Linear(hidden, dim)`` with a
 cross-entropy loss over ``dim`` classes, tensor parallel on 2 processes (Megatron's layout: each
@@ -14,6 +14,10 @@ ready, so the next piece's matmuls run while it travels.
 Side by side (forward + backward per step, median over ``--steps`` after warm-up, each step
 started together and timed on the slower rank):
 
+autopar's codegen runs the chunked matmuls as one chunk chain (``autopar.codegen.chunking``):
+block i+1's chunk c starts when block i's chunk-c all-reduce is in, the GELU and bias adds run per
+chunk, and the chunks are concatenated once, before the loss (``codegen says`` below prints it).
+
 - ``autopar k``: the planner's Megatron plan on the mesh ``autopar.calibrate`` measured (every
   matmul held to Megatron's strategy, everything else the ILP's; see ``_megatron_plan``) with
   ``NodePlan.chunks = k`` on every matmul, run by ``ParallelModule``;
@@ -25,7 +29,9 @@ started together and timed on the slower rank):
 The communication share of a step is the time of the step's all-reduces run alone (same sizes)
 over the k = 1 step; the step without them is printed too. Judged: where communication is at
 least 30% of the k = 1 step, the best k > 1 should be at least 20% faster than k = 1
-(RATIO = t(k=1) / t(best k>1) >= 1.25).
+(RATIO = t(k=1) / t(best k>1) >= 1.25). ``--procs 4`` runs 4 processes (each one thread): the
+all-reduces grow to 1.5x the bytes per rank, and the share reaches about 30% on a 2-core host,
+where nothing is left to overlap with (docs/benchmarks.md, section 4).
 """
 from __future__ import annotations
 
@@ -254,17 +260,18 @@ def main():
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--depth", type=int, default=4, help="MLP blocks")
+    ap.add_argument("--procs", type=int, default=2, help="gloo processes (one thread each)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    res = launch(2, worker, args.batch, args.dim, args.hidden, args.depth, args.warmup, args.steps)[0]
+    res = launch(args.procs, worker, args.batch, args.dim, args.hidden, args.depth, args.warmup, args.steps)[0]
     s = res["seconds"]
     t1 = s["reference|1"]
     share = min(1.0, s["comm only|1"] / t1)
     print(f"row-parallel MLP, {args.depth} blocks, batch {args.batch}, dim {args.dim}, hidden {args.hidden}, "
-          f"2 gloo processes; ms per forward + backward (median of {args.steps})")
+          f"{args.procs} gloo processes; ms per forward + backward (median of {args.steps})")
     print(res["mesh"])
     print(f"communication share of the k=1 step (reference): {share:.0%} (its {2 * args.depth - 1} all-reduces "
           f"alone {s['comm only|1'] * 1e3:.1f} ms; the step without them {s['compute only|1'] * 1e3:.1f} ms)")

@@ -313,8 +313,13 @@ class _Lowering:
     # ------------------------------------------------------------------ nodes
     def run(self) -> fx.GraphModule:
         self.pgrads = self.param_grads()
+        from autopar.codegen.chunking import ChainEmitter
+
+        # Chunk chains are found before any node is emitted: a chained matmul is no ChunkedOp.
+        self.chains = ChainEmitter(self)
         for node in self.cap.gm.graph.nodes:
             getattr(self, f"_{node.op}")(node)
+        self.chains.order()  # after every node exists: the chains' work sorted stage by stage
         self.graph.lint()
         gm = fx.GraphModule(self.root, self.graph)
         # After the whole graph exists: regions are cut out as checkpointed submodules.
@@ -381,6 +386,8 @@ class _Lowering:
             n = n._next
 
     def _lower_call(self, node):
+        if self.chains.emit(node):
+            return
         np_ = self.plan.nodes.get(node.name)
         if np_ is not None and np_.chunks > 1:
             from autopar.codegen.chunking import emit_chunked

@@ -25,6 +25,22 @@ all-gather or reduce-scatter; any other step list runs synchronously per chunk a
 ``k c_k + k m_k`` (nothing hidden). ``T(1) = c + m`` is
 what the ILP charges without chunking (``c`` in the node's time vector, ``m`` in the edge matrix).
 
+Chained sites. The codegen runs consecutive chunked matmuls joined by row-wise ops as one chunk
+chain (``autopar.codegen.chunking``): no concatenation between them, so a site's last message is
+hidden by the next stage's chunks and only the chain's ends stay exposed. A site is *chained*
+when, from its output (output edge) forward or from its activation (input edge) backward, the
+row-wise ops reach another candidate matmul (:func:`_chained`, a structural test on the graph,
+bounded by :data:`CHAIN_REACH` nodes). Such a site is priced
+
+    T(k) = k max(c_k, m_k)   (k > 1; :func:`chain_time`)
+
+with ``c`` the site's kernel plus the work of the ops crossed to the next matmul (that matmul
+included: what runs per chunk while the message travels; split by the site's own divisor). A
+chain runs only a lone all-reduce asynchronously; any other chained edge is priced ``k c_k +
+k m_k``. The one exposed message at each end of a chain is not charged, and a chained site whose
+neighbour keeps k = 1 (no chain forms) is priced as chained: the model errs by at most one
+message per chain. Chained edge entries are clipped at zero.
+
 Why no new ILP variables: offering ``(s, k)`` for every k as separate options of ``v`` changes
 only ``v``'s time and the chunked edge's matrix (memory is the same: chunks save the same
 activations, and the transient can only shrink, which we do not count). Since the chunked edge is
@@ -84,6 +100,12 @@ def pipeline_time(c: float, m: float, k: int) -> float:
     return k * c + k * m - (k - 1) * min(c, m)
 
 
+def chain_time(c: float, m: float, k: int) -> float:
+    """A chained site (module docstring): ``k max(c, m)`` for k > 1, ``c + m`` unchunked; the
+    message or kernel a lone site leaves exposed overlaps the neighbouring site's chunks."""
+    return c + m if k == 1 else k * max(c, m)
+
+
 def _edge(src, dst, shape, item, mesh, ks):
     """One direction of the chunked edge as the codegen runs it: (dims its steps touch, seconds
     of one chunk's messages per chunk count). A chunk of 1/k of a dim no step touches sends 1/k
@@ -102,7 +124,9 @@ def _edge(src, dst, shape, item, mesh, ks):
         return touched, None
     # The runtime launches a lone all-reduce / all-gather / reduce-scatter asynchronously; any
     # other step list runs synchronously per chunk, hiding nothing (priced with c = 0 below).
-    hides = len(r.steps) == 1 and r.steps[0].kind in ASYNC_KINDS
+    # 2: a lone all-reduce, asynchronous in a chunk chain too; 1: asynchronous in a ChunkedOp only.
+    lone = len(r.steps) == 1 and r.steps[0].kind in ASYNC_KINDS
+    hides = 2 if lone and r.steps[0].kind == "all_reduce" else int(lone)
     return touched, tuple((sum(collective_time(kd, b / k, mesh, a) for kd, b, a in msgs), hides) for k in ks)
 
 
@@ -154,7 +178,7 @@ class _Pricer:
         local = self.locals.get((xt, xshape))
         if local is None:
             local = self.locals[(xt, xshape)] = pl.local_shape(xshape, x_pl, self.cfg.mesh.shape)
-        none = (0.0, True)
+        none = (0.0, 2)
         return tuple(((fm[i] if fm else none), (bm[i] if bm else none))
                      if k == 1 or chunk_dim(local, k, blocked) is not None else None
                      for i, k in enumerate(self.ks))
@@ -169,8 +193,15 @@ class _Pricer:
                 tuple(compute_time(f / k, b / k, mesh, dt) if f or b else 0.0 for f, b, dt in comp) for k in self.ks)
         return hit
 
-    def best(self, comp, comm) -> tuple[float, int]:
-        """(``D`` = min_k T(k) - T(1), the argmin k) of one kernel and one edge."""
+    def best(self, comp, comm, chained: bool = False) -> tuple[float, int]:
+        """(``D`` = min_k T(k) - T(1), the argmin k) of one kernel and one edge; ``chained``:
+        priced with :func:`chain_time`."""
+
+        def overlap(c, m, k, hides):
+            if chained:  # a chain runs only a lone all-reduce asynchronously (EdgeLaunch)
+                return chain_time(c, m, k) if hides == 2 else k * (c + m)
+            return pipeline_time(c, m, k) if hides else k * (c + m)
+
         kern = self.kernel(comp)
         base = best = None
         pick = 1
@@ -178,7 +209,7 @@ class _Pricer:
             if m is None:
                 continue
             # m: per direction (one chunk's message seconds, whether they run asynchronously).
-            t = sum(pipeline_time(cd, md, k) if hides else k * (cd + md) for cd, (md, hides) in zip(c, m))
+            t = sum(overlap(cd, md, k, hides) for cd, (md, hides) in zip(c, m))
             if base is None:
                 base = best = t
             elif t < best - 1e-12:
@@ -186,11 +217,15 @@ class _Pricer:
         return best - base, pick
 
 
-def _comp(prof, strat, out, cfg):
-    """Per direction (flops, bytes, dtype) of one strategy on the local shard (as ``_price``)."""
+def _comp(prof, strat, out, cfg, stage=(0.0, 0.0, 0.0, 0.0)):
+    """Per direction (flops, bytes, dtype) of one strategy on the local shard (as ``_price``);
+    ``stage``: (fwd flops, fwd bytes, bwd flops, bwd bytes) of a chained site's neighbouring
+    row-wise work, split like the site's own (the strategy's divisor stands in for theirs)."""
     div = max(1, strat.divisor)
     dt = "bf16" if cfg.dtype == "bf16-mixed" else out.dtype
-    return ((prof.fwd_flops / div, prof.fwd_bytes / div, dt), (prof.bwd_flops / div, prof.bwd_bytes / div, dt))
+    ff, fb, bf, bb = stage
+    return (((prof.fwd_flops + ff) / div, (prof.fwd_bytes + fb) / div, dt),
+            ((prof.bwd_flops + bf) / div, (prof.bwd_bytes + bb) / div, dt))
 
 
 def _candidates(gm, options):
@@ -213,7 +248,7 @@ def _candidates(gm, options):
     return out
 
 
-def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer):
+def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer, chained=None):
     """(D, K) over (v's own strategies, other's own strategies); each distinct pair of placements
     is priced once, then each distinct kernel against it."""
     xv, ov = _vals(x)[0], _vals(v)[0]
@@ -243,7 +278,7 @@ def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer):
         if chunked_edge(st.outputs[0]) != role or xi >= len(st.inputs) or st.inputs[xi] is None:
             continue
         gin = st.input_grads[xi] if xi < len(st.input_grads) else None
-        comp = _comp(prof, st, ov, cfg)
+        comp = _comp(prof, st, ov, cfg, *([chained] if chained else []))
         rk = (text(st.inputs[xi]), text(st.outputs[0]), text(gin), comp)
         row_of[s] = rows.setdefault(rk, (len(rows), (st.inputs[xi], st.outputs[0], gin)))[0]
     D = np.zeros((len(rows) + 1, len(cols) + 1))   # the last row/column: not on this edge
@@ -265,7 +300,7 @@ def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer):
             except ValueError:  # a placement pair no resharding reaches: the edge is forbidden anyway
                 continue
             if comm is not None:
-                d, k = pricer.best(comp, comm)
+                d, k = pricer.best(comp, comm, chained is not None)
                 if d < -MIN_SAVING:
                     D[r, c], K[r, c] = d, k
     ri, ci = np.ix_(np.where(row_of < 0, len(rows), row_of), np.where(col_of < 0, len(cols), col_of))
@@ -281,6 +316,7 @@ def add_overlap(gm, gp, options, leader, follow, acc, inner, cfg, chunks=CHUNKS)
     pricer = _Pricer(cfg, chunks)
     cands = _candidates(gm, options)
     out_side = {v.name for v, _, _, c in cands if c is not None}
+    names, rows = {v.name for v, _, _, _ in cands}, {}
     memo: dict[tuple, tuple] = {}
     sites = []
     for v, x, xi, consumer in cands:
@@ -296,10 +332,11 @@ def add_overlap(gm, gp, options, leader, follow, acc, inner, cfg, chunks=CHUNKS)
             if role == "input" and (x.name in out_side or x.name in gp.captured.params):
                 continue
             oopt = options[other.name]
+            chained = _chained(v, x, role, names, rows, gp)
             key = (id(opt), id(oopt), role, xi, tuple(_vals(v)[0].shape), tuple(_vals(x)[0].shape),
-                   prof.fwd_flops, prof.bwd_flops, prof.fwd_bytes, prof.bwd_bytes)
+                   prof.fwd_flops, prof.bwd_flops, prof.fwd_bytes, prof.bwd_bytes, chained)
             if key not in memo:
-                memo[key] = _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer)
+                memo[key] = _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer, chained)
             D, K = memo[key]
             if (K == 1).all():
                 continue
@@ -308,15 +345,57 @@ def add_overlap(gm, gp, options, leader, follow, acc, inner, cfg, chunks=CHUNKS)
     return sites
 
 
+#: How many nodes the search for a chain neighbour visits at most (a transformer layer's worth).
+CHAIN_REACH = 96
+
+
+def _chained(v, x, role: str, candidates: set, rows: dict, gp) -> tuple | None:
+    """Whether the chunked edge's message is followed by another candidate's chunks: from the
+    output (role ``"output"``) forward, or from the activation (``"input"``) backward, through
+    nodes that act row-wise along the batch dim (``autopar.codegen.chunking``'s rule, dim 0), a
+    candidate matmul is reached. The codegen then runs both in one chunk chain when they get the
+    same k (a structural test: cheap, and independent of the strategies).
+
+    Returns None when not chained, else the (fwd flops, fwd bytes, bwd flops, bwd bytes) of the
+    nodes crossed on the way (the reached matmul included): the work of the neighbouring stage
+    that the runtime runs per chunk while this site's messages travel."""
+    from autopar.codegen.chunking import _row_roles
+
+    start = list(v.users) if role == "output" else [x]
+    seen, todo, work = set(), start, []
+    while todo and len(seen) < CHAIN_REACH:
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        prof = gp.nodes.get(n.name)
+        if prof is not None:
+            work.append((prof.fwd_flops, prof.fwd_bytes, prof.bwd_flops, prof.bwd_bytes))
+        if n is not v and n.name in candidates:
+            return tuple(float(sum(w[i] for w in work)) for i in range(4))
+        if n not in rows:
+            rows[n] = _row_roles(n, 0, 1)  # memoised: every site's search crosses the same nodes
+        roles = rows[n]
+        if roles is None:
+            continue
+        if role == "output":
+            todo += list(n.users)
+        else:
+            todo += [p for p, r in zip(n.all_input_nodes, roles) if r == "chunk"]
+    return None
+
+
 def _fold(D, node, other, node_is_src, leader, follow, acc, inner):
     src, dst = (node, other) if node_is_src else (other, node)
     M = D if node_is_src else D.T                      # (src own strategies, dst own strategies)
     M = M[follow[src]][:, follow[dst]]                 # (src leader choices, dst leader choices)
     ls, ld = leader[src], leader[dst]
+    # A chained site's saving can reach its whole message (and its kernel's share): never price
+    # an edge below zero (the edge matrix and the discount are priced by different routines).
     if ls == ld:
-        inner[ls] = inner[ls] + np.diag(M)
+        inner[ls] = np.maximum(inner[ls] + np.diag(M), 0.0)
     elif (ls, ld) in acc:
-        acc[(ls, ld)] = acc[(ls, ld)] + M
+        acc[(ls, ld)] = np.maximum(acc[(ls, ld)] + M, 0.0)
     else:
         acc[(ls, ld)] = M.copy()
 

@@ -14,6 +14,10 @@ NCCL chunk i's communication runs while chunk i+1 computes. The pieces are conca
 the collectives act elementwise or along other dims.
 
 Weights and other inputs are shared by the chunks; their gradients are summed over chunks.
+
+Runs of chunked matmuls joined by row-wise ops are not concatenated between them: the codegen
+emits them as a chunk chain (``autopar.codegen.chunking``), whose edges run per chunk through the
+:class:`EdgeLaunch` / :class:`EdgeWait` pair defined at the end of this module.
 """
 from __future__ import annotations
 
@@ -213,3 +217,114 @@ class _Chunked(torch.autograd.Function):
             grads_in[mod.x_index] = torch.cat([p.wait() for p in outgoing], dim=mod.dim)
         ctx.saved = None
         return (None, *[g if need else None for g, need in zip(grads_in, ctx.needs)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Chained chunks: an edge between two nodes of a chunk chain (autopar.codegen.chunking), run on
+# one chunk as a launch (right after the producer's chunk) and a wait (right before the
+# consumer's chunk), each an autograd node:
+#
+#     forward:  producer chunk c -> EdgeLaunch (starts the edge's steps) ... EdgeWait (result)
+#     backward: EdgeWait.backward starts the gradient's steps ... EdgeLaunch.backward waits them
+#
+# so in both directions the work the autograd engine runs between the two (the other chunks of the
+# same stage) overlaps the message. The two share a per-call token that carries the in-flight
+# collectives from one to the other.
+
+
+class _Done:
+    """A step list already run (not one lone all-reduce: synchronous, like a resharding edge)."""
+
+    def __init__(self, out: torch.Tensor):
+        self.out = out
+
+    def wait(self) -> torch.Tensor:
+        return self.out
+
+
+def launch_steps(x: torch.Tensor, steps, dm, owned: bool, where: str):
+    """Start ``steps`` on ``x``: a lone all-reduce asynchronously (in place when ``owned``, else
+    on a copy), anything else synchronously. Returns an object whose ``wait()`` gives the result."""
+    if len(steps) == 1 and steps[0].kind == "all_reduce" and dm.size(steps[0].axis) > 1:
+        return _Pending(x if owned else x.clone(), steps, dm, owned=True)
+    return _Done(apply_steps(x, steps, dm, where=where))
+
+
+class _Token:
+    """One call's in-flight edge: ``fwd`` (forward steps), ``bwd`` (gradient steps)."""
+
+    __slots__ = ("fwd", "bwd")
+
+    def __init__(self):
+        self.fwd = self.bwd = None
+
+
+class _Launch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, token, mod):
+        ctx.token = token
+        if not mod.fwd:
+            return x
+        token.fwd = launch_steps(x, mod.fwd, mod.dm, mod.owned_fwd, mod.label)
+        if token.fwd.out is x:
+            ctx.mark_dirty(x)  # reduced in place: the producer's output is not saved (a matmul)
+        return token.fwd.out
+
+    @staticmethod
+    def backward(ctx, grad):
+        pend, ctx.token.bwd = ctx.token.bwd, None
+        return (pend.wait() if pend is not None else grad), None, None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, token, mod):
+        ctx.token, ctx.mod = token, mod
+        pend, token.fwd = token.fwd, None
+        return pend.wait() if pend is not None else y
+
+    @staticmethod
+    def backward(ctx, grad):
+        mod = ctx.mod
+        if not mod.bwd:
+            return grad, None, None
+        # owned_bwd: the consumer is a matmul whose input gradient is a fresh tensor nothing else
+        # reads; otherwise (a residual add hands one gradient to two inputs) reduce a copy.
+        ctx.token.bwd = launch_steps(grad.contiguous(), mod.bwd, mod.dm, mod.owned_bwd, mod.label)
+        # Only its shape is read on the way to EdgeLaunch.backward, which returns the result.
+        return grad, None, None
+
+
+class EdgeLaunch(nn.Module):
+    """Start one chunk's edge (forward steps ``fwd``; its backward waits the gradient steps).
+
+    Returns ``(value, token)`` for the matching :class:`EdgeWait`. ``owned_fwd``: the chunk is a
+    matmul's fresh output with no other reader, so an all-reduce runs in place."""
+
+    def __init__(self, fwd, bwd, device_mesh, label: str, owned_fwd: bool, owned_bwd: bool):
+        super().__init__()
+        self.fwd, self.bwd, self.dm, self.label = tuple(fwd), tuple(bwd), device_mesh, label
+        self.owned_fwd, self.owned_bwd = owned_fwd, owned_bwd
+
+    def extra_repr(self) -> str:
+        return self.label
+
+    def forward(self, x):
+        token = _Token()
+        return _Launch.apply(x, token, self), token
+
+
+class EdgeWait(nn.Module):
+    """Finish one chunk's edge started by ``launch`` (its :class:`EdgeLaunch`); backward starts
+    the gradient steps asynchronously."""
+
+    def __init__(self, launch: EdgeLaunch):
+        super().__init__()
+        self.launch = [launch]  # a list: not a submodule (printed once, under its own name)
+
+    def extra_repr(self) -> str:
+        return self.launch[0].label
+
+    def forward(self, started):
+        y, token = started
+        return _Wait.apply(y, token, self.launch[0])

@@ -1,0 +1,167 @@
+"""Chunk chains (``autopar.codegen.chunking.ChainEmitter``): consecutive chunked matmuls and the
+row-wise ops between them run as k chunks without concatenating between them.
+
+A Megatron MLP (3 blocks) and the GPT-2 zoo model (2 layers) with every matmul in 2 chunks, on 2 simulated
+ranks (LocalTensorMode + the fake process group): the emitted graph holds one chain over the
+blocks (no concatenation between its matmuls, the edges' all-reduces run per chunk as launch /
+wait pairs), and it trains with the numbers of one device (loss, gradients, updated parameters).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.mesh import Link, Mesh
+from autopar.runtime.overlap import ChunkedOp, EdgeLaunch, EdgeWait
+
+DIM, HIDDEN, BATCH, WORLD, DEPTH = 32, 64, 16, 2, 3
+MATMULS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default")
+
+
+def _mlp():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(DEPTH):
+        layers += [nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM)]
+    return nn.Sequential(*layers)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, DIM, generator=g), torch.randint(0, DIM, (BATCH,), generator=g)
+
+
+@pytest.fixture(scope="module")
+def tp_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    yield init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    dist.destroy_process_group()
+
+
+def _chunk_all(plan, cap, k=2):
+    n = 0
+    for node in cap.gm.graph.nodes:
+        np_ = plan.nodes.get(node.name)
+        if np_ is not None and str(node.target) in MATMULS:
+            np_.chunks, n = k, n + 1
+    return n
+
+
+def _cats(gm) -> int:
+    return sum(n.op == "call_function" and n.target in (torch.cat, torch.ops.aten.cat.default) for n in gm.graph.nodes)
+
+
+def _mods(gm, cls) -> int:
+    return sum(isinstance(m, cls) for m in gm.modules())
+
+
+def _train(model, cap, plan, tp_mesh, args, kwargs, target, loss_fn, steps=2):
+    """Losses, first-step gradients and final parameters of ParallelModule and of one device."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+
+    from autopar.runtime.module import ParallelModule
+
+    r = lambda t: t.reconcile() if isinstance(t, LocalTensor) else t  # noqa: E731
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with LocalTensorMode(WORLD):
+        pm = ParallelModule(model, cap, plan, tp_mesh)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        for step in range(steps):
+            loss = r(pm.train_step(*args, target=target, **kwargs)).item()
+            out = ref(*args, **kwargs)
+            ref_loss = loss_fn(out, target) if loss_fn is not None else out.loss
+            ref_loss.backward()
+            assert abs(loss - ref_loss.item()) / abs(ref_loss.item()) < 1e-5, (step, loss, ref_loss.item())
+            if step == 0:
+                grads = {k: r(v) for k, v in pm.full_grads().items()}
+                for k, p in ref.named_parameters():
+                    if p.grad is None:
+                        continue
+                    err = ((grads[k] - p.grad).norm() / p.grad.norm().clamp_min(1e-30)).item()
+                    assert err < 1e-5, (k, err)
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        state = {k: r(v) for k, v in pm.full_state_dict().items()}
+    for k, v in ref.state_dict().items():
+        err = ((state[k] - v).norm() / v.norm().clamp_min(1e-30)).item()
+        assert err < 1e-5, (k, err)
+    return pm
+
+
+def test_mlp_chain_forms_and_trains_like_one_device(tp_mesh):
+    from profiler.capture import capture
+
+    x, y = _batch()
+    mesh = Mesh((WORLD,), axis_names=("tp",), cluster="cpu", links=[Link(alpha=1e-6, beta=1e8)])
+    model = _mlp()
+    plan = autopar.plan(model, mesh, (x,), loss_fn=F.cross_entropy, target=y, force="tp", pipeline=False,
+                        chunks=(1,))
+    cap = capture(model, (x,), None, loss_fn=F.cross_entropy, target=y)
+    assert _chunk_all(plan, cap) == 2 * DEPTH
+    pm = _train(model, cap, plan, tp_mesh, (x,), {}, y, F.cross_entropy)
+    how = pm.signature.chunking
+    assert len(how) == 2 * DEPTH and all("chain 0: 6 matmuls" in v for v in how.values()), how
+    gm = pm._program
+    # One concatenation, before the loss; every all-reduce (DEPTH - 1 between blocks, one into
+    # the loss) runs per chunk; no ChunkedOp is left.
+    assert _cats(gm) == 1, gm.code
+    assert _mods(gm, EdgeLaunch) == _mods(gm, EdgeWait) == 2 * DEPTH
+    assert _mods(gm, ChunkedOp) == 0
+    # Chunk-major within a stage: the first block runs chunk 0 whole (both matmuls and the launch
+    # of its all-reduce) before chunk 1 starts.
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    first_launch = next(i for i, t in enumerate(calls) if t.startswith("launch_"))
+    assert calls[:first_launch].count("linear") == 1 and calls[:first_launch].count("linear_1") == 1, calls
+
+
+def test_gpt2_chain_forms_and_trains_like_one_device(tp_mesh):
+    """GPT-2 (2 layers) under the Megatron family with every matmul in 2 chunks: one chain runs
+    from the first layer's attention to the last MLP (views, attention, layer norms, residual adds
+    and GELU per chunk); the logits' matmul, whose consumer is the loss, stays a ChunkedOp."""
+    import os
+    import sys
+
+    import profiler
+    from autopar.planner import plan_profile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
+    import cases
+
+    ex = cases.example("gpt2")
+    gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    cap = gp.captured
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_profile(gp, Mesh((WORLD,), axis_names=("tp",), cluster="cpu"), force="megatron", pipeline=False)
+    n = _chunk_all(plan, cap)
+    ref = cases.reference(ex, steps=2)
+    pm, losses, grads, state = cases.train_local(ex, cap, plan, tp_mesh, world=WORLD, steps=2)
+    assert cases.loss_err(losses, ref["losses"]) < 1e-5
+    assert cases.grad_err(grads, ref["grads"]) < 1e-5
+    assert cases.compare_state(state, ref["state"])["global"] < 1e-5
+    how = pm.signature.chunking
+    chained = [k for k, v in how.items() if "chain 0: 8 matmuls" in v]
+    assert len(chained) == 8 and n == 9, how  # 4 per layer; the logits' matmul is not in it
+    gm = pm._program
+    # One concatenation, where the chain ends: the chain runs on past the last matmul through
+    # layer 1's output all-reduce, its residual add and the final layer norm.
+    assert _cats(gm) == 1, gm.code
+    # Per chunk (the planner keeps attention replicated here): each layer's MLP input-gradient and
+    # output all-reduces.
+    assert _mods(gm, EdgeLaunch) == 2 * 2 * 2, _mods(gm, EdgeLaunch)
+    assert _mods(gm, ChunkedOp) == 1
