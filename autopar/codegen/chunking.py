@@ -167,6 +167,12 @@ class Chain:
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
 _SDPA = aten.scaled_dot_product_attention.default
+_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
+_SHAPE_OPS = (aten.to.dtype, aten._to_copy.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+              aten.slice.Tensor, aten.transpose.int, aten.permute.default, aten.expand.default) + _REDUCTIONS
+#: Dropped by the lowering (a check of the captured graph's global shapes): not a consumer that
+#: needs a chain value whole.
+_DROPPED = (aten._assert_tensor_metadata.default,)
 
 
 def _one(n) -> torch.Tensor | None:
@@ -180,44 +186,104 @@ def _row_roles(node, d: int, k: int) -> list[str] | None:
     does not act row-wise along ``d`` (then it cannot run per chunk).
 
     Row-wise along d: matmuls on their activation, layer norm and softmax over other dims,
-    pointwise ops (inputs broadcast across d are shared), transposes that keep d, dropout with
-    p = 0, attention along its batch or head dim, splits along another dim and their getitems,
-    and reshapes that keep the dims before d (a chunk of d is then one contiguous block of
-    each leading index, before and after; GPT-2's (B, S, D) <-> (B * S, D) with d = 0)."""
+    pointwise ops (inputs broadcast across d are shared, whichever argument carries the rows),
+    dtype casts, reductions (mean / sum / amax) over dims after d, unsqueeze / squeeze / slice /
+    unbind at dims after d (slice: any dim but d), concatenation along another dim, transposes and
+    permutations that keep d, expands that do not expand d, dropout with p = 0, attention along
+    its batch or head dim, splits along another dim and their getitems, and reshapes that keep the
+    dims before d (a chunk of d is then one contiguous block of each leading index, before and
+    after; GPT-2's (B, S, D) <-> (B * S, D) with d = 0)."""
     outs, ins, t = _vals(node), node.all_input_nodes, node.target
+    if t is aten.cat.default:
+        return _cat_roles(node, d)
+    tags = getattr(t, "tags", ())
+    if torch.Tag.pointwise in tags:
+        # The rows may come in any argument (RMSNorm's ``weight * hidden``): every input is
+        # checked against the output's shape, not against the first argument's.
+        if torch.Tag.nondeterministic_seeded in tags or ex.mutated_args(t) or len(outs) != 1 or outs[0].dim() <= d \
+                or not ins or any(_one(n) is None for n in ins):
+            return None
+        return _broadcast_roles(ins, d, outs[0].dim(), outs[0].shape[d])
     x = node.args[ACTIVATION_ARG.get(t, 0)] if node.args else None
     if not isinstance(x, fx.Node) or (ex.is_getitem(node) and len(_vals(x)) > 1):
         return ["chunk"] if ex.is_getitem(node) and isinstance(x, fx.Node) else None
     xv = _one(x)
     if xv is None or xv.dim() <= d or any(_one(n) is None for n in ins) or ins.count(x) != 1:
         return None
-    if t in _SPLITS:
-        split_dim = (node.args[2] if len(node.args) > 2 else 0) % xv.dim()
-        return ["chunk"] if split_dim != d and len(ins) == 1 else None
+    if t in _SPLITS or t is aten.unbind.int:
+        pos = 2 if t in _SPLITS else 1
+        at = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", 0)
+        # unbind drops its dim: only one after d leaves d where it was.
+        ok = at % xv.dim() != d if t in _SPLITS else at % xv.dim() > d
+        return ["chunk"] if ok and len(ins) == 1 else None
     if len(outs) != 1 or outs[0].dim() <= d:
         return None
     nd, out = outs[0].dim(), outs[0]
     if t in _RESHAPES:
         ok = tuple(xv.shape[:d]) == tuple(out.shape[:d]) and xv.shape[d] % k == 0 and out.shape[d] % k == 0
         return ["chunk"] if ok and len(ins) == 1 else None
+    if t in _SHAPE_OPS:
+        return ["chunk"] if len(ins) == 1 and _keeps_rows(node, d, xv, out) else None
     if xv.dim() != nd:
         return None
     if t in _CHAIN_MATMULS or t in _NORMS or t in _SOFTMAX:
         if d >= nd - 1 or (t in _NORMS and d >= nd - len(node.args[1])) or (t in _SOFTMAX and node.args[1] % nd == d):
             return None  # the op mixes rows along d
         return ["chunk" if n is x else "shared" for n in ins]
-    if t is aten.transpose.int:
-        return ["chunk"] if d not in (node.args[1] % nd, node.args[2] % nd) else None
     if t is aten.dropout.default:
         return ["chunk"] if node.args[1] == 0 or not node.args[2] else None
     if t is _SDPA:
         if d >= nd - 2 or node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0):
             return None
         return _broadcast_roles(ins, d, nd, out.shape[d])
-    tags = getattr(t, "tags", ())
-    if torch.Tag.pointwise not in tags or torch.Tag.nondeterministic_seeded in tags or ex.mutated_args(t):
+    return None
+
+
+def _keeps_rows(node, d: int, xv, out) -> bool:
+    """Whether a one-input shape op (``_SHAPE_OPS``) maps ``xv``'s rows along ``d`` one to one
+    onto ``out``'s, d staying in place (so each chunk of d is computed from its own chunk)."""
+    t, a, nx = node.target, node.args, xv.dim()
+    if t in (aten.to.dtype, aten._to_copy.default):
+        return True  # an elementwise cast (its dtype/layout arguments are not tensors)
+    if out.shape[d] != xv.shape[d]:
+        return False
+    if t in _REDUCTIONS:
+        dims = a[1] if len(a) > 1 else None
+        dims = [dims] if isinstance(dims, int) else dims
+        if not dims:  # None or []: every dim is reduced, d included
+            return False
+        keep = a[2] if len(a) > 2 else node.kwargs.get("keepdim", False)
+        dims = [x % nx for x in dims]
+        return d not in dims and (keep or min(dims) > d)
+    if t is aten.unsqueeze.default:
+        return a[1] % (nx + 1) > d
+    if t in (aten.squeeze.dim, aten.squeeze.dims):
+        dims = [a[1]] if isinstance(a[1], int) else list(a[1])
+        return all(x % nx > d for x in dims)
+    if t is aten.slice.Tensor:
+        return (a[1] if len(a) > 1 else 0) % nx != d
+    if t is aten.transpose.int:
+        return d not in (a[1] % nx, a[2] % nx)
+    if t is aten.permute.default:
+        return a[1][d] % nx == d
+    if t is aten.expand.default:
+        # Same rank (no new leading dims) and d not expanded; the emitter cuts the size's d by k.
+        return out.dim() == nx
+    return False
+
+
+def _cat_roles(node, d: int) -> list[str] | None:
+    """Concatenation along a dim other than d: every input must carry the output's rows (a cat
+    does not broadcast, so no input can be shared)."""
+    outs = _vals(node)
+    tensors = node.args[0]
+    if len(outs) != 1 or outs[0].dim() <= d or not all(isinstance(n, fx.Node) for n in tensors):
         return None
-    return _broadcast_roles(ins, d, nd, out.shape[d])
+    out, at = outs[0], (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
+    vals = [_one(n) for n in node.all_input_nodes]
+    if at % out.dim() == d or any(v is None or v.dim() != out.dim() or v.shape[d] != out.shape[d] for v in vals):
+        return None
+    return ["chunk"] * len(vals)
 
 
 def _broadcast_roles(ins, d: int, nd: int, rows: int) -> list[str] | None:
@@ -280,8 +346,8 @@ class _ChainPlanner:
                 return None
         if any(d in blocked_dims(v.dim(), (p,), ()) for v, p in zip(_vals(node), low.outputs_of(node))):
             return None
-        if node.target in _RESHAPES:
-            return roles  # run as a reshape of the chunk (see ChainEmitter._reshape)
+        if node.target in _RESHAPES or node.target is aten.expand.default:
+            return roles  # run as a reshape / expand to the chunk's local shape (ChainEmitter._call)
         if node.name not in self.execs:
             self.execs[node.name] = low.make_exec(node)
         # The DTensor executor builds DTensors of the node's global shape: it cannot run a chunk.
@@ -449,7 +515,7 @@ class ChainEmitter:
         if node.name in c.seeds:
             low.chunking[node.name] = (f"{k} chunks along dim {d} (chain {c.index}: {len(c.seeds)} matmuls, "
                                        f"{len(c.nodes)} nodes)")
-        outside = [u for u in node.users if u.name not in members]
+        outside = [u for u in node.users if u.name not in members and u.target not in _DROPPED]
         low.env[node] = self._exit(node, outs, outside, c) if outside else None
         return True
 
@@ -458,11 +524,13 @@ class ChainEmitter:
         g = self.low.graph
         if ex.is_getitem(node):
             return (lambda args, ci: g.call_function(operator.getitem, (args[0], node.args[1]))), "plain"
-        if node.target in _RESHAPES:
-            # A chunk's local shape: the node's local output shape with d cut in k.
+        if node.target in _RESHAPES or node.target is aten.expand.default:
+            # A chunk's local shape: the node's local output shape with d cut in k (the captured
+            # size argument holds the global one).
             shape = list(pl.local_shape(tuple(_vals(node)[0].shape), self.low.outputs_of(node)[0], self.low.ctx.shape))
             shape[c.dim] //= c.k
-            return (lambda args, ci: g.call_function(aten.reshape.default, (args[0], shape))), "reshape"
+            op = aten.reshape.default if node.target in _RESHAPES else aten.expand.default
+            return (lambda args, ci: g.call_function(op, (args[0], shape))), op.__name__.split(".")[0]
         mod, kind, (a_t, k_t) = self.execs[node.name]
         if mod is None:
             return (lambda args, ci: g.call_function(node.target, ex.fill(a_t, args), ex.fill(k_t, args))), kind
@@ -513,7 +581,7 @@ class ChainEmitter:
         chunk dim; when the one consumer's edge moves data, that edge runs per chunk first (the
         chain's last message is the only one exposed) and the consumer takes the result as is."""
         low = self.low
-        if len(node.users) == 1 and outside[0].op != "output":
+        if len(outside) == 1 and len(node.users) == 1 + _dropped(node) and outside[0].op != "output":
             w = outside[0]
             e = low.edge_args(node, w, w.all_input_nodes.index(node))
             if e is not None and any(low.edge_steps(node, w, *e)[:2]) and \
@@ -580,6 +648,11 @@ class ChainEmitter:
         for n in out:
             prev.append(n)
             prev = n
+
+
+def _dropped(node) -> int:
+    """How many users of ``node`` the lowering drops (``_DROPPED``)."""
+    return sum(u.target in _DROPPED for u in node.users)
 
 
 def cat_elements(chunks: list, dim: int) -> list:

@@ -1,9 +1,9 @@
 """Chunk chains (``autopar.codegen.chunking.ChainEmitter``): consecutive chunked matmuls and the
 row-wise ops between them run as k chunks without concatenating between them.
 
-A Megatron MLP (3 blocks) and the GPT-2 zoo model (2 layers) with every matmul in 2 chunks, on 2 simulated
-ranks (LocalTensorMode + the fake process group): the emitted graph holds one chain over the
-blocks (no concatenation between its matmuls, the edges' all-reduces run per chunk as launch /
+A Megatron MLP (3 blocks), the GPT-2 and the Llama zoo models (2 layers) with every matmul in 2
+chunks, on 2 simulated ranks (LocalTensorMode + the fake process group): the emitted graph holds
+one chain over the blocks (no concatenation between its matmuls, the edges' all-reduces run per chunk as launch /
 wait pairs), and it trains with the numbers of one device (loss, gradients, updated parameters).
 """
 from __future__ import annotations
@@ -164,4 +164,46 @@ def test_gpt2_chain_forms_and_trains_like_one_device(tp_mesh):
     # Per chunk (the planner keeps attention replicated here): each layer's MLP input-gradient and
     # output all-reduces.
     assert _mods(gm, EdgeLaunch) == 2 * 2 * 2, _mods(gm, EdgeLaunch)
+    assert _mods(gm, ChunkedOp) == 1
+
+
+def test_llama_chain_forms_and_trains_like_one_device(tp_mesh):
+    """Llama (2 layers, GQA) under the Megatron family with every matmul in 2 chunks: the chain
+    crosses RMSNorm (fp32 cast, mean over the last dim, ``weight * hidden``), the rotary embedding
+    (slices and concatenation along the head dim, broadcast cos / sin) and GQA's repeat_kv
+    (unsqueeze + expand, the expand's size cut per chunk); the dropped dtype asserts force no
+    concatenation."""
+    import os
+    import sys
+
+    import profiler
+    from autopar.planner import plan_profile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
+    import cases
+
+    ex = cases.example("llama")
+    gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    cap = gp.captured
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_profile(gp, Mesh((WORLD,), axis_names=("tp",), cluster="cpu"), force="megatron", pipeline=False)
+    n = _chunk_all(plan, cap)
+    ref = cases.reference(ex, steps=2)
+    pm, losses, grads, state = cases.train_local(ex, cap, plan, tp_mesh, world=WORLD, steps=2)
+    assert cases.loss_err(losses, ref["losses"]) < 1e-5
+    assert cases.grad_err(grads, ref["grads"]) < 1e-5
+    assert cases.compare_state(state, ref["state"])["global"] < 1e-5
+    how = pm.signature.chunking
+    chained = [k for k, v in how.items() if "chain 0: 14 matmuls" in v]
+    assert len(chained) == 14 and n == 15, how  # 7 per layer; the logits' matmul is not in it
+    gm = pm._program
+    cats = [x.target for x in gm.graph.nodes if x.op == "call_function"]
+    # One concatenation where the chain ends; the rotary embedding's cats (q and k, per layer)
+    # run per chunk.
+    assert cats.count(torch.cat) == 1 and cats.count(torch.ops.aten.cat.default) == 2 * 2 * 2, gm.code
+    assert cats.count(torch.ops.aten.expand.default) >= 2 * 2 * 2  # repeat_kv's k and v, per chunk
+    # Per chunk (attention replicated here): each layer's gate / up input-gradient all-reduces
+    # and the MLP output's all-reduce.
+    assert _mods(gm, EdgeLaunch) == 2 * 3 * 2, _mods(gm, EdgeLaunch)
     assert _mods(gm, ChunkedOp) == 1
