@@ -207,3 +207,61 @@ def test_llama_chain_forms_and_trains_like_one_device(tp_mesh):
     # and the MLP output's all-reduce.
     assert _mods(gm, EdgeLaunch) == 2 * 3 * 2, _mods(gm, EdgeLaunch)
     assert _mods(gm, ChunkedOp) == 1
+
+
+def _shape_ops(x, w, y):
+    """RMSNorm-, rotary- and repeat_kv-like ops on (4, 6, 8) rows (aten, as the capture emits them)."""
+    aten = torch.ops.aten
+    a = aten.to.dtype(x, torch.float64)
+    b = aten.mean.dim(a, [-1], True) + aten.sum.dim_IntList(a, [2]).unsqueeze(-1) + aten.amax.default(a, [1, 2], True)
+    c = w * (a * b)                                                    # the weight first, as RMSNorm's
+    e = aten.expand.default(aten.unsqueeze.default(c, 2), [4, 6, 3, 8])
+    g = aten.squeeze.dim(aten.slice.Tensor(e, 2, 0, 1), 2)
+    h = aten.cat.default([g, aten.slice.Tensor(c, 2, 0, 4)], -1)      # (4, 6, 12)
+    u = aten.unbind.int(aten.permute.default(h, [0, 2, 1]), 2)        # 6 x (4, 12)
+    return [aten.permute.default(h, [1, 0, 2]) * y[:, :, None], u[0] * 2]
+
+
+@pytest.mark.parametrize("d", [0, 1])
+def test_row_rules_are_exact(d):
+    """Every node ``_row_roles`` accepts along d, run per chunk (chunk-role inputs split along d,
+    shared ones whole, an expand's size cut by k as the emitter does) and concatenated, equals the
+    whole node; the ops that mix rows along d are rejected."""
+    import operator
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopar.codegen.chunking import _row_roles
+
+    k = 2
+    xs = (torch.randn(4, 6, 8), torch.randn(8), torch.randn(6, 4))
+    gm = make_fx(_shape_ops, tracing_mode="fake")(*xs)
+    env = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], xs))
+    accepted = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        args = torch.fx.node.map_arg(node.args, env.__getitem__)
+        env[node] = whole = node.target(*args, **node.kwargs)
+        roles = _row_roles(node, d, k)
+        if roles is None or node.target is operator.getitem:
+            continue
+        accepted.append(str(node.target))
+        chunks = []
+        for c in range(k):
+            part = {p: env[p].chunk(k, d)[c] if r == "chunk" else env[p] for p, r in zip(node.all_input_nodes, roles)}
+            a = torch.fx.node.map_arg(node.args, part.__getitem__)
+            if node.target is torch.ops.aten.expand.default:
+                a = (a[0], [s // k if i == d else s for i, s in enumerate(whole.shape)])
+            chunks.append(node.target(*a, **node.kwargs))
+        if isinstance(whole, (list, tuple)):
+            for i, w in enumerate(whole):
+                torch.testing.assert_close(torch.cat([ch[i] for ch in chunks], d), w, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(torch.cat(chunks, d), whole, rtol=0, atol=0)
+    if d == 0:  # every op acts row-wise along the batch dim
+        for op in ("_to_copy", "mean.dim", "amax", "expand", "squeeze.dim", "slice", "cat", "permute", "unbind"):
+            assert any(op in a for a in accepted), (op, accepted)
+    else:  # amax over (1, 2) and both permutes (they move dim 1) mix or move d's rows
+        assert not any("amax" in a or "permute" in a for a in accepted), accepted
+        assert any("expand" in a for a in accepted) and any("cat" in a for a in accepted), accepted
