@@ -11,15 +11,19 @@ shape. When there is none the node runs unchunked and ``LocalSignature.chunking`
 
 Chunk chains (:class:`ChainEmitter`). A lone ``ChunkedOp`` concatenates its chunks, so it exposes
 its last chunk's message and the ops after it run whole. Where chunked matmuls with the same k and
-chunk dim d are joined by ops that act row-wise along d (:func:`_row_roles`: pointwise ops, bias
-adds, activations, layer norm and softmax over other dims, reshapes that keep the dims before d,
-transposes that keep d, attention along its batch dim, splits along other dims, other matmuls
-whatever their k), the run of nodes between them is one *chain*, emitted unrolled into the
-per-rank graph rather than fused into one module (the graph stays printable and autograd does
-the backward):
+chunk dim d are joined by ops that act row-wise along d (:func:`_row_roles`: pointwise ops with
+their broadcasts in any argument, bias adds, activations, dtype casts, layer norm and softmax over
+other dims, mean / sum / amax over other dims (after d without keepdim: RMSNorm), reshapes that
+keep the dims before d, transposes and permutes that keep d, unsqueeze / squeeze / unbind at dims
+after d, slices and concatenations along other dims (rotary embeddings), expands that keep d (GQA's
+repeat_kv), attention along its batch dim, splits along other dims, other matmuls whatever their
+k), the run of nodes between them is one *chain*, emitted unrolled into the per-rank graph rather
+than fused into one module (the graph stays printable and autograd does the backward):
 
 - every value of the chain is k fx nodes (one per chunk along d); every member is called once per
-  chunk with its usual local implementation (a reshape with its local shape cut in k);
+  chunk with its usual local implementation (a reshape or expand with its local shape cut in k:
+  the captured size argument holds the global one); the dtype asserts the lowering drops are no
+  consumers (they force no concatenation);
 - a value entering the chain is cut once (``aten.split`` along d); a value with a consumer
   outside the chain is concatenated once, after its last chunk (``torch.cat``, or
   :func:`cat_elements` for a split's tuple), and only then;
