@@ -352,14 +352,14 @@ CHAIN_REACH = 96
 def _chained(v, x, role: str, candidates: set, rows: dict, gp) -> tuple | None:
     """Whether the chunked edge's message is followed by another candidate's chunks: from the
     output (role ``"output"``) forward, or from the activation (``"input"``) backward, through
-    nodes that act row-wise along the batch dim (``autopar.codegen.chunking``'s rule, dim 0), a
+    nodes that act row-wise along the batch dim (``autopar.codegen.rowwise``'s rule, dim 0), a
     candidate matmul is reached. The codegen then runs both in one chunk chain when they get the
     same k (a structural test: cheap, and independent of the strategies).
 
     Returns None when not chained, else the (fwd flops, fwd bytes, bwd flops, bwd bytes) of the
     nodes crossed on the way (the reached matmul included): the work of the neighbouring stage
     that the runtime runs per chunk while this site's messages travel."""
-    from autopar.codegen.chunking import _row_roles
+    from autopar.codegen.rowwise import _row_roles
 
     start = list(v.users) if role == "output" else [x]
     seen, todo, work = set(), start, []

@@ -231,7 +231,7 @@ def test_row_rules_are_exact(d):
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autopar.codegen.chunking import _row_roles
+    from autopar.codegen.rowwise import _row_roles
 
     k = 2
     xs = (torch.randn(4, 6, 8), torch.randn(8), torch.randn(6, 4))
