@@ -13,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -38,16 +37,7 @@ def _batch():
     return torch.randn(BATCH, DIM, generator=g), torch.randint(0, DIM, (BATCH,), generator=g)
 
 
-@pytest.fixture(scope="module")
-def tp_mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    yield init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
-    dist.destroy_process_group()
+# tp_mesh: the 1-D fake-process-group mesh of 2 ranks in conftest.py.
 
 
 def _chunk_all(plan, cap, k=2):
@@ -129,10 +119,10 @@ def test_mlp_chain_forms_and_trains_like_one_device(tp_mesh):
     assert calls[:first_launch].count("linear") == 1 and calls[:first_launch].count("linear_1") == 1, calls
 
 
-def test_gpt2_chain_forms_and_trains_like_one_device(tp_mesh):
-    """GPT-2 (2 layers) under the Megatron family with every matmul in 2 chunks: one chain runs
-    from the first layer's attention to the last MLP (views, attention, layer norms, residual adds
-    and GELU per chunk); the logits' matmul, whose consumer is the loss, stays a ChunkedOp."""
+def _megatron_chunked_matches_one_device(name: str, tp_mesh):
+    """The zoo model ``name`` under the Megatron family with every matmul in 2 chunks, trained 2
+    steps on simulated ranks: loss, gradients and updated parameters equal one device. Returns
+    (the ParallelModule, the number of matmuls chunked)."""
     import os
     import sys
 
@@ -142,7 +132,7 @@ def test_gpt2_chain_forms_and_trains_like_one_device(tp_mesh):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
     import cases
 
-    ex = cases.example("gpt2")
+    ex = cases.example(name)
     gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
     cap = gp.captured
     with warnings.catch_warnings():
@@ -154,6 +144,14 @@ def test_gpt2_chain_forms_and_trains_like_one_device(tp_mesh):
     assert cases.loss_err(losses, ref["losses"]) < 1e-5
     assert cases.grad_err(grads, ref["grads"]) < 1e-5
     assert cases.compare_state(state, ref["state"])["global"] < 1e-5
+    return pm, n
+
+
+def test_gpt2_chain_forms_and_trains_like_one_device(tp_mesh):
+    """GPT-2 (2 layers) under the Megatron family with every matmul in 2 chunks: one chain runs
+    from the first layer's attention to the last MLP (views, attention, layer norms, residual adds
+    and GELU per chunk); the logits' matmul, whose consumer is the loss, stays a ChunkedOp."""
+    pm, n = _megatron_chunked_matches_one_device("gpt2", tp_mesh)
     how = pm.signature.chunking
     chained = [k for k, v in how.items() if "chain 0: 8 matmuls" in v]
     assert len(chained) == 8 and n == 9, how  # 4 per layer; the logits' matmul is not in it
@@ -173,27 +171,7 @@ def test_llama_chain_forms_and_trains_like_one_device(tp_mesh):
     (slices and concatenation along the head dim, broadcast cos / sin) and GQA's repeat_kv
     (unsqueeze + expand, the expand's size cut per chunk); the dropped dtype asserts force no
     concatenation."""
-    import os
-    import sys
-
-    import profiler
-    from autopar.planner import plan_profile
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
-    import cases
-
-    ex = cases.example("llama")
-    gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
-    cap = gp.captured
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = plan_profile(gp, Mesh((WORLD,), axis_names=("tp",), cluster="cpu"), force="megatron", pipeline=False)
-    n = _chunk_all(plan, cap)
-    ref = cases.reference(ex, steps=2)
-    pm, losses, grads, state = cases.train_local(ex, cap, plan, tp_mesh, world=WORLD, steps=2)
-    assert cases.loss_err(losses, ref["losses"]) < 1e-5
-    assert cases.grad_err(grads, ref["grads"]) < 1e-5
-    assert cases.compare_state(state, ref["state"])["global"] < 1e-5
+    pm, n = _megatron_chunked_matches_one_device("llama", tp_mesh)
     how = pm.signature.chunking
     chained = [k for k, v in how.items() if "chain 0: 14 matmuls" in v]
     assert len(chained) == 14 and n == 15, how  # 7 per layer; the logits' matmul is not in it

@@ -12,7 +12,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -151,16 +150,7 @@ def test_plan_json_round_trips_chunks():
     assert max(q.chunks for q in back.nodes.values()) > 1
 
 
-@pytest.fixture(scope="module")
-def tp_mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    yield init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
-    dist.destroy_process_group()
+# tp_mesh: the 1-D fake-process-group mesh of 2 ranks in conftest.py.
 
 
 def test_planner_chunked_plan_trains_like_one_device(tp_mesh):
