@@ -20,6 +20,14 @@ counts (a reduce-scatter is an all-reduce underneath; on two ranks an all-gather
 an all-reduce). Each run's time is max-reduced over the ranks before the median (a step waits
 for its slowest rank), so all ranks derive identical figures.
 
+Overlap, per axis: how much of a collective's time it takes from compute that runs beside it
+(``Link.compute_share``). An all-reduce of the sweep's largest size is launched the way a chunked
+matmul launches its chunk's message (``torch.distributed.all_reduce(async_op=True)``) while a run
+of matmuls a little longer than it computes; with ``m`` the message alone, ``c`` the matmuls alone
+and ``t`` both, ``compute_share = (t - c) / m`` clipped to [0, 1]. On CPU gloo with a process per
+core it reads 0.5-0.8 (the kernel's TCP copies and gloo's sums run on the cores the matmuls need);
+on GPUs NCCL runs beside the compute and it reads near 0.
+
 Device: matmul FLOP/s per dtype; ``mem_bandwidth`` from a mix of a step's memory-bound kernels
 (pointwise arithmetic, transcendentals, softmax, layer norm), not from a copy, which runs several
 times faster per byte on CPUs; ``kernel_floor`` from a chain of tiny ops run forward and backward
@@ -108,6 +116,48 @@ def _time_collectives(plan, dm, device, repeats: int, warmup: int) -> list[list[
             if r >= warmup:
                 times[i].append(time.perf_counter() - t0)
     return times
+
+
+def _overlap_point(dm, axis: int, nbytes: int, device, repeats: int, warmup: int) -> dict:
+    """Seconds of one all-reduce of ``nbytes`` over ``axis`` alone, of a run of matmuls alone
+    (a little longer than the message) and of both together (the message launched asynchronously
+    first, as a chunked matmul launches its chunk's; waited after the matmuls), the slowest rank's
+    median each, and the ``compute_share`` they give (module docstring)."""
+    group = dm.get_group(axis)
+    buf = torch.ones(_message_bytes(nbytes, dm.size(axis)) // 4, device=device)
+    n = 256 if device.type == "cpu" else 4096
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+
+    def message():
+        dist.all_reduce(buf, group=group)
+
+    def matmuls(r):
+        for _ in range(r):
+            torch.mm(a, b)
+
+    # The run length r: agreed by every rank (from max-reduced times), a little longer than the
+    # message, so the matmuls outlast it (t = c + share * m) while c's own noise, which the
+    # difference t - c carries, stays small against m.
+    m0, u0 = _slowest_median([_run_times(message, device, 3, warmup, True),
+                              _run_times(lambda: matmuls(1), device, 3, warmup, True)], 3, device)
+    r = int(min(1000, max(1, np.ceil(1.25 * m0 / max(u0, 1e-9)))))
+
+    def both():
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        matmuls(r)
+        work.wait()
+
+    fns = (message, lambda: matmuls(r), both)
+    runs: list[list[float]] = [[] for _ in fns]
+    for i in range(warmup + repeats):  # in turns, as the collective sweep
+        for j, fn in enumerate(fns):
+            t = _run_times(fn, device, 1, 0, True)
+            if i >= warmup:
+                runs[j] += t
+    m, c, t = _slowest_median(runs, repeats, device)
+    share = float(min(1.0, max(0.0, (t - c) / m))) if m > 0 else 0.0
+    return {"nbytes": int(buf.numel() * 4), "matmuls": r, "matmul_n": n, "message_s": m, "compute_s": c,
+            "both_s": t, "compute_share": share}
 
 
 def ring_terms(kind: str, n: int) -> tuple[int, float]:
@@ -283,7 +333,9 @@ def calibrate(device_mesh, *, sizes: Sequence[int] | None = None, repeats: int =
             axes[name] = {"size": 1, "skipped": "axis of size 1: nothing to measure, preset link kept"}
             continue
         links[ax], fit = fit_link(pts, base.shape[ax])
-        axes[name] = {"size": base.shape[ax], "points": pts, **fit}
+        over = _overlap_point(device_mesh, ax, max(sizes), device, repeats, warmup)
+        links[ax] = dataclasses.replace(links[ax], compute_share=over["compute_share"])
+        axes[name] = {"size": base.shape[ax], "points": pts, **fit, "overlap": over}
     new_device, dev_record = _device_from_times(base.device, dev, device)
     record = {"backend": dist.get_backend(), "world_size": dist.get_world_size(), "repeats": repeats,
               "sizes": list(sizes), "axes": axes, "device": dev_record}
@@ -327,7 +379,7 @@ def _device_from_times(preset: Device, dev: dict, device: torch.device) -> tuple
 
 def combine(meshes: Sequence[Mesh]) -> Mesh:
     """One mesh from several calibrations of the same mesh: the median of each measured figure
-    (every link's alpha and beta, each kind's, the device's rates and floor). Calibrating a few
+    (every link's alpha, beta and compute share, each kind's, the device's rates and floor). Calibrating a few
     times spread over a run (between its steps) and combining prices the run at the speed the
     host had while it ran, where one calibration catches one moment of a shared host."""
     if not meshes:
@@ -345,7 +397,8 @@ def combine(meshes: Sequence[Mesh]) -> Mesh:
         names = [k for k, _, _ in lks[0].kinds if all(k in {x for x, _, _ in lk.kinds} for lk in lks)]
         kinds = tuple((k, med([a for lk in lks for x, a, _ in lk.kinds if x == k]),
                        med([b for lk in lks for x, _, b in lk.kinds if x == k])) for k in names)
-        links.append(Link(med([lk.alpha for lk in lks]), med([lk.beta for lk in lks]), kinds))
+        links.append(Link(med([lk.alpha for lk in lks]), med([lk.beta for lk in lks]), kinds,
+                          med([lk.compute_share for lk in lks])))
     fields = ("fp32_flops", "tf32_flops", "bf16_flops", "fp16_flops", "mem_bandwidth", "kernel_floor",
               "copy_bandwidth")
     device = dataclasses.replace(first.device, **{f: med([getattr(m.device, f) for m in meshes]) for f in fields})

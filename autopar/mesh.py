@@ -36,8 +36,17 @@ class Link:
     kinds: tuple[tuple[str, float, float], ...] = ()
     """Measured ``(kind, alpha, beta)`` of single collective kinds (``autopar.calibrate``), which
     replace ``(alpha, beta)`` when that kind is priced on this link; empty for presets."""
+    compute_share: float = 0.0
+    """Fraction of a collective's time that it takes from the compute it overlaps, in [0, 1]: a
+    kernel of ``c`` seconds run while a message of ``m`` seconds travels ends after ``c +
+    compute_share * m`` (when that is longer than ``m``). 0 for presets: NCCL on GPUs moves data
+    with copy engines and a few SMs beside the compute. Near 1 where the same cores do both (gloo on
+    a CPU host with a process per core: the kernel's TCP copies and gloo's sums). Measured by
+    ``autopar.calibrate``; it prices chunked overlap (``autopar.planner.overlap``)."""
 
     def __post_init__(self):
+        if not isinstance(self.compute_share, (int, float)) or not 0 <= self.compute_share <= 1:
+            raise ValueError(f"Link.compute_share must be a number in [0, 1], got {self.compute_share!r}")
         for name in ("alpha", "beta"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (name == "beta" and v == 0):
@@ -275,8 +284,10 @@ class Mesh:
         """JSON-safe dict; ``Mesh.from_dict(m.to_dict()) == m`` exactly (floats round-trip)."""
         return {"shape": list(self.shape), "axis_names": list(self.axis_names), "cluster": self.cluster,
                 "gpus_per_node": self.gpus_per_node,
-                "links": [{"alpha": lk.alpha, "beta": lk.beta, **({"kinds": [list(k) for k in lk.kinds]}
-                                                                   if lk.kinds else {})} for lk in self.links],
+                "links": [{"alpha": lk.alpha, "beta": lk.beta,
+                           **({"kinds": [list(k) for k in lk.kinds]} if lk.kinds else {}),
+                           **({"compute_share": lk.compute_share} if lk.compute_share else {})}
+                          for lk in self.links],
                 "device": dataclasses.asdict(self.device), "calibration": self.calibration}
 
     @classmethod
@@ -286,7 +297,8 @@ class Mesh:
         if missing:
             raise ValueError(f"mesh dict lacks {sorted(missing)}; build it with Mesh.to_dict()")
         try:
-            links = [Link(lk["alpha"], lk["beta"], tuple(tuple(k) for k in lk.get("kinds", ()))) for lk in d["links"]]
+            links = [Link(lk["alpha"], lk["beta"], tuple(tuple(k) for k in lk.get("kinds", ())),
+                          lk.get("compute_share", 0.0)) for lk in d["links"]]
             device = Device(**d["device"])
         except (KeyError, TypeError) as e:
             raise ValueError(f"bad mesh dict: {e}") from e

@@ -72,23 +72,40 @@ def launch(world: int, fn, *args, timeout: float = 1800.0) -> list:
     return out
 
 
-def round_robin(steps_of: dict, warmup: int, steps: int) -> dict:
+def round_robin(steps_of: dict, warmup: int, steps: int, cpu: bool = False) -> dict:
     """Median seconds of each step function of ``steps_of`` (key -> callable, run on every rank) on
     the slowest rank, after ``warmup`` rounds; the steps take turns round by round, so load that
-    comes and goes on a shared host hits them all alike. Call inside a launched worker."""
+    comes and goes on a shared host hits them all alike. Call inside a launched worker.
+
+    ``cpu=True``: each value is ``(seconds, cpu_seconds)``, the second the median over steps of
+    the CPU seconds (user + system, every thread of the process) that all ranks spent in the step
+    together. On a host where the ranks share the cores, a step cannot take less wall time than
+    that sum over the host's cores."""
+    import resource
     import statistics
 
     import torch
     import torch.distributed as dist
 
+    def used() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
     times = {k: [] for k in steps_of}
     for i in range(warmup + steps):
         for k, step in steps_of.items():
             dist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = used(), time.perf_counter()
             step()
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            t1, c1 = time.perf_counter(), used()
+            wall = torch.tensor([t1 - t0], dtype=torch.float64)
+            spent = torch.tensor([c1 - c0], dtype=torch.float64)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+            dist.all_reduce(spent)
             if i >= warmup:
-                times[k].append(float(dt))
-    return {k: statistics.median(v) for k, v in times.items()}
+                times[k].append((float(wall), float(spent)))
+    out = {}
+    for k, v in times.items():
+        med = statistics.median(w for w, _ in v), statistics.median(c for _, c in v)
+        out[k] = med if cpu else med[0]
+    return out

@@ -32,11 +32,20 @@ least 30% of the k = 1 step, the best k > 1 should be at least 20% faster than k
 (RATIO = t(k=1) / t(best k>1) >= 1.25). ``--procs 4`` runs 4 processes (each one thread): the
 all-reduces grow to 1.5x the bytes per rank, and the share reaches about 30% on a 2-core host,
 where nothing is left to overlap with (docs/benchmarks.md, section 4).
+
+What the cores allow. Each side's CPU seconds (user + system, every thread of every rank) are
+measured with its wall time: ``cores busy`` is their share of the host's cores over the step. On
+gloo the messages are CPU work too (the kernel's loopback copies, gloo's sums: 0.5-0.8 of a
+message's time), so a chunked step cannot end before its CPU seconds spread over the cores; the
+line after each RATIO gives t(k=1) over that bound, the most any overlap could gain at that k on
+this host. The planner prices the same effect with the calibrated ``Link.compute_share``
+(``compute share`` in the mesh line), and its predicted gain is printed beside the measured one.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import warnings
 
@@ -148,7 +157,7 @@ def _gelu_grad(a):
     return cdf + a * pdf
 
 
-def _megatron_plan(gp, mesh, mm):
+def _megatron_plan(gp, mesh, mm, chunks=None):
     """The planner's best plan on ``mesh`` among those where every matmul takes Megatron's
     strategy (colwise, then rowwise, per block) and the weights sit as Megatron puts them; every
     other op, every resharding and every chunk count is the ILP's choice. (Left free, the ILP
@@ -162,7 +171,7 @@ def _megatron_plan(gp, mesh, mm):
     from autopar.planner import to_plan
     from autopar.planner.build import Config, build
 
-    cfg = Config(mesh=mesh, family="tp")
+    cfg = Config(mesh=mesh, family="tp", **({"chunks": chunks} if chunks else {}))
     built = build(gp, cfg)
     want = {n: ("colwise", "rowwise")[i % 2] for i, n in enumerate(mm)}
     nodes = tuple(dataclasses.replace(nd, time=nd.time + np.array([0.0 if lab == want[nd.id] else 1e3
@@ -179,7 +188,8 @@ def _autopar_modules(model, x, y, dm, ks):
     (``autopar.calibrate``), chunk counts its own; and one copy per forced k with ``chunks = k``
     on every matmul.
 
-    Returns ({k or "planner": ParallelModule}, the planner's chunk count per matmul, mesh line)."""
+    Returns ({k or "planner": ParallelModule}, the planner's chunk count per matmul, mesh line,
+    predicted seconds {"planner": its plan, 1: the same plan searched without chunks})."""
     import torch.nn.functional as F
 
     import profiler
@@ -192,6 +202,7 @@ def _autopar_modules(model, x, y, dm, ks):
     cap = gp.captured
     mm = [n.name for n in cap.gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
     plan = _megatron_plan(gp, mesh, mm)
+    predicted = {"planner": plan.step_time, 1: _megatron_plan(gp, mesh, mm, chunks=(1,)).step_time}
     chosen = {n: plan.nodes[n].chunks for n in mm}
     out = {"planner": ParallelModule(model, cap, plan, dm)}
     for k in ks:
@@ -201,9 +212,9 @@ def _autopar_modules(model, x, y, dm, ks):
         out[k] = ParallelModule(model, cap, forced, dm)
     link = mesh.links[0]
     desc = (f"calibrated mesh: alpha {link.alpha * 1e6:.0f} us, beta {link.beta / 1e9:.2f} GB/s, "
-            f"{mesh.device.fp32_flops / 1e9:.0f} GFLOP/s fp32; plan: "
+            f"compute share {link.compute_share:.2f}, {mesh.device.fp32_flops / 1e9:.0f} GFLOP/s fp32; plan: "
             + ", ".join(f"{n} {plan.nodes[n].strategy} {plan.nodes[n].outputs[0]}" for n in mm))
-    return out, chosen, desc
+    return out, chosen, desc, predicted
 
 
 def worker(rank, world, batch, dim, hidden, depth, warmup, steps):
@@ -216,7 +227,7 @@ def worker(rank, world, batch, dim, hidden, depth, warmup, steps):
     dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     ref = ChunkedRowParallelMLP(model, rank, world, dm.get_group(0))
     _check_reference(ref, model, x, y, rank, world)
-    pms, chosen, desc = _autopar_modules(model, x, y, dm, KS)
+    pms, chosen, desc, predicted = _autopar_modules(model, x, y, dm, KS)
     bufs = [torch.randn(batch, dim) for _ in range(2 * depth - 1)]  # the step's all-reduces, alone
     sides = {("compute only", 1): lambda: ref.step(x, y, 1, comm=False),
              ("comm only", 1): lambda: [dist.all_reduce(b, group=dm.get_group(0)) for b in bufs]}
@@ -224,9 +235,13 @@ def worker(rank, world, batch, dim, hidden, depth, warmup, steps):
         sides[("reference", k)] = (lambda k=k: ref.step(x, y, k))
         sides[("autopar", k)] = (lambda k=k: _pm_step(pms[k], x, y))
     sides[("autopar", "planner")] = lambda: _pm_step(pms["planner"], x, y)
-    med = {f"{s[0]}|{s[1]}": t for s, t in round_robin(sides, warmup, steps).items()}  # alternating
+    timed = round_robin(sides, warmup, steps, cpu=True)  # the sides take turns
+    med = {f"{s[0]}|{s[1]}": t for s, (t, _) in timed.items()}
+    cpu = {f"{s[0]}|{s[1]}": c for s, (_, c) in timed.items()}
     chunking = {str(k): dict(pm.signature.chunking) for k, pm in pms.items()}
-    return {"seconds": med, "chosen": chosen, "mesh": desc, "chunking": chunking} if rank == 0 else None
+    return {"seconds": med, "cpu_seconds": cpu, "cores": len(os.sched_getaffinity(0)), "chosen": chosen,
+            "mesh": desc, "chunking": chunking, "predicted": {str(k): v for k, v in predicted.items()}} \
+        if rank == 0 else None
 
 
 def _check_reference(ref, model, x, y, rank, world) -> None:
@@ -267,31 +282,39 @@ def main():
     args = ap.parse_args()
     t0 = time.perf_counter()
     res = launch(args.procs, worker, args.batch, args.dim, args.hidden, args.depth, args.warmup, args.steps)[0]
-    s = res["seconds"]
+    s, cpu, cores = res["seconds"], res["cpu_seconds"], res["cores"]
     t1 = s["reference|1"]
     share = min(1.0, s["comm only|1"] / t1)
     print(f"row-parallel MLP, {args.depth} blocks, batch {args.batch}, dim {args.dim}, hidden {args.hidden}, "
-          f"{args.procs} gloo processes; ms per forward + backward (median of {args.steps})")
+          f"{args.procs} gloo processes on {cores} cores; ms per forward + backward (median of {args.steps})")
     print(res["mesh"])
     print(f"communication share of the k=1 step (reference): {share:.0%} (its {2 * args.depth - 1} all-reduces "
-          f"alone {s['comm only|1'] * 1e3:.1f} ms; the step without them {s['compute only|1'] * 1e3:.1f} ms)")
-    print(f"{'k':>3} {'reference ms':>13} {'autopar ms':>11}")
+          f"alone {s['comm only|1'] * 1e3:.1f} ms, {_busy(cpu['comm only|1'], s['comm only|1'], cores)} of the cores "
+          f"busy; the step without them {s['compute only|1'] * 1e3:.1f} ms)")
+    print(f"{'k':>3} {'reference ms':>13} {'cores busy':>11} {'autopar ms':>11} {'cores busy':>11}")
     for k in KS:
-        print(f"{k:>3} {s[f'reference|{k}'] * 1e3:>13.1f} {s[f'autopar|{k}'] * 1e3:>11.1f}")
-    best_of = {}
+        r, a = f"reference|{k}", f"autopar|{k}"
+        print(f"{k:>3} {s[r] * 1e3:>13.1f} {_busy(cpu[r], s[r], cores):>11} {s[a] * 1e3:>11.1f} "
+              f"{_busy(cpu[a], s[a], cores):>11}")
     for side in ("reference", "autopar"):
-        best = best_of[side] = min(KS[1:], key=lambda k: s[f"{side}|{k}"])
+        best = min(KS[1:], key=lambda k: s[f"{side}|{k}"])
         ratio = s[f"{side}|1"] / s[f"{side}|{best}"]
+        # The cores bound the step: it cannot take less wall time than its CPU seconds (all ranks,
+        # every thread: compute, gloo's sums and the kernel's copies) spread over the host's cores.
+        ceiling = s[f"{side}|1"] / (cpu[f"{side}|{best}"] / cores)
         verdict = "met" if ratio >= 1.25 else ("not met" if share >= 0.3 else "n/a: communication < 30%")
-        print(f"{side:<10} best k={best}: RATIO t(k=1) / t(k={best}) = {ratio:.3f} (target >= 1.25; {verdict})")
+        print(f"{side:<10} best k={best}: RATIO t(k=1) / t(k={best}) = {ratio:.3f} (target >= 1.25; {verdict}); "
+              f"the cores allow at most {ceiling:.3f} at that k's CPU seconds")
     measured = min(KS, key=lambda k: s[f"autopar|{k}"])
     by_k = {}
     for n, k in res["chosen"].items():
         by_k.setdefault(k, []).append(n)
     top = max(by_k)
+    pred = res["predicted"]
     print(f"planner's chunk counts (calibrated mesh): " + "; ".join(f"k={k} on {', '.join(v)}" for k, v in sorted(by_k.items())))
-    print(f"  its plan {s['autopar|planner'] * 1e3:.1f} ms, t(k=1) / t(planner) = {s['autopar|1'] / s['autopar|planner']:.3f}; "
-          f"fastest uniform k measured: {measured}; the planner's largest k: {top} "
+    print(f"  its plan {s['autopar|planner'] * 1e3:.1f} ms, t(k=1) / t(planner) = {s['autopar|1'] / s['autopar|planner']:.3f} "
+          f"measured, {pred['1'] / pred['planner']:.3f} predicted (plan {pred['planner'] * 1e3:.1f} ms, unchunked "
+          f"{pred['1'] * 1e3:.1f} ms); fastest uniform k measured: {measured}; the planner's largest k: {top} "
           f"({'matches' if top == measured else 'differs'})")
     for k, how in res["chunking"].items():
         print(f"  {k}: codegen says {sorted(set(how.values())) or 'nothing chunked'}")
@@ -299,6 +322,11 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "share": share, **res}, f, indent=1)
+
+
+def _busy(cpu_s: float, wall_s: float, cores: int) -> str:
+    """The share of the host's cores the ranks kept busy: CPU seconds over wall seconds x cores."""
+    return f"{cpu_s / (wall_s * cores):.0%}"
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from autopar import placement as pl
 from autopar.codegen import executors as ex
 from autopar.codegen.context import MeshContext, mesh_context
 from autopar.codegen.modules import ReshardModule, WriteBack, _attr_name, check_local
+from autopar.codegen.rowwise import _CHAIN_MATMULS, _DROPPED
 from autopar.costs.reshard import reshard as plan_reshard
 
 Placements = ex.Placements
@@ -270,8 +271,9 @@ class _Lowering:
         fwd, bwd, shape = self.edge_steps(prod, node, src, dst, gsrc, gdst)
         if not fwd and not bwd:
             return value
+        owned_fwd, owned_bwd = self._owned(prod, value, node)
         mod = ReshardModule(fwd, bwd, self.ctx, shape,
-                            f"{prod.name} -> {node.name} {pl.fmt(src)}->{pl.fmt(dst)}")
+                            f"{prod.name} -> {node.name} {pl.fmt(src)}->{pl.fmt(dst)}", owned_fwd, owned_bwd)
         name = _attr_name(mod.label, self.taken)
         self.root[name] = mod
         self.reshards.append(f"{name}: {mod.what}, {mod.label}")
@@ -282,6 +284,34 @@ class _Lowering:
         if prod.op == "placeholder":
             self.edge_cache[key] = out
         return out
+
+    def _owned(self, prod, value, node) -> tuple[bool, bool]:
+        """Whether the edge ``prod -> node`` alone reads its value in forward / its gradient in
+        backward, so that an all-reduce may sum it in place (:class:`ReshardModule`).
+
+        Forward: ``prod`` is a matmul (its backward saves its inputs, never its output) whose one
+        consumer is ``node``. Backward: ``node`` is a matmul, whose gradient for an operand is a
+        fresh product (addmm's bias, whose gradient may be the incoming one itself, is excluded).
+        Both need the value to enter ``node`` once, ``node`` not to write into its inputs (its
+        write-back would copy into the reduced tensor), neither node recomputed (a checkpointed
+        region replays its forward) and a per-rank executor (not DTensor's). Should any other
+        reader exist after all, autograd's version counter raises at backward, never silently."""
+        if self.mode == "dtensor" or value is not self.env.get(prod):
+            return False, False
+        uses = []
+        fx.map_arg((node.args, node.kwargs), lambda a: uses.append(a) if a is prod else None)
+        plans = self.plan.nodes
+        if len(uses) != 1 or any(plans[n.name].recompute for n in (prod, node) if n.name in plans):
+            return False, False
+        if node.op == "call_function" and ex.mutated_args(node.target):
+            return False, False  # an in-place consumer (relu_) writes into what it received: a write-back follows
+        users = [u for u in prod.users if u.target not in _DROPPED]
+        fwd = (prod.op == "call_function" and prod.target in _CHAIN_MATMULS and users == [node]
+               and not self.executors.get(prod.name, "").startswith("dtensor"))
+        pos = next((i for i, a in enumerate(node.args) if a is prod), None)
+        operands = (1, 2) if node.target is torch.ops.aten.addmm.default else (0, 1)
+        bwd = node.op == "call_function" and node.target in _CHAIN_MATMULS and pos in operands
+        return fwd, bwd
 
     def edge_args(self, prod, node, i: int):
         """(src, dst, gsrc, gdst) of input ``i`` of ``node`` (``prod``), or None when the value

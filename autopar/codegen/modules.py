@@ -10,24 +10,31 @@ from autopar.codegen.context import MeshContext
 from autopar.runtime.reshard import Reshard
 
 
-def _label(steps, names) -> str:
-    return "+".join(f"{s.kind}[{names[s.axis]}]" for s in steps if s.kind != "noop") or "-"
+def _label(steps, names, owned: bool = False) -> str:
+    # "all_reduce_" (trailing underscore, torch's in-place naming): summed in place.
+    return "+".join(f"{s.kind}{'_' if owned and i == 0 and s.kind == 'all_reduce' else ''}[{names[s.axis]}]"
+                    for i, s in enumerate(x for x in steps if x.kind != "noop")) or "-"
 
 
 class ReshardModule(nn.Module):
     """One edge: forward ``src -> dst`` steps, backward ``grad_dst -> grad_src`` steps."""
 
-    def __init__(self, fwd, bwd, ctx: MeshContext, shape, what: str):
+    def __init__(self, fwd, bwd, ctx: MeshContext, shape, what: str, owned_fwd: bool = False,
+                 owned_bwd: bool = False):
         super().__init__()
         self.fwd, self.bwd, self.ctx, self.shape = tuple(fwd), tuple(bwd), ctx, tuple(shape)
-        self.label = f"{_label(self.fwd, ctx.axis_names)} / bwd {_label(self.bwd, ctx.axis_names)}"
+        # owned_*: the edge alone reads its input / gradient, so an all-reduce runs in place.
+        self.owned_fwd, self.owned_bwd = owned_fwd, owned_bwd
+        self.label = (f"{_label(self.fwd, ctx.axis_names, owned_fwd)} / bwd "
+                      f"{_label(self.bwd, ctx.axis_names, owned_bwd)}")
         self.what = what
 
     def extra_repr(self) -> str:
         return f"{self.what}: {self.label}"
 
     def forward(self, x):
-        return Reshard.apply(x, self.fwd, self.bwd, self.ctx.device_mesh, self.shape)
+        return Reshard.apply(x, self.fwd, self.bwd, self.ctx.device_mesh, self.shape, None,
+                             self.owned_fwd, self.owned_bwd)
 
 
 def _attr_name(label: str, taken: set) -> str:

@@ -16,10 +16,15 @@ backward), with the node's compute and the edge's communication cut into k piece
 
     c_k = compute_time(flops / k, bytes / k)          one chunk's kernel (it pays the kernel floor)
     m_k = the edge's steps priced on one chunk         one chunk's messages (each pays alpha)
-    T(k) = k c_k + k m_k - (k - 1) min(c_k, m_k)
+    b_k = sum over the steps of f_axis * step time     what the messages take from the compute
+    T(k) = k c_k + k m_k - (k - 1) min(c_k, m_k - b_k)
 
 that is, a two-stage pipeline: all chunks' compute and messages, less what runs at the same time;
-only the first chunk's compute and the last chunk's message are never hidden. The runtime
+only the first chunk's compute and the last chunk's message are never hidden. ``f_axis`` is the
+axis' ``Link.compute_share``: the part of a message's time during which the compute beside it
+stalls (0 for NCCL on GPUs, where the pipeline hides ``min(c_k, m_k)``; 0.5-0.8 measured for gloo
+on a CPU host with a process per core, whose cores run the messages' copies too), so only
+``m_k - b_k`` of a message can hide behind a kernel. The runtime
 launches a direction's messages asynchronously only when that direction is one all-reduce,
 all-gather or reduce-scatter; any other step list runs synchronously per chunk and is priced
 ``k c_k + k m_k`` (nothing hidden). ``T(1) = c + m`` is
@@ -32,7 +37,7 @@ when, from its output (output edge) forward or from its activation (input edge) 
 row-wise ops reach another candidate matmul (:func:`_chained`, a structural test on the graph,
 bounded by :data:`CHAIN_REACH` nodes). Such a site is priced
 
-    T(k) = k max(c_k, m_k)   (k > 1; :func:`chain_time`)
+    T(k) = k max(c_k + b_k, m_k)   (k > 1; :func:`chain_time`)
 
 with ``c`` the site's kernel plus the work of the ops crossed to the next matmul (that matmul
 included: what runs per chunk while the message travels; split by the site's own divisor). A
@@ -95,21 +100,24 @@ def _vals(node) -> list:
     return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
-def pipeline_time(c: float, m: float, k: int) -> float:
-    """Two-stage pipeline of k chunks: ``k c + k m - (k - 1) min(c, m)`` (c, m per chunk)."""
-    return k * c + k * m - (k - 1) * min(c, m)
+def pipeline_time(c: float, m: float, k: int, b: float = 0.0) -> float:
+    """Two-stage pipeline of k chunks: ``k c + k m - (k - 1) min(c, m - b)`` (c, m per chunk; b:
+    the part of a message's time that stalls the compute beside it, ``Link.compute_share``)."""
+    return k * c + k * m - (k - 1) * min(c, m - b)
 
 
-def chain_time(c: float, m: float, k: int) -> float:
-    """A chained site (module docstring): ``k max(c, m)`` for k > 1, ``c + m`` unchunked; the
-    message or kernel a lone site leaves exposed overlaps the neighbouring site's chunks."""
-    return c + m if k == 1 else k * max(c, m)
+def chain_time(c: float, m: float, k: int, b: float = 0.0) -> float:
+    """A chained site (module docstring): ``k max(c + b, m)`` for k > 1, ``c + m`` unchunked; the
+    message or kernel a lone site leaves exposed overlaps the neighbouring site's chunks, and the
+    compute pays the share ``b`` of each message that it cannot run beside."""
+    return c + m if k == 1 else k * max(c + b, m)
 
 
 def _edge(src, dst, shape, item, mesh, ks):
-    """One direction of the chunked edge as the codegen runs it: (dims its steps touch, seconds
-    of one chunk's messages per chunk count). A chunk of 1/k of a dim no step touches sends 1/k
-    of each collective's bytes (``costs.reshard.step_cost``'s convention), paying alpha each."""
+    """One direction of the chunked edge as the codegen runs it: (dims its steps touch, per chunk
+    count (seconds of one chunk's messages, how they run, the seconds of them that stall the
+    compute beside them)). A chunk of 1/k of a dim no step touches sends 1/k of each
+    collective's bytes (``costs.reshard.step_cost``'s convention), paying alpha each."""
     if src is None or dst is None or src == dst:
         return frozenset(), None
     r = reshard(src, dst, shape, item, mesh)
@@ -127,7 +135,11 @@ def _edge(src, dst, shape, item, mesh, ks):
     # 2: a lone all-reduce, asynchronous in a chunk chain too; 1: asynchronous in a ChunkedOp only.
     lone = len(r.steps) == 1 and r.steps[0].kind in ASYNC_KINDS
     hides = 2 if lone and r.steps[0].kind == "all_reduce" else int(lone)
-    return touched, tuple((sum(collective_time(kd, b / k, mesh, a) for kd, b, a in msgs), hides) for k in ks)
+    out = []
+    for k in ks:
+        times = [(collective_time(kd, b / k, mesh, a), mesh.links[a].compute_share) for kd, b, a in msgs]
+        out.append((sum(t for t, _ in times), hides, sum(t * f for t, f in times)))
+    return touched, tuple(out)
 
 
 class _Pricer:
@@ -178,7 +190,7 @@ class _Pricer:
         local = self.locals.get((xt, xshape))
         if local is None:
             local = self.locals[(xt, xshape)] = pl.local_shape(xshape, x_pl, self.cfg.mesh.shape)
-        none = (0.0, 2)
+        none = (0.0, 2, 0.0)
         return tuple(((fm[i] if fm else none), (bm[i] if bm else none))
                      if k == 1 or chunk_dim(local, k, blocked) is not None else None
                      for i, k in enumerate(self.ks))
@@ -197,10 +209,10 @@ class _Pricer:
         """(``D`` = min_k T(k) - T(1), the argmin k) of one kernel and one edge; ``chained``:
         priced with :func:`chain_time`."""
 
-        def overlap(c, m, k, hides):
+        def overlap(c, m, k, hides, busy):
             if chained:  # a chain runs only a lone all-reduce asynchronously (EdgeLaunch)
-                return chain_time(c, m, k) if hides == 2 else k * (c + m)
-            return pipeline_time(c, m, k) if hides else k * (c + m)
+                return chain_time(c, m, k, busy) if hides == 2 else k * (c + m)
+            return pipeline_time(c, m, k, busy) if hides else k * (c + m)
 
         kern = self.kernel(comp)
         base = best = None
@@ -208,8 +220,9 @@ class _Pricer:
         for k, c, m in zip(self.ks, kern, comm):
             if m is None:
                 continue
-            # m: per direction (one chunk's message seconds, whether they run asynchronously).
-            t = sum(overlap(cd, md, k, hides) for cd, (md, hides) in zip(c, m))
+            # m: per direction (one chunk's message seconds, whether they run asynchronously,
+            # the seconds of them that stall the compute).
+            t = sum(overlap(cd, md, k, hides, busy) for cd, (md, hides, busy) in zip(c, m))
             if base is None:
                 base = best = t
             elif t < best - 1e-12:

@@ -134,6 +134,17 @@ def all_reduce(x: torch.Tensor, dm: DeviceMesh, axis: int, *, where: str | None 
     return _collective("all_reduce", x, dm, axis, where, lambda: funcol.all_reduce(x.contiguous(), "sum", (dm, axis)))
 
 
+def all_reduce_(x: torch.Tensor, dm: DeviceMesh, axis: int, *, where: str | None = None) -> torch.Tensor:
+    """Sum over the axis group in place and return ``x``: no copy, where :func:`all_reduce`'s
+    functional collective copies its input first. ``x`` must be contiguous, and the caller must
+    own it (nothing else reads it: a matmul's fresh output, a fresh input gradient)."""
+    def run():
+        dist.all_reduce(x, group=dm.get_group(axis))
+        return x
+
+    return _collective("all_reduce", x, dm, axis, where, run)
+
+
 def all_to_all(x: torch.Tensor, dim: int, dim2: int, dm: DeviceMesh, axis: int, *,
                where: str | None = None) -> torch.Tensor:
     """Turn a shard of ``dim`` into a shard of ``dim2``: split ``dim2`` in ``n`` chunks, send chunk

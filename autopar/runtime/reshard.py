@@ -23,11 +23,14 @@ from autopar.placement import fmt, local_shape
 from autopar.runtime import collectives as C
 
 
-def _run_step(x: torch.Tensor, step: Step, dm: DeviceMesh, where: str | None = None) -> torch.Tensor:
+def _run_step(x: torch.Tensor, step: Step, dm: DeviceMesh, where: str | None = None,
+              owned: bool = False) -> torch.Tensor:
     if step.kind == "noop" or dm.size(step.axis) == 1:
         return x  # one rank on the axis: every step is the identity
     k, a = step.kind, step.axis
     at = f"step {step} of {where}" if where else None
+    if k == "all_reduce" and owned and x.is_contiguous():
+        return C.all_reduce_(x, dm, a, where=at)
     if k == "all_gather":
         return C.all_gather(x, step.dim, dm, a, where=at)
     if k == "reduce_scatter":
@@ -45,20 +48,32 @@ def _run_step(x: torch.Tensor, step: Step, dm: DeviceMesh, where: str | None = N
 
 def apply_steps(local: torch.Tensor, steps: Sequence[Step], device_mesh: DeviceMesh,
                 global_shape: Sequence[int] | None = None,
-                src: str | Sequence[Placement] | None = None, where: str | None = None) -> torch.Tensor:
+                src: str | Sequence[Placement] | None = None, where: str | None = None,
+                owned: bool = False) -> torch.Tensor:
     """Run ``steps`` on this rank's ``local`` shard and return the new local shard (no autograd).
 
     With ``global_shape`` and ``src`` given, the local shape and every step are checked against
     the placements first, and a ``ValueError`` names the step that does not apply. ``where``
-    names the plan node or edge in the error of a failing collective.
+    names the plan node or edge in the error of a failing collective. ``owned``: the caller
+    hands ``local`` over (nothing else reads it), so an all-reduce may sum it in place; the
+    tensors the steps create are owned in any case, so a later all-reduce never copies.
     """
+    return _apply(local, steps, device_mesh, global_shape, src, where, owned)[0]
+
+
+def _apply(local, steps, device_mesh, global_shape=None, src=None, where=None, owned=False):
+    """:func:`apply_steps`, and whether ``local`` itself was written (summed in place)."""
     if any(s.axis >= device_mesh.ndim for s in steps):
         raise ValueError(f"steps {[str(s) for s in steps]} use an axis beyond the {device_mesh.ndim}-D device mesh")
     if global_shape is not None and src is not None:
         _check_steps(local, steps, device_mesh, tuple(global_shape), src)
+    x, written = local, False
     for step in steps:
-        local = _run_step(local, step, device_mesh, where)
-    return local
+        y = _run_step(x, step, device_mesh, where, owned)
+        written |= y is local and step.kind == "all_reduce" and device_mesh.size(step.axis) > 1
+        owned = owned or y is not x  # a step's fresh result belongs to us
+        x = y
+    return x, written
 
 
 def _check_steps(local, steps, dm, shape, src) -> None:
@@ -74,22 +89,29 @@ def _check_steps(local, steps, dm, shape, src) -> None:
 
 
 class Reshard(torch.autograd.Function):
-    """``Reshard.apply(local, fwd_steps, bwd_steps, device_mesh, global_shape=None, where=None)``:
-    forward runs ``fwd_steps`` on the local shard, backward runs ``bwd_steps`` on the local
-    gradient; ``where`` (e.g. ``"edge addmm -> gelu S(1)R->RR"``) labels collective failures."""
+    """``Reshard.apply(local, fwd_steps, bwd_steps, device_mesh, global_shape=None, where=None,
+    owned_fwd=False, owned_bwd=False)``: forward runs ``fwd_steps`` on the local shard, backward
+    runs ``bwd_steps`` on the local gradient; ``where`` (e.g. ``"edge addmm -> gelu S(1)R->RR"``)
+    labels collective failures. ``owned_fwd`` / ``owned_bwd``: nothing but this edge reads the
+    input / the gradient (the codegen knows when: a matmul's fresh output, a matmul's fresh input
+    gradient), so an all-reduce sums it in place instead of copying it first."""
 
     @staticmethod
-    def forward(ctx, local, fwd_steps, bwd_steps, device_mesh, global_shape=None, where=None):
-        ctx.bwd = (tuple(bwd_steps), device_mesh, global_shape, where)
-        out = apply_steps(local, tuple(fwd_steps), device_mesh, where=where)
+    def forward(ctx, local, fwd_steps, bwd_steps, device_mesh, global_shape=None, where=None,
+                owned_fwd=False, owned_bwd=False):
+        ctx.bwd = (tuple(bwd_steps), device_mesh, global_shape, where, owned_bwd)
+        out, written = _apply(local, tuple(fwd_steps), device_mesh, where=where, owned=owned_fwd)
+        if written:
+            ctx.mark_dirty(local)  # summed in place: autograd's version check guards any other reader
+            return local
         # A Function must not hand back its input object itself: return an alias.
         return out.view_as(out) if out is local else out
 
     @staticmethod
     def backward(ctx, grad):
-        steps, dm, _, where = ctx.bwd
-        g = apply_steps(grad, steps, dm, where=f"backward of {where}" if where else None)
-        return (g.view_as(g) if g is grad else g), None, None, None, None, None
+        steps, dm, _, where, owned = ctx.bwd
+        g = apply_steps(grad, steps, dm, where=f"backward of {where}" if where else None, owned=owned)
+        return (g.view_as(g) if g is grad else g), None, None, None, None, None, None, None
 
 
 def reshard_local(local: torch.Tensor, src, dst, device_mesh: DeviceMesh, global_shape: Sequence[int],

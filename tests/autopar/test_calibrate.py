@@ -112,6 +112,13 @@ def test_calibrate_on_gloo(ranks):
         assert all(p["seconds"] > 0 for p in rec["points"])
         assert [k for k, _, _ in link.kinds] == list(kinds)  # each kind priced on its own fit
         assert all(a > 0 and math.isfinite(b) and b > 0 for _, a, b in link.kinds)
+        # The overlap point: a message launched while matmuls run; the share of its time the
+        # matmuls lost is what the link records (the planner prices chunked overlap with it).
+        over = rec["overlap"]
+        assert over["nbytes"] == max(m.calibration["sizes"]) and over["matmuls"] >= 1
+        assert min(over["message_s"], over["compute_s"], over["both_s"]) > 0
+        assert link.compute_share == over["compute_share"] == pytest.approx(
+            min(1.0, max(0.0, (over["both_s"] - over["compute_s"]) / over["message_s"])))
     d = m.device
     assert d.fp32_flops > 0 and d.mem_bandwidth > 0 and d.kernel_floor > 0 and d.memory_bytes > 0
     assert m.calibration["device"]["matmul"]["fp32"]["seconds"] > 0
@@ -174,12 +181,13 @@ def test_combine_takes_the_median_of_each_figure():
     from autopar.calibrate import combine
 
     base = Mesh((2, 2), cluster="cpu")
-    meshes = [base.replace(links=(Link(a, 1e9 * a * 1e3, (("all_to_all", 2 * a, 5e8 / a / 1e3),)), Link(a, 2e9)),
+    meshes = [base.replace(links=(Link(a, 1e9 * a * 1e3, (("all_to_all", 2 * a, 5e8 / a / 1e3),), 200 * a),
+                                  Link(a, 2e9)),
                            device=dataclasses.replace(base.device, fp32_flops=f, kernel_floor=a / 100,
                                                       copy_bandwidth=f / 2))
               for a, f in ((1e-3, 30e9), (3e-3, 10e9), (2e-3, 20e9))]
     m = combine(meshes)
-    assert m.links[0] == Link(2e-3, 2e9, (("all_to_all", 4e-3, 2.5e8),)) and m.links[1] == Link(2e-3, 2e9)
+    assert m.links[0] == Link(2e-3, 2e9, (("all_to_all", 4e-3, 2.5e8),), 0.4) and m.links[1] == Link(2e-3, 2e9)
     assert m.device.fp32_flops == 20e9 and m.device.kernel_floor == 2e-5 and m.device.copy_bandwidth == 10e9
     assert m.device.mem_bandwidth == base.device.mem_bandwidth and m.calibration["combined"] == 3
     with pytest.raises(ValueError, match="one mesh"):

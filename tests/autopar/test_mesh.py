@@ -84,6 +84,8 @@ def test_validation_errors():
         Mesh((2, 4), cluster="a100", links=[Link(1e-6, 1e9)])
     with pytest.raises(ValueError, match="beta must be"):
         Link(1e-6, 0)
+    with pytest.raises(ValueError, match=r"compute_share must be a number in \[0, 1\]"):
+        Link(1e-6, 1e9, compute_share=1.5)
     with pytest.raises(ValueError, match="alpha must be"):
         Mesh((2, 4), cluster="a100", tp_alpha=-1.0)
     with pytest.raises(AttributeError, match="immutable"):
@@ -96,12 +98,18 @@ def test_validation_errors():
 
 def test_json_round_trip_and_equality():
     for m in (Mesh((2, 8), cluster="h100", tp_beta=1.0 / 3 * 1e12), Mesh((3,), ("x",), cluster="cpu"),
-              Mesh((2, 4), cluster="a100").replace(calibration={"axes": {"dp": {"alpha": 0.1}}})):
+              Mesh((2, 4), cluster="a100").replace(calibration={"axes": {"dp": {"alpha": 0.1}}}),
+              Mesh((2,), cluster="cpu", links=[Link(1e-4, 1e9, compute_share=0.7)])):
         back = Mesh.from_dict(json.loads(json.dumps(m.to_dict())))
         assert back == m and hash(back) == hash(m)
         assert back.links == m.links and back.device == m.device and back.calibration == m.calibration
     assert Mesh((2, 4), cluster="a100") != Mesh((2, 4), cluster="h100")
     assert Mesh((2, 4), cluster="a100") != Mesh((4, 2), cluster="a100")
+    assert Mesh((2,), cluster="cpu", links=[Link(1e-4, 1e9, compute_share=0.7)]) != \
+        Mesh((2,), cluster="cpu", links=[Link(1e-4, 1e9)])
+    # A plan file written before the field existed (no "compute_share" key) loads with 0.
+    d = Mesh((2,), cluster="cpu").to_dict()
+    assert "compute_share" not in d["links"][0] and Mesh.from_dict(d).links[0].compute_share == 0.0
     r = repr(Mesh((2, 8), cluster="h100"))
     assert "dp=2" in r and "tp=8" in r and "h100" in r and "450GB/s" in r
 

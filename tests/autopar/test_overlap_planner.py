@@ -4,7 +4,9 @@ A Megatron MLP on a 1-D mesh of 2 (``force="tp"``: column-parallel then row-para
 with links whose bandwidth time is comparable with the matmuls' compute the planner chunks the
 row-parallel matmuls (k > 1) and its predicted step time drops by exactly the pipeline formula's
 saving; with a link whose latency dominates it keeps k = 1. The plan it chose trains with the
-numbers of one device on 2 simulated ranks, and k survives the plan's JSON.
+numbers of one device on 2 simulated ranks, and k survives the plan's JSON. A link whose
+messages stall the compute beside them (``Link.compute_share``, as gloo's on a CPU host) saves
+less, exactly as the formulas say, and nothing where they stall it all the time.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from autopar.planner.overlap import chain_time, pipeline_time
 DIM, HIDDEN, BATCH, WORLD = 256, 512, 512, 2
 BANDWIDTH_BOUND = Link(alpha=1e-6, beta=1e8)  # one (BATCH, DIM) fp32 all-reduce: about 5 ms
 LATENCY_BOUND = Link(alpha=1e-1, beta=1e12)   # 100 ms per message, bandwidth free
+SHARED_CORES = Link(alpha=1e-6, beta=1e8, compute_share=0.6)  # as BANDWIDTH_BOUND, 60% of it on the compute's cores
+ALL_ON_CORES = Link(alpha=1e-6, beta=1e8, compute_share=1.0)  # the compute stalls for every message
 
 
 def _model():
@@ -56,6 +60,9 @@ def test_pipeline_formula():
     assert pipeline_time(3.0, 1.0, 1) == 4.0
     assert pipeline_time(1.0, 1.0, 4) == 5.0
     assert pipeline_time(2.0, 0.5, 2) == 4.0 + 1.0 - 0.5
+    # Only the part of a message that leaves the compute alone (m - b) hides behind it.
+    assert pipeline_time(2.0, 1.0, 2, b=0.25) == 4.0 + 2.0 - 0.75
+    assert pipeline_time(2.0, 1.0, 4, b=1.0) == 4 * (2.0 + 1.0)
 
 
 def test_chain_formula():
@@ -64,6 +71,10 @@ def test_chain_formula():
     assert chain_time(1.0, 1.0, 4) == 4.0
     assert chain_time(2.0, 0.5, 2) == 4.0
     assert all(chain_time(c, m, k) <= pipeline_time(c, m, k) for c, m, k in [(1, 2, 2), (2, 1, 4), (0.3, 0.3, 2)])
+    # The compute also pays the messages' stall b: k max(c + b, m).
+    assert chain_time(1.0, 1.0, 4, b=0.5) == 6.0
+    assert chain_time(0.2, 1.0, 2, b=0.5) == 2.0  # the messages still outlast the compute
+    assert chain_time(2.0, 1.0, 2, b=1.0) == 2 * (2.0 + 1.0)  # nothing hides: the k = 1 time, k times per chunk
 
 
 def test_bandwidth_bound_links_chunk_the_row_parallel_matmuls():
@@ -76,9 +87,11 @@ def test_bandwidth_bound_links_chunk_the_row_parallel_matmuls():
     assert p.step_time < p1.step_time
 
 
-def test_objective_saves_exactly_the_pipeline_formula():
+@pytest.mark.parametrize("link", [BANDWIDTH_BOUND, SHARED_CORES], ids=["beside", "shared-cores"])
+def test_objective_saves_exactly_the_pipeline_formula(link):
     """The chunked problem prices the solved choice below the unchunked one by exactly
-    T(1) - T(k) of each chunked node, T from the formula on its compute and its consumer edge."""
+    T(1) - T(k) of each chunked node, T from the formula on its compute and its consumer edge
+    (with the messages' stall ``compute_share * m`` where the link has one)."""
     import profiler
     import solver
     from autopar.costs.reshard import grad_placements
@@ -87,7 +100,7 @@ def test_objective_saves_exactly_the_pipeline_formula():
 
     x, y = _batch()
     gp = profiler.profile(_model(), (x,), loss_fn=F.cross_entropy, target=y)
-    mesh = Mesh((WORLD,), axis_names=("tp",), cluster="cpu", links=[BANDWIDTH_BOUND])
+    mesh = Mesh((WORLD,), axis_names=("tp",), cluster="cpu", links=[link])
     b, b1 = build(gp, Config(mesh=mesh, family="tp")), build(gp, Config(mesh=mesh, family="tp", chunks=(1,)))
     sol = solver.solve(b.problem)
     ev = solver.evaluate(b.problem, sol.choice, sol.checkpointed)
@@ -117,7 +130,8 @@ def test_objective_saves_exactly_the_pipeline_formula():
             c_b = compute_time((prof.bwd_flops + bf) / st.divisor / kk, (prof.bwd_bytes + bb) / st.divisor / kk, mesh)
             m_f = _messages(out, dst, shape, mesh)
             m_b = _messages(gdst, grad_placements(out), shape, mesh)
-            t[kk] = overlap(c_f, m_f, kk) + overlap(c_b, m_b, kk)
+            f = link.compute_share
+            t[kk] = overlap(c_f, m_f, kk, f * m_f) + overlap(c_b, m_b, kk, f * m_b)
         assert t[k] < t[1]
         saved += t[1] - t[k]
     assert ev.objective == pytest.approx(sol.objective, rel=1e-9)
@@ -137,10 +151,20 @@ def _messages(src, dst, shape, mesh) -> float:
     return reshard_cost(src, dst, shape, 4, mesh) - copies
 
 
-def test_latency_bound_link_keeps_one_chunk():
-    p, p1 = _plan(LATENCY_BOUND), _plan(LATENCY_BOUND, chunks=(1,))
+@pytest.mark.parametrize("link", [LATENCY_BOUND, ALL_ON_CORES], ids=["latency-bound", "all-on-cores"])
+def test_link_where_nothing_hides_keeps_one_chunk(link):
+    p, p1 = _plan(link), _plan(link, chunks=(1,))
     assert all(np_.chunks == 1 for np_ in p.nodes.values())
     assert p.step_time == pytest.approx(p1.step_time, rel=1e-12)
+
+
+def test_shared_cores_save_less_than_a_link_beside_the_compute():
+    """Same bytes and latency, 60% of each message on the compute's cores: the planner still
+    chunks (the rest of a message hides) but predicts a smaller saving."""
+    beside, shared = (_plan(link) for link in (BANDWIDTH_BOUND, SHARED_CORES))
+    base = _plan(BANDWIDTH_BOUND, chunks=(1,)).step_time
+    assert max(q.chunks for q in shared.nodes.values()) > 1
+    assert base - beside.step_time > base - shared.step_time > 0
 
 
 def test_plan_json_round_trips_chunks():
