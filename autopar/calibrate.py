@@ -21,10 +21,11 @@ an all-reduce). Each run's time is max-reduced over the ranks before the median 
 for its slowest rank), so all ranks derive identical figures.
 
 Overlap, per axis: how much of a collective's time it takes from compute that runs beside it
-(``Link.compute_share``). An all-reduce of the sweep's largest size is launched the way a chunked
-matmul launches its chunk's message (``torch.distributed.all_reduce(async_op=True)``) while a run
-of matmuls a little longer than it computes; with ``m`` the message alone, ``c`` the matmuls alone
-and ``t`` both, ``compute_share = (t - c) / m`` clipped to [0, 1]. On CPU gloo with a process per
+(``Link.compute_share``). Two all-reduces of the sweep's largest size are launched the way a
+chunked matmul launches its chunks' messages (``torch.distributed.all_reduce(async_op=True)``)
+while a run of matmuls a little longer than them computes; with ``m`` the messages alone, ``c``
+the matmuls alone and ``t`` both, ``compute_share = (t - c) / m`` clipped to [0, 1], the median
+over rounds. On CPU gloo with a process per
 core it reads 0.5-0.8 (the kernel's TCP copies and gloo's sums run on the cores the matmuls need);
 on GPUs NCCL runs beside the compute and it reads near 0.
 
@@ -118,46 +119,65 @@ def _time_collectives(plan, dm, device, repeats: int, warmup: int) -> list[list[
     return times
 
 
+#: Overlap rounds per ``repeats`` (their median is the share; about 50 ms a round on CPU gloo).
+_OVERLAP_ROUNDS = 3
+
+#: Messages launched back to back per overlap run (as a chunked edge launches its chunks'): a
+#: longer window than one message, so the host's noise weighs less against the difference t - c.
+_OVERLAP_MESSAGES = 2
+
+
 def _overlap_point(dm, axis: int, nbytes: int, device, repeats: int, warmup: int) -> dict:
-    """Seconds of one all-reduce of ``nbytes`` over ``axis`` alone, of a run of matmuls alone
-    (a little longer than the message) and of both together (the message launched asynchronously
-    first, as a chunked matmul launches its chunk's; waited after the matmuls), the slowest rank's
-    median each, and the ``compute_share`` they give (module docstring)."""
+    """Seconds of all-reduces of ``nbytes`` over ``axis`` alone (:data:`_OVERLAP_MESSAGES` of
+    them, launched together), of a run of matmuls alone (a little longer than the messages) and of
+    both together (the messages launched asynchronously first, as a chunked matmul launches its
+    chunks'; waited after the matmuls), each run the slowest rank's, and the ``compute_share``
+    they give (module docstring): the median over rounds of ``(t - c) / m``, each round's three
+    runs back to back (a shared host's drift moves them together)."""
     group = dm.get_group(axis)
-    buf = torch.ones(_message_bytes(nbytes, dm.size(axis)) // 4, device=device)
+    bufs = [torch.ones(_message_bytes(nbytes, dm.size(axis)) // 4, device=device) for _ in range(_OVERLAP_MESSAGES)]
     n = 256 if device.type == "cpu" else 4096
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
 
-    def message():
-        dist.all_reduce(buf, group=group)
+    def launch():
+        return [dist.all_reduce(x, group=group, async_op=True) for x in bufs]
+
+    def messages():
+        for w in launch():
+            w.wait()
 
     def matmuls(r):
         for _ in range(r):
             torch.mm(a, b)
 
     # The run length r: agreed by every rank (from max-reduced times), a little longer than the
-    # message, so the matmuls outlast it (t = c + share * m) while c's own noise, which the
+    # messages, so the matmuls outlast them (t = c + share * m) while c's own noise, which the
     # difference t - c carries, stays small against m.
-    m0, u0 = _slowest_median([_run_times(message, device, 3, warmup, True),
+    m0, u0 = _slowest_median([_run_times(messages, device, 3, warmup, True),
                               _run_times(lambda: matmuls(1), device, 3, warmup, True)], 3, device)
     r = int(min(1000, max(1, np.ceil(1.25 * m0 / max(u0, 1e-9)))))
 
     def both():
-        work = dist.all_reduce(buf, group=group, async_op=True)
+        works = launch()
         matmuls(r)
-        work.wait()
+        for w in works:
+            w.wait()
 
-    fns = (message, lambda: matmuls(r), both)
+    fns = (messages, lambda: matmuls(r), both)
     runs: list[list[float]] = [[] for _ in fns]
-    for i in range(warmup + repeats):  # in turns, as the collective sweep
+    rounds = _OVERLAP_ROUNDS * repeats  # single rounds scatter by +-0.3 on a shared host
+    for i in range(warmup + rounds):  # in turns, as the collective sweep
         for j, fn in enumerate(fns):
             t = _run_times(fn, device, 1, 0, True)
             if i >= warmup:
                 runs[j] += t
-    m, c, t = _slowest_median(runs, repeats, device)
-    share = float(min(1.0, max(0.0, (t - c) / m))) if m > 0 else 0.0
-    return {"nbytes": int(buf.numel() * 4), "matmuls": r, "matmul_n": n, "message_s": m, "compute_s": c,
-            "both_s": t, "compute_share": share}
+    slowest = torch.tensor(runs, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    ms, cs, ts = slowest.tolist()
+    shares = [min(1.0, max(0.0, (t - c) / m)) if m > 0 else 0.0 for m, c, t in zip(ms, cs, ts)]
+    return {"nbytes": int(bufs[0].numel() * 4), "messages": len(bufs), "matmuls": r, "matmul_n": n,
+            "message_s": statistics.median(ms), "compute_s": statistics.median(cs),
+            "both_s": statistics.median(ts), "shares": shares, "compute_share": statistics.median(shares)}
 
 
 def ring_terms(kind: str, n: int) -> tuple[int, float]:

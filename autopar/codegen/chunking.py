@@ -61,7 +61,7 @@ import torch.fx as fx
 
 from autopar import placement as pl
 from autopar.codegen import executors as ex
-from autopar.codegen.rowwise import _CHAIN_MATMULS, _DROPPED, _RESHAPES, _row_roles, _vals, aten
+from autopar.codegen.rowwise import _CHAIN_MATMULS, _DROPPED, _RESHAPES, _row_roles, _vals, aten, loss_args
 from autopar.runtime.overlap import (ACTIVATION_ARG, ChunkedOp, EdgeLaunch, EdgeWait, blocked_dims, chunk_dim,
                                      chunked_edge)
 
@@ -344,9 +344,14 @@ class ChainEmitter:
         self.vals: dict[str, list] = {}     # member -> its k chunk nodes (before any edge)
         self.anchor: dict[str, list] = {}   # producer -> the last node placed after each chunk
         self.splits: dict[tuple, list] = {}
+        self.losses: dict[str, fx.Node] = {}  # a loss run per chunk -> its whole value
 
     def emit(self, node) -> bool:
         """Emit ``node`` per chunk when it belongs to a chain; False otherwise."""
+        if node.name in self.losses:  # emitted per chunk by the chain it ends (_chunked_loss)
+            self.low.env[node] = self.losses[node.name]
+            self.low.executors[node.name] = "plain chained loss"
+            return True
         c = self.by_node.get(node.name)
         if c is None:
             return False
@@ -439,6 +444,8 @@ class ChainEmitter:
         low = self.low
         if len(outside) == 1 and len(node.users) == 1 + _dropped(node) and outside[0].op != "output":
             w = outside[0]
+            if self._chunked_loss(node, w, outs, c) is not None:
+                return None  # the chain's value has no whole form: its one consumer ran per chunk
             e = low.edge_args(node, w, w.all_input_nodes.index(node))
             if e is not None and any(low.edge_steps(node, w, *e)[:2]) and \
                     c.dim not in blocked_dims(len(_vals(node)[0].shape), (), sum(low.edge_steps(node, w, *e)[:2], ())):
@@ -451,6 +458,48 @@ class ChainEmitter:
         cat = low.graph.call_function(cat_elements if multi else torch.cat, (outs, c.dim))
         cat.meta["val"] = node.meta.get("val")
         return cat
+
+    def _chunked_loss(self, node, w, outs: list, c: Chain):
+        """The chain's one consumer ``w`` as a sum of per-chunk losses, or None where that does not
+        apply. A cross-entropy with mean or sum reduction and no class weights, over replicated
+        logits and targets, chunked along the batch dim (0): ``sum_c CE_sum(x_c, t_c) / n`` with
+        ``n`` the targets not ignored (reduction mean; label smoothing's term has the same
+        denominator without weights), which is PyTorch's mean. The last message then overlaps the
+        loss of the chunks before it, and no concatenation is left (nor its copy in backward).
+        Returns the loss's node; ``w`` itself is then emitted as that node (:meth:`emit`)."""
+        low = self.low
+        a = loss_args(w)
+        if a is None or c.dim != 0 or a[0] is not node or a[1] is node:
+            return None
+        np_ = low.plan.nodes.get(w.name)
+        tgt = w.args[1]
+        if np_ is None or np_.recompute or not isinstance(tgt, fx.Node) or len(_vals(tgt)) != 1:
+            return None
+        x, t = _vals(node)[0], _vals(tgt)[0]
+        if x.dim() < 2 or t.dim() < 1 or t.shape[0] != x.shape[0] or t.shape[0] % c.k:
+            return None
+        pls, _ = low.inputs_of(w)
+        if not ex.all_replicated([pls[0], pls[1], low.outputs_of(w)[0], low.outputs_of(tgt)[0]]):
+            return None
+        e = low.edge_args(node, w, 0)
+        xs = self._edge(node, w, e, c, outs) if e is not None else outs
+        low.pre_edged.add((node.name, w.name))
+        ts = self._split(tgt, c)
+        g = low.graph
+        stage = c.stage[node.name] + 1  # with the waits of the edge into the loss
+        total = None
+        for ci, (xc, tc) in enumerate(zip(xs, ts)):
+            part = g.call_function(aten.cross_entropy_loss.default, (xc, tc, None, 2, a[4], a[5]))
+            part.meta["autopar_chain"] = (c.index, stage, ci)
+            total = part if total is None else g.call_function(aten.add.Tensor, (total, part))
+        if a[3] == 1:
+            valid = g.call_function(aten.ne.Scalar, (low.env[tgt], a[4]))
+            total = g.call_function(aten.div.Tensor, (total, g.call_function(aten.sum.default, (valid,))))
+        total.meta["val"] = w.meta.get("val")
+        total.meta["autopar_pl"] = low.outputs_of(w)[0]
+        self.losses[w.name] = total
+        low.chunking[w.name] = f"loss per chunk along dim 0 (chain {c.index})"
+        return total
 
     def order(self) -> None:
         """Sort the chains' nodes: every chunk of a stage before the next stage, chunk-major

@@ -28,6 +28,19 @@ _SHAPE_OPS = (aten.to.dtype, aten._to_copy.default, aten.unsqueeze.default, aten
 _DROPPED = (aten._assert_tensor_metadata.default,)
 
 
+def loss_args(node) -> list | None:
+    """``(logits, target, weight, reduction, ignore_index, label_smoothing)`` of a cross-entropy
+    that a chain may run per chunk of the batch dim (a sum of per-chunk sums, over the targets
+    kept for a mean: ``ChainEmitter._chunked_loss``): no class weights (their mean divides by the
+    targets' weights), a mean or sum reduction, keyword arguments none. None for any other node.
+    The planner's chain walk takes such a loss as a chain's end (``planner.overlap._chained``)."""
+    if node.op != "call_function" or node.target is not aten.cross_entropy_loss.default or node.kwargs \
+            or len(node.args) < 2:
+        return None
+    a = list(node.args) + [None, 1, -100, 0.0][len(node.args) - 2:]
+    return a if a[2] is None and a[3] in (1, 2) else None
+
+
 def _vals(node) -> list:
     v = node.meta.get("val")
     return [t for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]

@@ -366,13 +366,14 @@ def _chained(v, x, role: str, candidates: set, rows: dict, gp) -> tuple | None:
     """Whether the chunked edge's message is followed by another candidate's chunks: from the
     output (role ``"output"``) forward, or from the activation (``"input"``) backward, through
     nodes that act row-wise along the batch dim (``autopar.codegen.rowwise``'s rule, dim 0), a
-    candidate matmul is reached. The codegen then runs both in one chunk chain when they get the
+    candidate matmul is reached, or (forward) a loss that a chain runs per chunk
+    (``rowwise.loss_args``). The codegen then runs both in one chunk chain when they get the
     same k (a structural test: cheap, and independent of the strategies).
 
     Returns None when not chained, else the (fwd flops, fwd bytes, bwd flops, bwd bytes) of the
     nodes crossed on the way (the reached matmul included): the work of the neighbouring stage
     that the runtime runs per chunk while this site's messages travel."""
-    from autopar.codegen.rowwise import _row_roles
+    from autopar.codegen.rowwise import _row_roles, loss_args
 
     start = list(v.users) if role == "output" else [x]
     seen, todo, work = set(), start, []
@@ -384,7 +385,7 @@ def _chained(v, x, role: str, candidates: set, rows: dict, gp) -> tuple | None:
         prof = gp.nodes.get(n.name)
         if prof is not None:
             work.append((prof.fwd_flops, prof.fwd_bytes, prof.bwd_flops, prof.bwd_bytes))
-        if n is not v and n.name in candidates:
+        if n is not v and (n.name in candidates or (role == "output" and loss_args(n) is not None)):
             return tuple(float(sum(w[i] for w in work)) for i in range(4))
         if n not in rows:
             rows[n] = _row_roles(n, 0, 1)  # memoised: every site's search crosses the same nodes

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 
 import pytest
 import torch
@@ -117,8 +118,8 @@ def test_calibrate_on_gloo(ranks):
         over = rec["overlap"]
         assert over["nbytes"] == max(m.calibration["sizes"]) and over["matmuls"] >= 1
         assert min(over["message_s"], over["compute_s"], over["both_s"]) > 0
-        assert link.compute_share == over["compute_share"] == pytest.approx(
-            min(1.0, max(0.0, (over["both_s"] - over["compute_s"]) / over["message_s"])))
+        assert len(over["shares"]) == 3 * m.calibration["repeats"] and all(0 <= f <= 1 for f in over["shares"])
+        assert link.compute_share == over["compute_share"] == statistics.median(over["shares"])
     d = m.device
     assert d.fp32_flops > 0 and d.mem_bandwidth > 0 and d.kernel_floor > 0 and d.memory_bytes > 0
     assert m.calibration["device"]["matmul"]["fp32"]["seconds"] > 0

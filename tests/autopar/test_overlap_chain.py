@@ -105,11 +105,14 @@ def test_mlp_chain_forms_and_trains_like_one_device(tp_mesh):
     assert _chunk_all(plan, cap) == 2 * DEPTH
     pm = _train(model, cap, plan, tp_mesh, (x,), {}, y, F.cross_entropy)
     how = pm.signature.chunking
+    loss = how.pop("cross_entropy_loss")
+    assert loss == "loss per chunk along dim 0 (chain 0)", loss
     assert len(how) == 2 * DEPTH and all("chain 0: 6 matmuls" in v for v in how.values()), how
     gm = pm._program
-    # One concatenation, before the loss; every all-reduce (DEPTH - 1 between blocks, one into
-    # the loss) runs per chunk; no ChunkedOp is left.
-    assert _cats(gm) == 1, gm.code
+    # No concatenation: the loss runs per chunk; every all-reduce (DEPTH - 1 between blocks, one
+    # into the loss) runs per chunk; no ChunkedOp is left.
+    assert _cats(gm) == 0, gm.code
+    assert sum(n.target is torch.ops.aten.cross_entropy_loss.default for n in gm.graph.nodes) == 2
     assert _mods(gm, EdgeLaunch) == _mods(gm, EdgeWait) == 2 * DEPTH
     assert _mods(gm, ChunkedOp) == 0
     # Chunk-major within a stage: the first block runs chunk 0 whole (both matmuls and the launch
@@ -117,6 +120,35 @@ def test_mlp_chain_forms_and_trains_like_one_device(tp_mesh):
     calls = [n.target for n in gm.graph.nodes if n.op == "call_module"]
     first_launch = next(i for i, t in enumerate(calls) if t.startswith("launch_"))
     assert calls[:first_launch].count("linear") == 1 and calls[:first_launch].count("linear_1") == 1, calls
+
+
+# Made once, outside the simulated ranks' mode: the one-device reference in ``_train`` runs inside
+# it, and a weight made there would be a LocalTensor (so would its loss and AdamW's state).
+CLASS_WEIGHTS = torch.linspace(0.5, 1.5, DIM)
+
+
+@pytest.mark.parametrize("loss_fn,per_chunk", [
+    (lambda z, t: F.cross_entropy(z, t, ignore_index=3, label_smoothing=0.1), True),
+    (lambda z, t: F.cross_entropy(z, t, reduction="sum"), True),
+    (lambda z, t: F.cross_entropy(z, t, weight=CLASS_WEIGHTS), False),
+], ids=["mean-ignore-smoothing", "sum", "class-weights"])
+def test_chained_loss_per_chunk_equals_the_whole_loss(tp_mesh, loss_fn, per_chunk):
+    """The chain's loss run per chunk (a sum of per-chunk sums over the targets kept) gives the
+    numbers of one device with ignored targets, label smoothing and a sum reduction; with class
+    weights (whose mean divides by the targets' weights) the chain ends in one concatenation."""
+    from profiler.capture import capture
+
+    x, y = _batch()
+    y[::3] = 3  # some targets ignored in the first case
+    mesh = Mesh((WORLD,), axis_names=("tp",), cluster="cpu", links=[Link(alpha=1e-6, beta=1e8)])
+    model = _mlp()
+    plan = autopar.plan(model, mesh, (x,), loss_fn=loss_fn, target=y, force="tp", pipeline=False, chunks=(1,))
+    cap = capture(model, (x,), None, loss_fn=loss_fn, target=y)
+    _chunk_all(plan, cap)
+    pm = _train(model, cap, plan, tp_mesh, (x,), {}, y, loss_fn)
+    how = pm.signature.chunking
+    assert ("cross_entropy_loss" in how) == per_chunk, how
+    assert _cats(pm._program) == (0 if per_chunk else 1), pm._program.code
 
 
 def _megatron_chunked_matches_one_device(name: str, tp_mesh):

@@ -110,15 +110,15 @@ def test_objective_saves_exactly_the_pipeline_formula(link):
     assert len(ks) == 2, ks
     nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
     saved = 0.0
-    # The first row-parallel matmul feeds the next block's matmul (a chunk chain: chain_time); the
-    # last one feeds the loss (alone: the two-stage pipeline).
-    order = sorted(ks, key=list(nodes).index)
+    # Both row-parallel matmuls are chained sites (chain_time): the first feeds the next block's
+    # matmul, the last the loss, which the chain runs per chunk.
     for name, k in ks.items():
-        overlap = chain_time if name == order[0] else pipeline_time
+        overlap = chain_time
         st, prof = b.options[name].strategies[pick[name]], gp.nodes[name]
-        # A chained site's messages hide behind the next stage's work too: here the next matmul.
-        nxt = gp.nodes[next(iter(nodes[name].users)).name] if name == order[0] else None
-        ff, fb, bf, bb = ((nxt.fwd_flops, nxt.fwd_bytes, nxt.bwd_flops, nxt.bwd_bytes) if nxt else (0, 0, 0, 0))
+        # A chained site's messages hide behind the next stage's work too: the next matmul, or
+        # the loss.
+        nxt = gp.nodes[next(iter(nodes[name].users)).name]
+        ff, fb, bf, bb = nxt.fwd_flops, nxt.fwd_bytes, nxt.bwd_flops, nxt.bwd_bytes
         consumer = next(iter(nodes[name].users))
         j = consumer.all_input_nodes.index(nodes[name])
         su = b.options[consumer.name].strategies[pick[consumer.name]]
