@@ -15,8 +15,8 @@ Side by side (forward + backward per step, median over ``--steps`` after warm-up
 started together and timed on the slower rank):
 
 autopar's codegen runs the chunked matmuls as one chunk chain (``autopar.codegen.chunking``):
-block i+1's chunk c starts when block i's chunk-c all-reduce is in, the GELU and bias adds run per
-chunk, and the chunks are concatenated once, before the loss (``codegen says`` below prints it).
+block i+1's chunk c starts when block i's chunk-c all-reduce is in, the GELU, the bias adds and
+the loss run per chunk, and nothing is concatenated (``codegen says`` below prints it).
 
 - ``autopar k``: the planner's Megatron plan on the mesh ``autopar.calibrate`` measured (every
   matmul held to Megatron's strategy, everything else the ILP's; see ``_megatron_plan``) with

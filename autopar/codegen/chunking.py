@@ -26,7 +26,9 @@ than fused into one module (the graph stays printable and autograd does the back
   consumers (they force no concatenation);
 - a value entering the chain is cut once (``aten.split`` along d); a value with a consumer
   outside the chain is concatenated once, after its last chunk (``torch.cat``, or
-  :func:`cat_elements` for a split's tuple), and only then;
+  :func:`cat_elements` for a split's tuple), and only then; but when that consumer is a
+  cross-entropy the chain can run per chunk (``rowwise.loss_args``, replicated logits and
+  targets, d = 0), the loss is a sum of per-chunk losses instead (:meth:`ChainEmitter._chunked_loss`);
 - an edge between members with steps runs per chunk as an :class:`EdgeLaunch` right after the
   producer's chunk and an :class:`EdgeWait` right before the consumer's: a lone all-reduce is
   asynchronous (in place on a matmul's fresh output), other step lists run synchronously. Backward
