@@ -32,7 +32,7 @@ from autopar import placement as pl
 from autopar.codegen import executors as ex
 from autopar.codegen.context import MeshContext, mesh_context
 from autopar.codegen.modules import ReshardModule, WriteBack, _attr_name, check_local
-from autopar.codegen.rowwise import _CHAIN_MATMULS, _DROPPED
+from autopar.codegen.rowwise import _CHAIN_MATMULS, _DROPPED, _RESHAPES
 from autopar.costs.reshard import reshard as plan_reshard
 
 Placements = ex.Placements
@@ -78,6 +78,12 @@ class LocalSignature:
     """Per node with ``chunks > 1``: how it was chunked, or why it was not."""
     regions: int = 0
     """Number of checkpointed (recomputed) regions."""
+
+
+#: Ops whose output is a fresh tensor that their own backward never saves (it reads the inputs,
+#: or nothing): an edge that alone reads such an output may sum it in place (``_owned``).
+_FRESH = _CHAIN_MATMULS + (torch.ops.aten.bmm.default, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor,
+                           torch.ops.aten.mul.Tensor, torch.ops.aten.embedding.default)
 
 
 def _vals(node) -> list:
@@ -289,29 +295,59 @@ class _Lowering:
         """Whether the edge ``prod -> node`` alone reads its value in forward / its gradient in
         backward, so that an all-reduce may sum it in place (:class:`ReshardModule`).
 
-        Forward: ``prod`` is a matmul (its backward saves its inputs, never its output) whose one
-        consumer is ``node``. Backward: ``node`` is a matmul, whose gradient for an operand is a
-        fresh product (addmm's bias, whose gradient may be the incoming one itself, is excluded).
-        Both need the value to enter ``node`` once, ``node`` not to write into its inputs (its
-        write-back would copy into the reduced tensor), neither node recomputed (a checkpointed
-        region replays its forward) and a per-rank executor (not DTensor's). Should any other
-        reader exist after all, autograd's version counter raises at backward, never silently."""
-        if self.mode == "dtensor" or value is not self.env.get(prod):
+        Forward: ``prod`` is a matmul (its backward saves its inputs, never its output) or another
+        op of :data:`_FRESH` whose one consumer is ``node``, or a reshape or dropout of one with a
+        single consumer at every step (GPT-2's ``addmm -> view -> dropout``). Backward: ``node`` is a matmul, whose gradient for an operand is a fresh
+        product (addmm's bias, whose gradient may be the incoming one itself, is excluded), or a
+        reshape whose single consumer chain ends in one. The value must enter each consumer once,
+        no node may write into its inputs (a write-back would copy into the reduced tensor) or be
+        recomputed (a checkpointed region replays its forward), and the executors are per-rank
+        ones (not DTensor's). Should any other reader exist after all, autograd's version counter
+        raises at backward, never silently."""
+        if self.mode == "dtensor" or value is not self.env.get(prod) or not self._one_edge(prod, node):
             return False, False
+        fwd = self._single_user(prod) is node and self._fresh_output(prod)
+        return fwd, self._fresh_grad(node, prod)
+
+    def _single_user(self, n):
+        users = [u for u in n.users if u.target not in _DROPPED]
+        return users[0] if len(users) == 1 else None
+
+    def _one_edge(self, prod, node) -> bool:
+        """``prod`` enters ``node`` once; ``node`` writes into no input and is not recomputed."""
         uses = []
         fx.map_arg((node.args, node.kwargs), lambda a: uses.append(a) if a is prod else None)
-        plans = self.plan.nodes
-        if len(uses) != 1 or any(plans[n.name].recompute for n in (prod, node) if n.name in plans):
-            return False, False
-        if node.op == "call_function" and ex.mutated_args(node.target):
-            return False, False  # an in-place consumer (relu_) writes into what it received: a write-back follows
-        users = [u for u in prod.users if u.target not in _DROPPED]
-        fwd = (prod.op == "call_function" and prod.target in _CHAIN_MATMULS and users == [node]
-               and not self.executors.get(prod.name, "").startswith("dtensor"))
-        pos = next((i for i, a in enumerate(node.args) if a is prod), None)
-        operands = (1, 2) if node.target is torch.ops.aten.addmm.default else (0, 1)
-        bwd = node.op == "call_function" and node.target in _CHAIN_MATMULS and pos in operands
-        return fwd, bwd
+        np_ = self.plan.nodes.get(node.name)
+        return (len(uses) == 1 and not (np_ is not None and np_.recompute)
+                and not (node.op == "call_function" and ex.mutated_args(node.target)))
+
+    def _fresh_output(self, prod) -> bool:
+        """``prod``'s value is a fresh tensor that its op's backward does not save (a matmul, a
+        sum, a product, an embedding lookup: :data:`_FRESH`), seen through single-consumer
+        reshapes and dropouts (which hand on their input, or a fresh product at p > 0)."""
+        n = prod
+        while n.op == "call_function" and (n.target in _RESHAPES or n.target is torch.ops.aten.dropout.default):
+            src = n.args[0]
+            if not isinstance(src, fx.Node) or self._single_user(src) is not n or not self._one_edge(src, n):
+                return False
+            n = src
+        np_ = self.plan.nodes.get(n.name)
+        return (n.op == "call_function" and n.target in _FRESH and not (np_ is not None and np_.recompute)
+                and not self.executors.get(n.name, "").startswith("dtensor"))
+
+    def _fresh_grad(self, node, arg) -> bool:
+        """The gradient ``node`` hands back for its input ``arg`` is a matmul's fresh operand
+        gradient, seen through single-consumer reshapes."""
+        n, a = node, arg
+        while n.op == "call_function" and n.target in _RESHAPES and n.args[0] is a:
+            u = self._single_user(n)
+            if u is None or u.op != "call_function" or not self._one_edge(n, u):
+                return False
+            n, a = u, n
+        if n.op != "call_function" or n.target not in _CHAIN_MATMULS:
+            return False
+        pos = next((i for i, x in enumerate(n.args) if x is a), None)
+        return pos in ((1, 2) if n.target is torch.ops.aten.addmm.default else (0, 1))
 
     def edge_args(self, prod, node, i: int):
         """(src, dst, gsrc, gdst) of input ``i`` of ``node`` (``prod``), or None when the value

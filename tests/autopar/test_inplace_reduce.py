@@ -11,8 +11,10 @@ still equal one device (an in-place sum there would add the partial sums twice).
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -134,3 +136,45 @@ def test_partial_output_with_two_readers_is_copied(tp_mesh):
     # its own copy (summing in place twice would double the value).
     assert len(fwd_reduces) == 2 and not any(m.owned_fwd for m in fwd_reduces), fwd_reduces
     assert copying >= 2, (inplace, copying)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_zoo_megatron_reduces_in_place(tp_mesh, name, monkeypatch):
+    """GPT-2 (Conv1D: ``addmm -> view -> dropout`` before each block's all-reduce, a vocabulary-
+    parallel embedding's partial lookup) and BERT (a sum of embeddings) under Megatron's plan:
+    every all-reduce of a step runs in place, and two AdamW steps equal one device."""
+    import os
+    import sys
+
+    import profiler
+    from autopar.planner import plan_profile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
+    import cases
+
+    ex = cases.example(name)
+    gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_profile(gp, Mesh((WORLD,), axis_names=("tp",), cluster="cpu"), force="megatron",
+                            pipeline=False, chunks=(1,))
+    from autopar.runtime import collectives as C
+
+    calls = {"all_reduce": 0, "all_reduce_": 0}
+    for fn in calls:  # count the resharding steps' all-reduces by how they run
+        monkeypatch.setattr(C, fn, functools.partial(_counted, getattr(C, fn), calls, fn))
+    pm, losses, grads, state = cases.train_local(ex, gp.captured, plan, tp_mesh, world=WORLD, steps=2)
+    ref = cases.reference(ex, steps=2)
+    assert cases.loss_err(losses, ref["losses"]) < 1e-5
+    assert cases.grad_err(grads, ref["grads"]) < 1e-5
+    assert cases.compare_state(state, ref["state"])["global"] < 1e-5
+    reduces = [m for m in _edges(pm) if any(s.kind == "all_reduce" for s in m.fwd + m.bwd)]
+    assert reduces and all(m.owned_fwd or not any(s.kind == "all_reduce" for s in m.fwd) for m in reduces), \
+        [m.what for m in reduces if not m.owned_fwd]
+    assert all(m.owned_bwd or not any(s.kind == "all_reduce" for s in m.bwd) for m in reduces)
+    assert calls["all_reduce"] == 0 and calls["all_reduce_"] > 0, calls
+
+
+def _counted(fn, calls, name, *args, **kwargs):
+    calls[name] += 1
+    return fn(*args, **kwargs)
