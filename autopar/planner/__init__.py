@@ -108,14 +108,22 @@ def _solve_flat(gp, cfg: Config, every: bool = False):
     t_build = time.perf_counter() - t0
     budget = cfg.memory_budget
     problem = built.problem  # tightened below without touching the (cached) build
-    for _ in range(4):
+    p, floor_tried = None, False
+    for _ in range(5):
         try:
             sol = solver.solve(problem)
         except solver.Infeasible as err:
-            return InfeasibleBudget(
-                f"no plan fits the memory budget of {_gib(cfg.memory_budget)} per device on mesh {cfg.mesh.shape}: "
-                f"the smallest feasible budget is {_gib(err.min_budget)} ({err.dominant}). Raise the budget, "
-                f"use more devices, or a smaller batch")
+            if p is None:
+                return InfeasibleBudget(
+                    f"no plan fits the memory budget of {_gib(cfg.memory_budget)} per device on mesh "
+                    f"{cfg.mesh.shape}: the smallest feasible budget is {_gib(err.min_budget)} ({err.dominant}). "
+                    f"Raise the budget, use more devices, or a smaller batch")
+            if floor_tried:
+                break
+            # Tightened below what the ILP can reach: its most frugal plan is the last one to try.
+            floor_tried = True
+            problem = dataclasses.replace(problem, memory_budget=err.min_budget * (1 + 1e-6))
+            continue
         if every:
             sol = _checkpoint_every(problem, sol)
         p = to_plan(gp, cfg, built, sol, sharding_axes=list(range(cfg.mesh.ndim)), build_seconds=t_build)
@@ -124,14 +132,15 @@ def _solve_flat(gp, cfg: Config, every: bool = False):
         # The ILP's row is a linear bound of the step's peak; where the liveness simulation of the
         # chosen plan still exceeds the budget, solve again with the row tightened by the excess.
         # Tightened from the ILP's own figure of this plan, so every round moves the solution.
+        if floor_tried:
+            break  # the most frugal plan the ILP has does not fit either
         row = min(problem.memory_budget, float(sol.peak_bytes)) - (p.peak_bytes - budget) - 1e-3 * budget
-        if row <= 0:
-            break
-        problem = dataclasses.replace(problem, memory_budget=row)
+        # (Below what the ILP can reach, the solver says so and names its floor: tried next.)
+        problem = dataclasses.replace(problem, memory_budget=max(row, 1.0))
     return InfeasibleBudget(
         f"no plan found whose simulated per-device peak fits the memory budget of {_gib(budget)} on mesh "
-        f"{cfg.mesh.shape} (the last one peaks at {_gib(p.peak_bytes)}). Raise the budget, use more devices, "
-        f"or a smaller batch")
+        f"{cfg.mesh.shape} (the last one tried peaks at {_gib(p.peak_bytes)}, where the ILP's linear memory "
+        f"row counted {_gib(float(sol.peak_bytes))}). Raise the budget, use more devices, or a smaller batch")
 
 
 def _checkpoint_every(problem, sol):
@@ -224,6 +233,7 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
                                recompute=built.leader[name] in checkpointed and name in _segment_members(built, checkpointed),
                                segment=segment_of.get(built.leader[name]),
                                time=float(opt.time[pick[name]]), comm=float(opt.comm[pick[name]]))
+    _recompute_layer_members(gp, nodes, sol.checkpointed)
     from autopar.planner.overlap import chunk_counts
 
     for name, k in chunk_counts(built.overlap, pick).items():
@@ -312,6 +322,31 @@ def _considered(gp, built: Built, sol, top: int = 6) -> dict[str, list[dict]]:
                      "mem": float(node.mem[s]), "act": float(node.act[s]), "total": float(total[s]),
                      "chosen": s == chosen, "layer": layer} for s in order]
     return out
+
+
+def _recompute_layer_members(gp, nodes: dict, checkpointed) -> None:
+    """Every node of a checkpointed layer is recomputed with it, also one whose decision follows
+    a node outside the layer (a view of a value from outside: Llama's per-layer unsqueeze of the
+    shared rotary cos / sin, the fp32 cast of the incoming residual). The ILP prices a segment as
+    one region that keeps only its inputs from outside (``build._segments``); a member left out
+    would cut the codegen's region in two around it, and the second part would keep what the
+    first computed for it (Llama-2-7B, 2x4: the q, k and v projections of every layer, 24 GiB a
+    rank, a replayed peak 20 GiB above the ILP's row)."""
+    for sid in checkpointed:
+        for name in layer_members(gp, sid):
+            np_ = nodes.get(name)
+            if np_ is not None and not np_.recompute:
+                np_.recompute, np_.segment = True, sid
+
+
+def layer_members(gp, segment_id: str) -> list[str]:
+    """The node names of the repeated layer behind checkpoint segment ``layer{g}.{i}``
+    (``build._segments``' ids); empty for any other id."""
+    layers = getattr(gp, "layers", None) or []
+    gi, _, li = segment_id.removeprefix("layer").partition(".")
+    if not (gi.isdigit() and li.isdigit()) or int(gi) >= len(layers) or int(li) >= len(layers[int(gi)].layers):
+        return []
+    return list(layers[int(gi)].layers[int(li)])
 
 
 def _segment_members(built: Built, checkpointed_leaders: set) -> set:

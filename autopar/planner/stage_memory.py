@@ -85,11 +85,12 @@ def _received(steps: list, stage_of: dict, placeholders, n_stages: int) -> list[
 
 def pipeline_peaks(gp, strategy_of: dict, mesh, pipeline, *, recompute=frozenset(), optimizer: str = "adamw",
                    dtype: str = "float32", foreach: bool | None = None, bucket_bytes: int = BUCKET_BYTES,
-                   chunks: dict | None = None) -> list:
+                   chunks: dict | None = None, stop_above: float | None = None) -> list:
     """Per rank of the pipeline axis, the ``profiler.memory.MemoryEstimate`` of one pipelined
     step (``pipeline``: an ``autopar.plan.Pipeline``; ``mesh``: the sharding sub-mesh the
     placements of ``strategy_of`` refer to; ``recompute`` and ``chunks`` as for ``rank_peak``).
-    See :func:`_rank_replay` for what is replayed."""
+    See :func:`_rank_replay` for what is replayed. ``stop_above``: stop after the first rank
+    whose peak exceeds it (a budget check needs no more; the list is then shorter)."""
     from autopar.planner.micro import depends_on_inputs
 
     ctx = _Ctx(gp, strategy_of, mesh)
@@ -124,8 +125,12 @@ def pipeline_peaks(gp, strategy_of: dict, mesh, pipeline, *, recompute=frozenset
     if foreach is None:
         foreach = getattr(mesh, "cluster", "cpu") != "cpu"
     schedule = pipeline.schedule if p == n_stages else "gpipe"  # interleaved: every micro-batch in flight
-    return [_rank_replay(world, [s for s in range(n_stages) if s % p == d], schedule, p, optimizer, foreach)
-            for d in range(p)]
+    out = []
+    for d in range(p):  # rank 0 first: under 1F1B it holds the most micro-batches in flight
+        out.append(_rank_replay(world, [s for s in range(n_stages) if s % p == d], schedule, p, optimizer, foreach))
+        if stop_above is not None and out[-1].peak > stop_above:
+            break
+    return out
 
 
 def _value_bytes(world, name: str) -> int:

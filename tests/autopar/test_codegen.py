@@ -167,6 +167,36 @@ def test_recomputed_regions_save_less(mesh):
     assert cases.grad_err(grads, ref["grads"]) < TOL
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_each_checkpointed_layer_is_one_region(mesh, name):
+    """A checkpointed layer runs as ONE recomputed region that keeps only the layer's inputs, as
+    the ILP prices it: every node of the layer is recomputed, also those whose decision follows a
+    node outside it (Llama's per-layer unsqueeze of the shared rotary cos / sin, the fp32 cast of
+    the incoming residual). Left out, they cut the region in two and the second part kept the q,
+    k and v projections the first one made. The checkpointed plan trains like one device."""
+    import warnings
+
+    import profiler
+    from autopar.mesh import Mesh
+    from autopar.planner import plan_profile
+    from autopar.runtime.checkpoint import CheckpointRegion
+
+    ex = cases.example(name)
+    gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_profile(gp, Mesh(SHAPE, cluster="cpu"), checkpoint="all", pipeline=False)
+    segments = plan.solver["checkpointed"]
+    assert len(segments) == len(gp.layers[0].layers), segments
+    for g in gp.layers:
+        for layer in g.layers:
+            assert all(plan.nodes[n].recompute for n in layer if n in plan.nodes), layer
+    pm, loss, grads, _ = _grads(ex, gp.captured, plan, mesh)
+    regions = [m for m in pm._program.modules() if isinstance(m, CheckpointRegion)]
+    assert len(regions) == len(segments), [len(r.nodes) for r in regions]
+    _check(ex, loss, grads)
+
+
 def test_chunked_matmuls_match(mesh):
     """Every matmul of a tensor-parallel plan in 2 chunks: same loss and gradients. (The planner's
     Megatron plan splits the batch on the other axis, and chunks never split a sharded dim.)"""

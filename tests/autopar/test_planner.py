@@ -1,5 +1,6 @@
 """The planner end to end on the zoo: plans on several meshes and presets, JSON round trips, the
 memory frontier, and sanity against the obvious answers."""
+import dataclasses
 import functools
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 import autopar
 import profiler
+import solver
 from autopar import zoo
 from autopar.mesh import Link, Mesh
 from autopar.plan import Plan
@@ -81,6 +83,34 @@ def test_memory_frontier_moves_towards_sharding_and_checkpointing():
         last = p
     with pytest.raises(autopar.InfeasibleBudget, match="smallest feasible budget"):
         plan_profile(gp, mesh, memory_budget=top.peak_bytes * 0.2, pipeline=False)
+
+
+def test_budget_loop_tries_the_ilps_most_frugal_plan(monkeypatch):
+    """The ILP's memory row is a linear bound; where the replay of its plan exceeds the budget by
+    more than the row can be tightened (the tightened row falls below what the ILP can reach), the
+    loop solves at the ILP's own floor, its most frugal plan, before it gives up. Here the replay
+    is made to over-state the first plan twofold."""
+    import autopar.planner as P
+
+    gp = _gp("gpt2", batch=8, seq=128, layers=2, hidden=128, heads=4, vocab=1024)
+    mesh = Mesh((2, 2), cluster="a100")
+    top = plan_profile(gp, mesh, pipeline=False)
+    budget = top.peak_bytes * 0.8
+    real, calls = P.simulated_peak, []
+
+    def replay(*args, **kwargs):
+        est = real(*args, **kwargs)
+        calls.append(est.peak)
+        return dataclasses.replace(est, peak=2 * est.peak) if len(calls) == 1 else est
+
+    monkeypatch.setattr(P, "simulated_peak", replay)
+    p = plan_profile(gp, mesh, memory_budget=budget, pipeline=False)
+    assert len(calls) == 2 and p.peak_bytes == calls[-1] <= budget
+    built = P.build_cached(gp, P.Config(mesh=mesh, memory_budget=1.0))
+    with pytest.raises(solver.Infeasible) as floor:
+        solver.solve(built.problem)
+    # The plan returned is the ILP's most frugal one: its row sits at the ILP's floor.
+    assert p.breakdown["peak_ilp_bound"] == pytest.approx(floor.value.min_budget, rel=1e-4)
 
 
 def test_tensor_parallelism_goes_on_the_fast_axis():
