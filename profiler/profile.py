@@ -140,6 +140,31 @@ class GraphProfile:
                                        optimizer=key[0], precision=sizing, foreach=key[2])
         return self._memo[key]
 
+    def saved_bytes_by_node(self, dtype: Any = torch.float32) -> dict[str, int]:
+        """Per node, the bytes autograd keeps for backward (each storage counted at its first
+        saver, parameters and buffers left out, as ``NodeProfile.saved_bytes``) under ``dtype``:
+        for ``"bf16-mixed"``/``"fp16-mixed"`` the mixed replay's sizes (16 bits where autocast
+        casts, 32 where it keeps fp32: norms, softmax, losses), not a halving of the fp32 run."""
+        precision = normalize_precision(dtype)
+        key = ("saved", precision)
+        if key not in self._memo:
+            if not precision.endswith("-mixed"):
+                self._memo[key] = {n: p.saved_bytes for n, p in self.nodes.items()}
+            else:
+                steps = self._step_nodes(precision)
+                size = {k: b for st in steps for k, b in st.storages.items()}
+                resident = {n for n, ph in self._placeholders.items() if ph.kind != "input"}
+                counted, out = set(), {}
+                for st in steps:
+                    total = 0
+                    for k in st.saved:
+                        if k[0] not in resident and k not in counted:
+                            counted.add(k)
+                            total += size.get(k, self._placeholders[k[0]].nbytes if k[0] in self._placeholders else 0)
+                    out[st.name] = total
+                self._memo[key] = out
+        return self._memo[key]
+
     def _step_nodes(self, precision: str) -> list[StepNode]:
         """The simulation's nodes: the fp32 run, or (once, on demand) the mixed-precision replay."""
         run = precision if precision.endswith("-mixed") else "fp32"

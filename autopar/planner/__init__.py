@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import OrderedDict
 from typing import Any
@@ -102,45 +103,71 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="floa
 
 def _solve_flat(gp, cfg: Config, every: bool = False):
     """The single-stage plan over every mesh axis, or the :class:`InfeasibleBudget` error; with
-    ``every``, the chosen strategies with every checkpoint segment recomputed."""
+    ``every``, the chosen strategies with every checkpoint segment recomputed.
+
+    Under a budget the ILP's memory row is a linear bound of the step's peak, and the plan's
+    peak is its per-rank replay (``simulated_peak``). Where the replay exceeds the budget, the
+    row is tightened by the excess (from the ILP's own figure of that plan, so every round moves
+    the solution), never below the ILP's floor (its most frugal plan, which the solver names when
+    a row is below it); once some row gives a plan that fits, the rows between it and the
+    lowest one that did not are bisected for a faster plan that still fits."""
     t0 = time.perf_counter()
     built = build_cached(gp, cfg)
     t_build = time.perf_counter() - t0
     budget = cfg.memory_budget
-    problem = built.problem  # tightened below without touching the (cached) build
-    p, floor_tried = None, False
-    for _ in range(5):
+    problem = built.problem  # re-rowed below without touching the (cached) build
+    fit = last = None
+    lo = floor = None            # rows: the highest whose plan fits; the ILP's least feasible
+    hi = math.inf                # the lowest row whose plan did not fit
+    row = budget
+    for _ in range(_BUDGET_ROUNDS):
         try:
-            sol = solver.solve(problem)
+            sol = solver.solve(dataclasses.replace(problem, memory_budget=row) if budget is not None else problem)
         except solver.Infeasible as err:
-            if p is None:
+            if last is None:
                 return InfeasibleBudget(
                     f"no plan fits the memory budget of {_gib(cfg.memory_budget)} per device on mesh "
                     f"{cfg.mesh.shape}: the smallest feasible budget is {_gib(err.min_budget)} ({err.dominant}). "
                     f"Raise the budget, use more devices, or a smaller batch")
-            if floor_tried:
+            if floor is not None:
                 break
-            # Tightened below what the ILP can reach: its most frugal plan is the last one to try.
-            floor_tried = True
-            problem = dataclasses.replace(problem, memory_budget=err.min_budget * (1 + 1e-6))
+            floor = row = err.min_budget * (1 + 1e-6)  # the ILP's most frugal plan is worth a try
             continue
         if every:
             sol = _checkpoint_every(problem, sol)
         p = to_plan(gp, cfg, built, sol, sharding_axes=list(range(cfg.mesh.ndim)), build_seconds=t_build)
-        if budget is None or p.peak_bytes <= budget:
+        last = (p, sol)
+        if budget is None or (p.peak_bytes <= budget and row == budget):
             return p
-        # The ILP's row is a linear bound of the step's peak; where the liveness simulation of the
-        # chosen plan still exceeds the budget, solve again with the row tightened by the excess.
-        # Tightened from the ILP's own figure of this plan, so every round moves the solution.
-        if floor_tried:
-            break  # the most frugal plan the ILP has does not fit either
-        row = min(problem.memory_budget, float(sol.peak_bytes)) - (p.peak_bytes - budget) - 1e-3 * budget
-        # (Below what the ILP can reach, the solver says so and names its floor: tried next.)
-        problem = dataclasses.replace(problem, memory_budget=max(row, 1.0))
+        if p.peak_bytes <= budget:
+            lo = row
+            if fit is None or p.step_time < fit.step_time:
+                fit = p
+        else:
+            hi = min(hi, row)
+        if fit is not None:
+            if hi - lo <= _BUDGET_BISECT * budget:
+                break
+            row = (lo + hi) / 2
+        else:
+            row = min(row, float(sol.peak_bytes)) - (p.peak_bytes - budget) - 1e-3 * budget
+            if floor is not None:
+                if row <= floor:
+                    break  # even the most frugal plan the ILP has does not fit
+            row = max(row, 1.0)  # below what the ILP can reach, the solver says so and names its floor
+    if fit is not None:
+        return fit
+    p, sol = last
     return InfeasibleBudget(
         f"no plan found whose simulated per-device peak fits the memory budget of {_gib(budget)} on mesh "
         f"{cfg.mesh.shape} (the last one tried peaks at {_gib(p.peak_bytes)}, where the ILP's linear memory "
         f"row counted {_gib(float(sol.peak_bytes))}). Raise the budget, use more devices, or a smaller batch")
+
+
+#: Solves the budget loop of ``_solve_flat`` runs at most, and the width (a share of the budget)
+#: at which its bisection stops.
+_BUDGET_ROUNDS = 10
+_BUDGET_BISECT = 0.005
 
 
 def _checkpoint_every(problem, sol):

@@ -167,9 +167,13 @@ def _kinds(captured) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------- 1. options
-def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: float = 1.0) -> tuple[float, ...]:
+def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: float = 1.0,
+           saved: float | None = None) -> tuple[float, ...]:
     """(time, comm, mem, act, work, recompute) of one strategy of one node; ``scale``: the share of
-    the batch one run of the op sees (``1 / micro_batches`` for ops on the inputs, see ``Micro``)."""
+    the batch one run of the op sees (``1 / micro_batches`` for ops on the inputs, see ``Micro``);
+    ``saved``: the node's saved bytes in the plan's precision (``GraphProfile.saved_bytes_by_node``:
+    under mixed precision the norms, softmax and losses keep fp32), else ``prof.saved_bytes``
+    scaled by the element size."""
     mesh, shape = cfg.mesh, cfg.mesh.shape
     outs = _vals(node)
     act_scale = 0.5 if cfg.dtype == "bf16-mixed" else 1.0
@@ -206,7 +210,7 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: fl
         glob += _nbytes(t.shape, t.dtype)
         loc += _local_bytes(t, p, shape)
     frac = loc / glob if glob else 1.0
-    act = prof.saved_bytes * frac * act_scale * scale
+    act = (prof.saved_bytes * act_scale if saved is None else saved) * frac * scale
     work = sum(_local_bytes(t, p, shape) for t, p in zip(outs, strat.outputs)) * act_scale * scale
     return fwd + bwd + comm, comm, 0.0, act, work, fwd
 
@@ -280,6 +284,11 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
 
     kinds = _kinds(gp.captured)
     pred = predicate(cfg.family, cfg.mesh.shape) if cfg.family else None
+    # Saved bytes in the plan's precision: the mixed replay's own sizes (what the per-rank memory
+    # replay, which decides a plan's peak, counts too), where halving the fp32 run's figure
+    # under-counted Llama-2-7B's saved activations by 26% (28.6 GiB a layer against 21.3).
+    saved_at = gp.saved_bytes_by_node(cfg.dtype) if cfg.dtype.endswith("-mixed") and hasattr(
+        gp, "saved_bytes_by_node") else None
     options, order = {}, []
     memo: dict[tuple, list[Strategy]] = {}
     priced_memo: dict[tuple, Option] = {}
@@ -325,10 +334,12 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
                 f"{tuple(t.shape)} on mesh {cfg.mesh.shape}: no placement of that family divides it; "
                 f"choose another family or a batch size divisible by the mesh")
         prof = gp.nodes.get(node.name)
-        pkey = None if key is None else (key, id(allowed[0]), len(allowed), _prof_key(prof), scale)
+        saved = saved_at.get(node.name) if saved_at is not None else None
+        pkey = None if key is None else (key, id(allowed[0]), len(allowed), _prof_key(prof), scale, saved)
         opt = priced_memo.get(pkey) if pkey is not None else None
         if opt is None:
-            priced = np.array([_price(node, s, prof, kind, cfg, scale) for s in allowed], dtype=float).reshape(-1, 6)
+            priced = np.array([_price(node, s, prof, kind, cfg, scale, saved) for s in allowed],
+                              dtype=float).reshape(-1, 6)
             opt = Option(node.name, allowed, *[priced[:, i].copy() for i in range(6)])
             if pkey is not None:
                 priced_memo[pkey] = opt

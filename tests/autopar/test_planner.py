@@ -88,29 +88,37 @@ def test_memory_frontier_moves_towards_sharding_and_checkpointing():
 def test_budget_loop_tries_the_ilps_most_frugal_plan(monkeypatch):
     """The ILP's memory row is a linear bound; where the replay of its plan exceeds the budget by
     more than the row can be tightened (the tightened row falls below what the ILP can reach), the
-    loop solves at the ILP's own floor, its most frugal plan, before it gives up. Here the replay
-    is made to over-state the first plan twofold."""
+    loop solves at the ILP's own floor, its most frugal plan, and then bisects the rows between
+    that one and the one that did not fit for a faster plan that still fits. Here the replay is
+    made to over-state the first plan twofold."""
     import autopar.planner as P
 
     gp = _gp("gpt2", batch=8, seq=128, layers=2, hidden=128, heads=4, vocab=1024)
     mesh = Mesh((2, 2), cluster="a100")
     top = plan_profile(gp, mesh, pipeline=False)
     budget = top.peak_bytes * 0.8
-    real, calls = P.simulated_peak, []
+    real_replay, real_solve, replays, rows = P.simulated_peak, solver.solve, [], []
 
     def replay(*args, **kwargs):
-        est = real(*args, **kwargs)
-        calls.append(est.peak)
-        return dataclasses.replace(est, peak=2 * est.peak) if len(calls) == 1 else est
+        est = real_replay(*args, **kwargs)
+        replays.append(est.peak)
+        return dataclasses.replace(est, peak=2 * est.peak) if len(replays) == 1 else est
+
+    def solve(problem):
+        rows.append(problem.memory_budget)
+        return real_solve(problem)
 
     monkeypatch.setattr(P, "simulated_peak", replay)
+    monkeypatch.setattr(P.solver, "solve", solve)
     p = plan_profile(gp, mesh, memory_budget=budget, pipeline=False)
-    assert len(calls) == 2 and p.peak_bytes == calls[-1] <= budget
+    assert p.peak_bytes <= budget and p.peak_bytes in replays[1:]
     built = P.build_cached(gp, P.Config(mesh=mesh, memory_budget=1.0))
     with pytest.raises(solver.Infeasible) as floor:
-        solver.solve(built.problem)
-    # The plan returned is the ILP's most frugal one: its row sits at the ILP's floor.
-    assert p.breakdown["peak_ilp_bound"] == pytest.approx(floor.value.min_budget, rel=1e-4)
+        real_solve(built.problem)
+    # Solved at the budget, below the floor (infeasible), at the floor, then bisected upwards.
+    assert rows[0] == budget and rows[1] < floor.value.min_budget
+    assert rows[2] == pytest.approx(floor.value.min_budget, rel=1e-5)
+    assert all(r > rows[2] for r in rows[3:]) and len(rows) <= P._BUDGET_ROUNDS + 1
 
 
 def test_tensor_parallelism_goes_on_the_fast_axis():
