@@ -166,8 +166,8 @@ def _solve_flat(gp, cfg: Config, every: bool = False):
 
 #: Solves the budget loop of ``_solve_flat`` runs at most, and the width (a share of the budget)
 #: at which its bisection stops.
-_BUDGET_ROUNDS = 10
-_BUDGET_BISECT = 0.005
+_BUDGET_ROUNDS = 6
+_BUDGET_BISECT = 0.02
 
 
 def _checkpoint_every(problem, sol):
