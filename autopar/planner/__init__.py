@@ -144,7 +144,8 @@ def _solve_flat(gp, cfg: Config, every: bool = False):
             if fit is None or p.step_time < fit.step_time:
                 fit = p
         else:
-            hi = min(hi, row)
+            # any row at or above the ILP's own figure of this plan gives this plan back again
+            hi = min(hi, row, float(sol.peak_bytes))
         if fit is not None:
             if hi - lo <= _BUDGET_BISECT * budget:
                 break
