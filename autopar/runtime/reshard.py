@@ -101,12 +101,14 @@ class Reshard(torch.autograd.Function):
                 owned_fwd=False, owned_bwd=False):
         ctx.bwd = (tuple(bwd_steps), device_mesh, global_shape, where, owned_bwd)
         out, written = _apply(local, tuple(fwd_steps), device_mesh, where=where, owned=owned_fwd)
-        if written and not local._is_view():
+        if written and out is local and not local._is_view():
             ctx.mark_dirty(local)  # summed in place: autograd's version check guards any other reader
             return local
-        # Summed in place through a view (a reshape of a matmul's output): not marked dirty, which
-        # would have backward copy the base (CopySlices); the version counter, shared with the
-        # base, still guards any reader that saved either.
+        # Summed in place through a view (a reshape of a matmul's output), or summed in place and
+        # then sliced (``all_reduce slice``: the result is a chunk of ``local``, which is what must
+        # come back): not marked dirty, which would have backward copy the base (CopySlices) or
+        # demand ``local`` itself as the output; the version counter, shared with the base, still
+        # guards any reader that saved either.
         # A Function must not hand back its input object itself: return an alias.
         return out.view_as(out) if out is local else out
 

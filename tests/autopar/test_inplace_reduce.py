@@ -178,3 +178,30 @@ def test_zoo_megatron_reduces_in_place(tp_mesh, name, monkeypatch):
 def _counted(fn, calls, name, *args, **kwargs):
     calls[name] += 1
     return fn(*args, **kwargs)
+
+
+def test_reduce_in_place_then_slice_returns_the_slice(tp_mesh):
+    """``P -> S(0)`` as ``all_reduce slice`` on an owned input (the step list a calibrated gloo
+    mesh picks when its all-reduce is cheaper than its reduce-scatter): the sum runs in place on
+    the input, and what comes back is this rank's chunk of it, not the summed input; backward
+    gathers the chunk's gradient."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+
+    from autopar.costs.reshard import Step
+    from autopar.runtime.reshard import Reshard
+
+    parts = {r: torch.randn(4, 3, generator=torch.Generator().manual_seed(r)) for r in range(WORLD)}
+    total = sum(parts.values())
+    fwd = (Step("all_reduce", 0), Step("slice", 0, dim=0))
+    bwd = (Step("all_gather", 0, dim=0),)
+    with LocalTensorMode(WORLD):
+        x = LocalTensor({r: p.clone() for r, p in parts.items()}, requires_grad=True)
+        y = x * 1.0  # a fresh, owned intermediate, as a matmul's output is
+        out = Reshard.apply(y, fwd, bwd, tp_mesh, (4, 3), "test", True, False)
+        assert out.shape == (2, 3)
+        (out * 2.0).sum().backward()
+        got = {r: out._local_tensors[r].detach().clone() for r in range(WORLD)}
+        grads = {r: x.grad._local_tensors[r].clone() for r in range(WORLD)}
+    for r in range(WORLD):
+        assert torch.allclose(got[r], total[2 * r:2 * r + 2]), r
+        assert torch.allclose(grads[r], torch.full((4, 3), 2.0)), r
