@@ -165,11 +165,12 @@ def _collectives(pm, ex) -> int:
 
 def _reshard_seconds(pm, ex, steps: int = 3) -> float:
     """Median over ``steps`` train_steps of the seconds this rank spends running resharding step
-    lists (``autopar.runtime.reshard.apply_steps``: collectives, their waits and layout copies,
-    forward and backward); the figure to hold against the ``reshard`` part of the prediction."""
+    lists (``autopar.runtime.reshard._apply``, which ``Reshard`` runs forward and ``apply_steps``
+    backward: collectives, their waits and layout copies); the figure to hold against the
+    ``reshard`` part of the prediction."""
     import autopar.runtime.reshard as R
 
-    orig, spent = R.apply_steps, [0.0]
+    orig, spent = R._apply, [0.0]
 
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
@@ -178,7 +179,7 @@ def _reshard_seconds(pm, ex, steps: int = 3) -> float:
         finally:
             spent[0] += time.perf_counter() - t0
 
-    R.apply_steps, runs = timed, []
+    R._apply, runs = timed, []
     try:
         for _ in range(steps):
             pm.zero_grad(set_to_none=True)
@@ -186,7 +187,7 @@ def _reshard_seconds(pm, ex, steps: int = 3) -> float:
             pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
             runs.append(spent[0])
     finally:
-        R.apply_steps = orig
+        R._apply = orig
     pm.zero_grad(set_to_none=True)
     return statistics.median(runs)
 
