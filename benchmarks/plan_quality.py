@@ -257,7 +257,8 @@ def report_losses(rows: list[dict]) -> None:
               f"{a['ms']:.2f} ms ({a['family']}): {short:.3%} short, {a.get('status')}; {why}")
         for who, x in ((mine, a), (r[which], b)):
             bd = x.get("breakdown") or {}
-            split = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in bd.items() if not k.startswith("mem_"))
+            split = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in bd.items()
+                              if not k.startswith(("mem_", "peak_")))  # those are bytes
             print(f"    {who:<9} peak {x['peak_gib']:.2f} GiB; {split}")
 
 

@@ -79,13 +79,18 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="floa
                  memory_budget=budget, checkpoint=bool(checkpoint), time_limit=time_limit, pin=dict(pin or {}))
     if "chunks" in options:  # overlap chunk counts offered, e.g. chunks=(1,) to plan without chunking
         cfg.chunks = tuple(int(k) for k in options.pop("chunks"))
-    candidates = []
-    if force != "pp-tp":
-        candidates.append(_solve_flat(gp, cfg, every=every))
+    pipes = []
     if (pipeline and force in (None, "pp-tp")) and mesh.ndim == 2:
         from autopar.planner.pipeline import pipeline_candidates
 
-        candidates += pipeline_candidates(gp, cfg, required=force == "pp-tp")
+        pipes = pipeline_candidates(gp, cfg, required=force == "pp-tp")
+    # The pipelines first: the flat plan's budget loop need not look for a faster flat plan that
+    # fits once the ILP's bound says no flat plan beats the best pipeline.
+    beat = min((c.step_time for c in pipes if not isinstance(c, Exception)), default=None)
+    candidates = []
+    if force != "pp-tp":
+        candidates.append(_solve_flat(gp, cfg, every=every, beat=beat))
+    candidates += pipes
     ok = [c for c in candidates if not isinstance(c, Exception)]
     if not ok:
         err = candidates[0]
@@ -101,16 +106,20 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="floa
     return best
 
 
-def _solve_flat(gp, cfg: Config, every: bool = False):
+def _solve_flat(gp, cfg: Config, every: bool = False, beat: float | None = None):
     """The single-stage plan over every mesh axis, or the :class:`InfeasibleBudget` error; with
-    ``every``, the chosen strategies with every checkpoint segment recomputed.
+    ``every``, the chosen strategies with every checkpoint segment recomputed; ``beat``: the step
+    time of a plan found elsewhere (the best pipeline), against which the flat plan need not be
+    improved once the ILP's bound at the full budget is no faster.
 
     Under a budget the ILP's memory row is a linear bound of the step's peak, and the plan's
     peak is its per-rank replay (``simulated_peak``). Where the replay exceeds the budget, the
     row is tightened by the excess (from the ILP's own figure of that plan, so every round moves
     the solution), never below the ILP's floor (its most frugal plan, which the solver names when
     a row is below it); once some row gives a plan that fits, the rows between it and the
-    lowest one that did not are bisected for a faster plan that still fits."""
+    lowest one that did not are bisected for a faster plan that still fits. Every row is at most
+    the budget, so the first solve's objective (less its MIP gap) bounds every flat plan the loop
+    can find: when that is no faster than ``beat``, the loop stops at the first plan that fits."""
     t0 = time.perf_counter()
     built = build_cached(gp, cfg)
     t_build = time.perf_counter() - t0
@@ -120,6 +129,7 @@ def _solve_flat(gp, cfg: Config, every: bool = False):
     lo = floor = None            # rows: the highest whose plan fits; the ILP's least feasible
     hi = math.inf                # the lowest row whose plan did not fit
     row = budget
+    bound = None                 # no flat plan under the budget is faster than this
     for _ in range(_BUDGET_ROUNDS):
         try:
             sol = solver.solve(dataclasses.replace(problem, memory_budget=row) if budget is not None else problem)
@@ -133,6 +143,8 @@ def _solve_flat(gp, cfg: Config, every: bool = False):
                 break
             floor = row = err.min_budget * (1 + 1e-6)  # the ILP's most frugal plan is worth a try
             continue
+        if bound is None:
+            bound = float(sol.objective) * (1 - max(float(sol.gap or 0.0), 0.0))
         if every:
             sol = _checkpoint_every(problem, sol)
         p = to_plan(gp, cfg, built, sol, sharding_axes=list(range(cfg.mesh.ndim)), build_seconds=t_build)
@@ -147,7 +159,7 @@ def _solve_flat(gp, cfg: Config, every: bool = False):
             # any row at or above the ILP's own figure of this plan gives this plan back again
             hi = min(hi, row, float(sol.peak_bytes))
         if fit is not None:
-            if hi - lo <= _BUDGET_BISECT * budget:
+            if hi - lo <= _BUDGET_BISECT * budget or (beat is not None and bound >= beat):
                 break
             row = (lo + hi) / 2
         else:

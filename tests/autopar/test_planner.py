@@ -119,6 +119,13 @@ def test_budget_loop_tries_the_ilps_most_frugal_plan(monkeypatch):
     assert rows[0] == budget and rows[1] < floor.value.min_budget
     assert rows[2] == pytest.approx(floor.value.min_budget, rel=1e-5)
     assert all(r > rows[2] for r in rows[3:]) and len(rows) <= P._BUDGET_ROUNDS + 1
+    assert len(rows) > 3  # the bisection ran
+    # Against a plan from elsewhere (a pipeline) faster than the ILP's bound at the budget, no
+    # flat plan can win: the loop stops at its first plan that fits, with no bisection.
+    replays.clear()
+    rows.clear()
+    again = P._solve_flat(gp, P.Config(mesh=mesh, memory_budget=budget), beat=0.0)
+    assert again.peak_bytes <= budget and len(rows) == 3, rows
 
 
 def test_tensor_parallelism_goes_on_the_fast_axis():
