@@ -297,9 +297,10 @@ class _Lowering:
 
         Forward: ``prod`` is a matmul (its backward saves its inputs, never its output) or another
         op of :data:`_FRESH` whose one consumer is ``node``, or a reshape or dropout of one with a
-        single consumer at every step (GPT-2's ``addmm -> view -> dropout``). Backward: ``node`` is a matmul, whose gradient for an operand is a fresh
-        product (addmm's bias, whose gradient may be the incoming one itself, is excluded), or a
-        reshape whose single consumer chain ends in one. The value must enter each consumer once,
+        single consumer at every step (GPT-2's ``addmm -> view -> dropout``). Backward: ``node``
+        is a matmul, whose gradient for an operand is a fresh product (addmm's bias, whose
+        gradient may be the incoming one itself, is excluded), or a reshape whose single consumer
+        chain ends in one. The value must enter each consumer once,
         no node may write into its inputs (a write-back would copy into the reduced tensor) or be
         recomputed (a checkpointed region replays its forward), and the executors are per-rank
         ones (not DTensor's). Should any other reader exist after all, autograd's version counter
