@@ -172,7 +172,7 @@ def capture(model: nn.Module, args, kwargs: dict | None = None, *, loss_fn: Call
     Raises :class:`CaptureError` with the failing construct and remedies when export fails, and
     before any tracing when the inputs do not fit ``model.forward``.
     """
-    args, kwargs = _check_inputs(model, args, kwargs, loss_fn, target)
+    args, kwargs, target = _check_inputs(model, args, kwargs, loss_fn, target)
     wrapper = _LossModule(model, loss_fn)
     with paused_gc(), _export_context(stack_traces):
         try:
@@ -295,8 +295,9 @@ class paused_gc:
             gc.enable()
 
 
-def _check_inputs(model, args, kwargs, loss_fn, target) -> tuple[tuple, dict]:
-    """Cheap checks that catch wrong example inputs before tracing starts."""
+def _check_inputs(model, args, kwargs, loss_fn, target) -> tuple[tuple, dict, Any]:
+    """Cheap checks that catch wrong example inputs before tracing starts; the inputs come back
+    de-aliased (:func:`dealias_inputs`)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"capture() needs an nn.Module, got {type(model).__name__}")
     if isinstance(args, torch.Tensor):
@@ -318,7 +319,34 @@ def _check_inputs(model, args, kwargs, loss_fn, target) -> tuple[tuple, dict]:
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     _check_devices(model, args, kwargs, target)
-    return tuple(args), kwargs
+    args, kwargs, target = dealias_inputs(tuple(args), kwargs, target)
+    return args, kwargs, target
+
+
+def dealias_inputs(args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict, Any]:
+    """The inputs with every tensor that repeats (or views) an earlier one replaced by a copy.
+
+    torch.export lifts one placeholder per distinct tensor: when the example passes one tensor in
+    two places (``(tokens,)`` and ``labels=tokens``), the graph reads both inputs from one
+    placeholder and the other is left without users, so a later call whose labels differ from its
+    ids computes the wrong loss. A copy per extra occurrence keeps every user input its own graph
+    input. Aliasing is judged by object identity and by a shared view base (storage is not
+    inspected: fake and meta tensors have none to compare).
+    """
+    seen: set[int] = set()
+
+    def own(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        keys = {id(x)} | ({id(x._base)} if x._base is not None else set())
+        if keys & seen:
+            return x.clone()
+        seen.update(keys)
+        return x
+
+    flat, spec = torch.utils._pytree.tree_flatten((args, kwargs, target))
+    args, kwargs, target = torch.utils._pytree.tree_unflatten([own(x) for x in flat], spec)
+    return tuple(args), dict(kwargs), target
 
 
 def _check_devices(model, args, kwargs, target) -> None:

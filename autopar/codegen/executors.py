@@ -256,6 +256,17 @@ class DTensorExec(nn.Module):
         return self._run_replicated(xs)
 
 
+class PlainCall(nn.Module):
+    """The node's aten call on local tensors that are whole (everything replicated)."""
+
+    def __init__(self, op, args, kwargs):
+        super().__init__()
+        self.op, self.args_t, self.kwargs_t = op, args, kwargs
+
+    def forward(self, *xs):
+        return self.op(*fill(self.args_t, xs), **fill(self.kwargs_t, xs))
+
+
 class StrategyExec(nn.Module):
     """Run one node with its strategy's local implementation (``autopar.strategies.run_local``)."""
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import placement as pl
 from autopar.codegen import executors as ex
@@ -34,6 +34,7 @@ from autopar.codegen.context import MeshContext, mesh_context
 from autopar.codegen.modules import ReshardModule, WriteBack, _attr_name, check_local
 from autopar.codegen.rowwise import _CHAIN_MATMULS, _DROPPED, _RESHAPES
 from autopar.costs.reshard import reshard as plan_reshard
+from autopar.runtime import rng
 
 Placements = ex.Placements
 _SKIP = {torch.ops.aten._assert_tensor_metadata.default}
@@ -114,6 +115,7 @@ class _Lowering:
         self.stage_of = {n: k for k, st in enumerate(pipe.stages) for n in st} if pipe is not None else {}
         self.pre_edged: set[tuple[str, str]] = set()  # (producer, consumer) edges a ChunkedOp ran
         self.chunking: dict[str, str] = {}  # node -> what its chunks= became
+        self.rng: rng.RandomStream | None = None  # made at the first random node
         self._classify()
 
     # ------------------------------------------------------------------ placements
@@ -505,11 +507,43 @@ class _Lowering:
         return name
 
     def _emit(self, node, ins) -> fx.Node:
-        mod, kind, (args_t, kwargs_t) = self.make_exec(node)
+        random = rng.is_random(node.target, node.args, node.kwargs)
+        if random and rng.uses_dtensor_rng(self.ctx.device.type):
+            # DTensor's offset-based generator draws each shard's slice of the one-device numbers.
+            mod, kind, (args_t, kwargs_t) = self._dtensor_exec(node)
+        else:
+            mod, kind, (args_t, kwargs_t) = self.make_exec(node)
         self.executors[node.name] = kind
+        if random and not rng.uses_dtensor_rng(self.ctx.device.type):
+            mod = self._random_op(node, mod if mod is not None else ex.PlainCall(node.target, args_t, kwargs_t))
         if mod is None:
             return self.graph.call_function(node.target, ex.fill(args_t, ins), ex.fill(kwargs_t, ins))
         return self.graph.call_module(self.add_module(node.name, mod), tuple(ins))
+
+    def _dtensor_exec(self, node):
+        pls, grads = self.inputs_of(node)
+        outs = self.outputs_of(node)
+        args_t, kwargs_t = ex.template(node, self.ctx.device)
+        in_pls = [p if p is not None else (self.outputs_of(n)[0] if _vals(n) else None)
+                  for p, n in zip(pls, node.all_input_nodes)]
+        infos = [ex.TensorInfo(_vals(n)[self._src_index(n, node)], p, g) if _vals(n) and p is not None else None
+                 for p, g, n in zip(in_pls, grads, node.all_input_nodes)]
+        out_infos = [ex.TensorInfo(v, p, None) for v, p in zip(_vals(node), outs)]
+        mod = ex.DTensorExec(node.name, node.target, args_t, kwargs_t, infos, out_infos, self.ctx)
+        return mod, "dtensor", (args_t, kwargs_t)
+
+    def _random_op(self, node, inner: nn.Module) -> nn.Module:
+        """``inner`` seeded so that replicas of the output draw alike and shards draw their own
+        (:mod:`autopar.runtime.rng`)."""
+        if self.rng is None:
+            self.rng = rng.RandomStream.synced(self.ctx.device)  # a broadcast: every rank lowers alike
+        outs = self.outputs_of(node)
+        axes = [a for a, p in enumerate(outs[0])
+                if isinstance(p, Shard) and self.ctx.shape[a] > 1] if outs and outs[0] is not None else []
+        raw = [self.ctx.coordinate(a) for a in axes]
+        # Simulated ranks (LocalTensorMode): one process holds every coordinate, so no seeding.
+        coords = [int(c) for c in raw] if all(isinstance(c, int) for c in raw) else None
+        return rng.RandomOp(node.name, inner, self.rng, axes, coords)
 
     def _write_back(self, node, ins, after: fx.Node) -> None:
         """An op that writes into an input it received resharded (batch norm's running

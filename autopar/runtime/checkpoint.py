@@ -19,6 +19,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from autopar.runtime.rng import streams_in
+
 REGION = "autopar_region"
 
 
@@ -34,7 +36,28 @@ class CheckpointRegion(nn.Module):
         return f"recompute {len(self.nodes)} nodes: {', '.join(self.nodes[:3])}{' ...' if len(self.nodes) > 3 else ''}"
 
     def forward(self, *args):
-        return checkpoint(self.body, *args, use_reentrant=False)
+        streams = streams_in(self.body)
+        if not streams:
+            return checkpoint(self.body, *args, use_reentrant=False)
+        # The recomputation draws the forward's random numbers: each stream rewinds to its count
+        # at this forward, and afterwards returns to where the program's other calls left it.
+        start = [s.counter for s in streams]
+        runs = [0]
+
+        def body(*xs):
+            runs[0] += 1
+            if runs[0] == 1:
+                return self.body(*xs)
+            now = [s.counter for s in streams]
+            for s, c in zip(streams, start):
+                s.counter = c
+            try:
+                return self.body(*xs)
+            finally:
+                for s, c in zip(streams, now):
+                    s.counter = c
+
+        return checkpoint(body, *args, use_reentrant=False)
 
 
 def _regions(gm: fx.GraphModule) -> dict[int, list[fx.Node]]:
