@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml Makefile
 	# torch first and pinned exactly, so pip takes the CPU wheel and never a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# torchvision (imported by timm and transformers) needs a fix-up beside the CPU torch before
+	# its first import, in every script of the environment: a start-up hook installs it.
+	$(BIN)/python -m autopar.envsetup
 	touch $(STAMP)
 
 venv: $(STAMP)
