@@ -126,8 +126,10 @@ def compile(model, mesh=None, example_inputs=(), *, example_kwargs=None, loss_fn
     broadcasts it. ``backend="inductor"`` hands the per-rank graph to ``torch.compile``.
     """
     import profiler
+    from autopar.options import keyword_names, plan_options, refuse_unknown
     from autopar.runtime.module import ParallelModule
 
+    refuse_unknown("compile", options, keyword_names(compile) + plan_options())
     init_distributed()
     # Pipeline plans are offered when asked for (pipeline=True / force="pp-tp"): the pipeline
     # runtime is newer than the rest and not yet covered by the end-to-end family tests.
@@ -149,24 +151,90 @@ def compile(model, mesh=None, example_inputs=(), *, example_kwargs=None, loss_fn
                 text = _plan_on_rank0(gp, amesh, memory_budget, optimizer, options, cache_dir, quiet,
                                       type(model).__name__)
             except Exception as err:  # tell the other ranks instead of leaving them waiting
-                failure, text = err, f"{_FAIL}{type(err).__name__}: {err}"
+                failure, text = err, failure_text(err)
         got = _broadcast_text(text, device)
         if got.startswith(_FAIL):
             if failure is not None:
                 raise failure
-            raise RuntimeError(f"rank 0 could not plan: {got[len(_FAIL):]}")
+            raise_failure(got)
         plan = Plan.from_json(got)
     plan.check_fits(graph_hash, amesh.to_dict())
     verify_same_plan(plan, device)  # first, so one rank's bad file cannot leave the others waiting
     from autopar.validate import validate_plan_for
 
     validate_plan_for(gp.captured, plan, graph_hash=False)  # a hand-edited plan is named, not run
+    if dist.get_rank() == 0:
+        warn_if_other_devices(plan, dm.device_type,
+                              torch.cuda.get_device_name() if dm.device_type == "cuda" else None)
     _log(f"plan ready in {time.perf_counter() - t0:.1f} s\n{plan.summary()}", quiet)
     # ParallelModule runs pipelined plans too (stages driven by torch.distributed.pipelining).
     return ParallelModule(model, gp.captured, plan, dm, debug=debug, backend=backend, loss_fn=loss_fn)
 
 
 _FAIL = "\x00autopar-plan-failed: "
+
+
+def failure_text(err: BaseException) -> str:
+    """What rank 0 broadcasts when planning failed: the exception's class and message, so that
+    :func:`raise_failure` raises the same exception on the other ranks."""
+    cls = type(err)
+    single = len(err.args) == 1 and isinstance(err.args[0], str)
+    message = err.args[0] if single else str(err)
+    return f"{_FAIL}{cls.__module__}:{cls.__qualname__}\n{message}"
+
+
+def raise_failure(text: str):
+    """Raise, on a rank other than 0, the exception rank 0's planning raised (its class and
+    message, from :func:`failure_text`). Only a class already imported here is used (nothing is
+    imported by name); one that cannot be rebuilt from its message becomes a ``RuntimeError``
+    naming it."""
+    head, _, message = text.removeprefix(_FAIL).partition("\n")
+    cls = _exception_class(head)
+    exc = None
+    if cls is not None:
+        try:
+            exc = cls(message)
+        except Exception:  # a constructor that needs more than the message
+            exc = None
+    if exc is None:
+        exc = RuntimeError(f"rank 0 could not plan ({head.rpartition(':')[2] or 'error'}): {message}")
+    raise exc
+
+
+def _exception_class(head: str):
+    module, _, qualname = head.partition(":")
+    obj = sys.modules.get(module)
+    for part in qualname.split(".") if obj is not None and qualname else ():
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) and issubclass(obj, Exception) else None
+
+
+#: The word a GPU model's name carries for each GPU cluster preset.
+_GPU_NAMES = {"a100": "A100", "h100": "H100", "h200": "H200", "pcie": "A100"}
+
+
+def warn_if_other_devices(plan: Plan, device_type: str, device_name: str | None = None) -> None:
+    """Warn when ``plan`` was made for other devices than the job's (``device_type`` ``"cpu"`` or
+    ``"cuda"``, ``device_name`` the GPU's name): it runs, but its predicted step time and memory
+    are those of the devices it was planned for."""
+    import warnings
+
+    cluster = (plan.mesh or {}).get("cluster")
+    if not cluster:
+        return
+    planned = (plan.mesh.get("device") or {}).get("name") or cluster
+    if device_type == "cpu":
+        job = "CPU processes (gloo)"
+        differs = cluster != "cpu"
+    else:
+        job = f"{device_name or device_type} GPUs"
+        want = _GPU_NAMES.get(cluster)
+        differs = cluster == "cpu" or bool(want and device_name and want not in device_name.upper())
+    if differs:
+        warnings.warn(f"the plan was made for cluster {cluster!r} ({planned}) but this job runs on {job}: it "
+                      f"trains the same, but its predicted step time and memory are for {planned}; re-plan for "
+                      f"this job's devices (autopar.Mesh(..., cluster=...) or mesh=None) for a plan that fits them",
+                      stacklevel=3)
 
 
 def _plan_on_rank0(gp, amesh, memory_budget, optimizer, options, cache_dir, quiet, model_name) -> str:

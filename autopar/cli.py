@@ -32,10 +32,7 @@ def load_spec(spec: str, *, batch=None, seq=None, device="meta"):
             raise UserError(f"unknown example {spec!r}: use one of {', '.join(zoo.names())} "
                             f"or package.module:factory")
         fn = zoo._SMALL.get(spec) or zoo._BIG[spec][0]
-        accepted = inspect.signature(fn).parameters
-        bad = [k for k in overrides if k not in accepted]
-        if bad:
-            raise UserError(f"example {spec!r} takes no --{bad[0]} option")
+        _check_takes(fn, f"example {spec!r}", overrides)
         return zoo.build(spec, device=device, **overrides)
     mod_name, _, attr = spec.partition(":")
     try:
@@ -45,6 +42,7 @@ def load_spec(spec: str, *, batch=None, seq=None, device="meta"):
     fn = getattr(mod, attr, None)
     if not callable(fn):
         raise UserError(f"{mod_name!r} has no callable {attr!r} (SPEC is package.module:factory)")
+    _check_takes(fn, spec, overrides)
     out = fn(**overrides)
     if isinstance(out, zoo.Example):
         return out
@@ -54,6 +52,42 @@ def load_spec(spec: str, *, batch=None, seq=None, device="meta"):
     rest += [None] * (3 - len(rest))
     return zoo.Example(name=spec, model=model, args=tuple(args) if isinstance(args, (tuple, list)) else (args,),
                        kwargs=rest[0] or {}, loss_fn=rest[1], target=rest[2])
+
+
+def _check_takes(fn, what: str, overrides: dict) -> None:
+    """Refuse --batch/--seq for a factory that has no such parameter, before calling it."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): let the call decide
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    bad = [k for k in overrides if k not in params]
+    if bad:
+        raise UserError(f"{what} takes no {bad[0]!r} parameter, so --{bad[0]} cannot be applied; "
+                        f"drop --{bad[0]}" + ("" if what.startswith("example") else f" or give the factory a "
+                                              f"{bad[0]}= parameter"))
+
+
+def _check_plan_options(a) -> None:
+    """The option values of ``autopar plan``, checked before any model is built or profiled."""
+    from autopar.planner import FORCE_CHOICES
+    from profiler.memory import OPTIMIZER_STATES
+
+    _check_sizes(a)
+    if a.force is not None and a.force not in FORCE_CHOICES:
+        raise UserError(f"unknown --force family {a.force!r}: use one of {', '.join(FORCE_CHOICES)}")
+    if a.optimizer not in OPTIMIZER_STATES:
+        raise UserError(f"unknown --optimizer {a.optimizer!r}: use one of {', '.join(OPTIMIZER_STATES)}")
+    if not a.time_limit > 0:
+        raise UserError(f"--time-limit must be a positive number of seconds, got {a.time_limit}")
+
+
+def _check_sizes(a) -> None:
+    for flag in ("batch", "seq"):
+        v = getattr(a, flag, None)
+        if v is not None and v < 1:
+            raise UserError(f"--{flag} must be a positive integer, got {v}")
 
 
 def _load_plan(path):
@@ -69,6 +103,7 @@ def _load_plan(path):
 def cmd_profile(a) -> int:
     import profiler
 
+    _check_sizes(a)
     ex = load_spec(a.spec, batch=a.batch, seq=a.seq)
     gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
     print(gp.table())
@@ -90,6 +125,7 @@ def _mesh(a):
 def cmd_plan(a) -> int:
     import autopar
 
+    _check_plan_options(a)
     mesh = _mesh(a)
     try:
         budget = parse_bytes(a.memory)
@@ -160,7 +196,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--memory", help="per-device memory budget, e.g. 80GiB")
     sp.add_argument("--force", help="restrict to a plan family: dp, zero3, megatron, tp, atp-col-first, "
                     "atp-row-first, pp-tp, replicate")
-    sp.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "sgd-momentum"))
+    sp.add_argument("--optimizer", default="adamw", help="optimizer whose state counts in memory: adamw, adam, "
+                    "sgd, sgd-momentum (default: %(default)s)")
     sp.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
     sp.add_argument("-o", "--output", help="write the plan JSON here")
     sp.set_defaults(fn=cmd_plan)

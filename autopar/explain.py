@@ -1,6 +1,8 @@
 """Explaining plans: why a node got its strategy, and what moved between two plans."""
 from __future__ import annotations
 
+import difflib
+import re
 from collections import Counter
 
 from autopar.plan import Plan
@@ -8,15 +10,16 @@ from autopar.report import human_bytes, human_seconds, table
 
 
 def explain(plan: Plan, key: str) -> str:
-    """The strategies considered for node ``key`` (or for every decided node of a layer whose
-    path starts with ``key``) with the cost terms that decided. Raises ``KeyError`` with a hint."""
+    """The strategies considered for node ``key`` (or for every decided node of the layer ``key``
+    and the modules inside it, in graph order, no-op nodes left out) with the cost terms that
+    decided. Raises ``KeyError`` suggesting the closest layer names."""
     if key in plan.nodes:
         names = [key]
     else:
-        names = [n for n in plan.considered if _layer_of(plan, n).startswith(key)]
+        names = [n for n in plan.considered if _in_layer(_layer_of(plan, n), key) and not _no_op(plan, n)]
         if not names:
-            close = sorted({_layer_of(plan, n) for n in plan.considered})[:8]
-            raise KeyError(f"no node or layer {key!r} in the plan; try a node name or one of: {', '.join(close)}")
+            raise KeyError(f"no node or layer {key!r} in the plan; {_suggest(plan, key)}")
+        names.sort(key=lambda n: _position(plan, n))
     out = []
     for name in names:
         np_ = plan.nodes.get(name)
@@ -40,6 +43,48 @@ def _layer_of(plan: Plan, node: str) -> str:
         if r.get("layer"):
             return r["layer"]
     return node
+
+
+def _in_layer(path: str, key: str) -> bool:
+    """``path`` is the module ``key`` or inside it (``transformer.h.1`` is not in ``transformer.h.10``)."""
+    return path == key or path.startswith(key + ".")
+
+
+def _no_op(plan: Plan, node: str) -> bool:
+    """A node with nothing to decide or run: no tensor output (``_assert_tensor_metadata``,
+    ``_assert_scalar`` and the like)."""
+    np_ = plan.nodes.get(node)
+    return np_ is not None and not np_.outputs
+
+
+def _position(plan: Plan, node: str):
+    """Graph order of a decided node (``order`` of its considered rows; plan files without it
+    fall back to the name, numbers compared as numbers: ``add_2`` before ``add_10``)."""
+    rows = plan.considered.get(node) or [{}]
+    order = rows[0].get("order")
+    if isinstance(order, int) and order >= 0:
+        return (0, order, ())
+    return (1, 0, tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", node) if t))
+
+
+def _layer_names(plan: Plan) -> list[str]:
+    """Every module path of the plan (each enclosing module too) and its summary rows."""
+    names = {r.get("name") for r in plan.layers if r.get("name")}
+    for n in plan.considered:
+        path = next((r["layer"] for r in plan.considered[n] if r.get("layer")), "")
+        parts = path.split(".") if path else []
+        names.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    names.discard("(top)")
+    return sorted(names)
+
+
+def _suggest(plan: Plan, key: str) -> str:
+    layers = _layer_names(plan)
+    close = difflib.get_close_matches(key, layers, n=3, cutoff=0.6)
+    if close:
+        return f"did you mean the layer {' or '.join(repr(c) for c in close)}?"
+    top = [r.get("name") for r in plan.layers if r.get("name") and r.get("name") != "(top)"][:8] or layers[:8]
+    return f"give a node name or a layer, e.g. {', '.join(top)}" if top else "give a node name"
 
 
 def diff(a: Plan, b: Plan) -> str:

@@ -7,14 +7,16 @@ if TYPE_CHECKING:
     from autopar.plan import Plan
 
 
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
+def human_bytes(n: float, digits: int = 1) -> str:
+    """``1536`` -> ``"1.5 KiB"``: bytes in the largest binary unit that keeps the number >= 1,
+    with ``digits`` decimals (whole bytes have none). The one formatter of sizes in autopar's
+    reports and messages."""
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"
+    return f"{n:.{digits}f} TiB"
 
 
 def human_seconds(s: float) -> str:
@@ -53,12 +55,18 @@ def plan_summary(plan: "Plan") -> str:
     bd = plan.breakdown
     if bd:
         t = [f"{k} {human_seconds(bd[k])}" for k in ("compute", "comm", "reshard", "recompute", "bubble") if k in bd]
-        m = [f"{k} {human_bytes(bd['mem_' + k])}" for k in ("params", "grads", "optimizer", "activations", "transient")
-             if "mem_" + k in bd]
+        mem = {k: bd["mem_" + k] for k in ("params", "grads", "optimizer", "activations", "transient")
+               if "mem_" + k in bd}
+        stages = plan.options.get("stage_memory") if plan.pipeline else None
+        if stages and all(isinstance(r, dict) for r in stages):
+            # what one device holds: the busiest pipeline rank at its peak, not every stage's sum
+            worst = max(stages, key=lambda r: r.get("params", 0.0) + r.get("activations", 0.0))
+            mem = {"params": worst.get("params", 0.0), "activations": worst.get("activations", 0.0)}
+        m = [f"{k} {human_bytes(v)}" for k, v in mem.items()]
         if t:
             out.append("time:   " + ", ".join(t))
         if m:
-            out.append("memory: " + ", ".join(m))
+            out.append("memory/device: " + ", ".join(m))
     if plan.pipeline:
         p = plan.pipeline
         out.append(f"pipeline: {len(p.stages)} stages on axis {p.axis}, {p.microbatches} micro-batches, "
@@ -71,10 +79,24 @@ def plan_summary(plan: "Plan") -> str:
                          human_bytes(r.get("memory", 0.0))])
         out.append("")
         out.append(table(rows, ["layer", "parameter placements", "recompute", "stage", "time", "comm", "memory"]))
-    if plan.alternatives:
+    runner_ups = _distinct_runner_ups(plan)
+    if runner_ups:
         out.append("")
         out.append("runner-up plans:")
-        for a in plan.alternatives[:5]:
+        for a in runner_ups[:5]:
             out.append(f"  {a.get('family', '?'):<28} {human_seconds(a.get('step_time', 0.0)):>10}  "
                        f"peak {human_bytes(a.get('peak_bytes', 0.0))}")
     return "\n".join(out)
+
+
+def _distinct_runner_ups(plan: "Plan") -> list[dict]:
+    """``plan.alternatives`` with each family label once (the first, fastest, one) and without the
+    plan's own label (plan files written before the planner listed each label once)."""
+    seen = {plan.options.get("family")}
+    out = []
+    for a in plan.alternatives:
+        fam = a.get("family", "?")
+        if fam not in seen:
+            seen.add(fam)
+            out.append(a)
+    return out

@@ -207,6 +207,180 @@ def resnet(*, batch=4, img=32, classes=10, name="resnet18", device=None, seed=0)
                    loss_fn=F.cross_entropy, target=_labels(batch, classes, device))
 
 
+# ---------------------------------------------------------------- torch.nn attention
+class MHAClassifier(nn.Module):
+    """A sequence classifier over token ids built on ``nn.MultiheadAttention(batch_first=True)``:
+    token and position embeddings, then blocks of (attention, LayerNorm, MLP, LayerNorm) with
+    residuals, a mean over the sequence and a linear head."""
+
+    def __init__(self, vocab: int = 64, seq: int = 8, hidden: int = 32, heads: int = 4, layers: int = 2,
+                 classes: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.pos = nn.Parameter(0.02 * torch.randn(seq, hidden))
+        self.attn = nn.ModuleList(nn.MultiheadAttention(hidden, heads, dropout=0.0, batch_first=True)
+                                  for _ in range(layers))
+        self.norm1 = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(layers))
+        self.mlp = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+            for _ in range(layers))
+        self.norm2 = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, ids):  # ids: (batch, seq)
+        x = self.embed(ids) + self.pos
+        for attn, norm1, mlp, norm2 in zip(self.attn, self.norm1, self.mlp, self.norm2):
+            x = norm1(x + attn(x, x, x, need_weights=False)[0])
+            x = norm2(x + mlp(x))
+        return self.head(x.mean(dim=1))  # (batch, classes)
+
+
+def mha(*, batch=8, seq=8, hidden=32, heads=4, layers=2, vocab=64, classes=8, device=None, seed=0) -> Example:
+    """:class:`MHAClassifier` (``nn.MultiheadAttention``, dropout 0)."""
+    torch.manual_seed(seed)
+    model = _on(device, lambda: MHAClassifier(vocab, seq, hidden, heads, layers, classes))
+    return Example(name="mha", model=model, args=(_ids(batch, seq, vocab, device, seed),), kwargs={},
+                   loss_fn=F.cross_entropy, target=_labels(batch, classes, device))
+
+
+class EncoderClassifier(nn.Module):
+    """A sequence classifier over token ids: embeddings, ``nn.TransformerEncoder`` of
+    ``nn.TransformerEncoderLayer(batch_first=True, dropout=0.0)``, mean over the sequence, head.
+    (The encoder's fused fast path runs in eval only; training takes the layer-by-layer path.)"""
+
+    def __init__(self, vocab: int = 64, seq: int = 8, hidden: int = 32, heads: int = 4, layers: int = 2,
+                 ffn: int = 64, classes: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.pos = nn.Parameter(0.02 * torch.randn(seq, hidden))
+        layer = nn.TransformerEncoderLayer(hidden, heads, dim_feedforward=ffn, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, ids):  # ids: (batch, seq)
+        x = self.encoder(self.embed(ids) + self.pos)
+        return self.head(x.mean(dim=1))  # (batch, classes)
+
+
+def transformer_encoder(*, batch=8, seq=8, hidden=32, heads=4, layers=2, ffn=64, vocab=64, classes=8,
+                        device=None, seed=0) -> Example:
+    """:class:`EncoderClassifier` (``nn.TransformerEncoder``, dropout 0)."""
+    torch.manual_seed(seed)
+    model = _on(device, lambda: EncoderClassifier(vocab, seq, hidden, heads, layers, ffn, classes))
+    return Example(name="transformer_encoder", model=model, args=(_ids(batch, seq, vocab, device, seed),),
+                   kwargs={}, loss_fn=F.cross_entropy, target=_labels(batch, classes, device))
+
+
+#: torch.nn attention models (not in :data:`ZOO`).
+_NN_ATTENTION: dict[str, Callable[..., Example]] = {"mha": mha, "transformer_encoder": transformer_encoder}
+
+
+# ---------------------------------------------------------------- mixture of experts
+def mixtral(*, batch=2, seq=16, layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, experts=4,
+            top_k=2, vocab=256, device=None, seed=0) -> Example:
+    """HF ``MixtralForCausalLM``: a sparse mixture of ``experts`` gated-SiLU MLPs per layer, each
+    token routed to ``top_k`` of them (HF's grouped-matmul experts), grouped-query attention."""
+    ensure_torchvision_importable()
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, num_local_experts=experts,
+                        num_experts_per_tok=top_k, vocab_size=vocab, max_position_embeddings=max(seq, 64),
+                        use_cache=False, attention_dropout=0.0, router_jitter_noise=0.0,
+                        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = _on(device, lambda: MixtralForCausalLM(cfg))
+    ids = _ids(batch, seq, vocab, device, seed)
+    return Example(name="mixtral", model=model, args=(ids,), kwargs={"labels": ids})
+
+
+class MoEFFN(nn.Module):
+    """A top-k mixture of expert MLPs with GShard-style capacity per sequence.
+
+    A linear router gives each token a softmax over the experts; a token goes to its ``top_k``
+    experts with gates renormalised to sum to 1. Each expert takes, in every sequence, at most
+    ``capacity`` tokens, those with its highest gates (a token it does not get adds 0), runs its
+    MLP on them and adds the gated result back at their positions (``scatter_add``). Sequences
+    are routed independently, so a batch split keeps every sample's result. ``forward`` also
+    returns the Switch Transformer load-balancing term ``experts * sum_e f_e * p_e`` (f: share of
+    tokens whose first choice is e, p: mean router probability of e)."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, capacity: int):
+        super().__init__()
+        self.top_k, self.capacity = top_k, capacity
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+                                     for _ in range(experts))
+
+    def forward(self, x):  # x: (batch, seq, hidden)
+        probs = self.router(x).softmax(dim=-1)                               # (b, s, e)
+        gates, choice = probs.topk(self.top_k, dim=-1)                       # (b, s, k)
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            score = (gates * (choice == e)).sum(dim=-1)                      # (b, s): 0 when not routed
+            gate, token = score.topk(self.capacity, dim=-1)                  # (b, c) tokens expert e takes
+            where = token.unsqueeze(-1).expand(-1, -1, x.shape[-1])          # (b, c, hidden)
+            y = expert(x.gather(1, where)) * gate.unsqueeze(-1)
+            out = out.scatter_add(1, where, y)
+        first = F.one_hot(choice[..., 0], len(self.experts)).to(x.dtype)     # (b, s, e)
+        balance = len(self.experts) * (first.mean(dim=(0, 1)) * probs.mean(dim=(0, 1))).sum()
+        return out, balance
+
+
+class MoEClassifier(nn.Module):
+    """A sequence classifier over token ids: embeddings, blocks of (LayerNorm, multi-head
+    self-attention, LayerNorm, :class:`MoEFFN`) with residuals, a mean over the sequence, a head.
+    Returns (logits, summed load-balancing terms)."""
+
+    def __init__(self, vocab: int = 64, seq: int = 8, hidden: int = 32, heads: int = 4, ffn: int = 64,
+                 experts: int = 4, top_k: int = 2, capacity: int = 6, layers: int = 2, classes: int = 8):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, hidden)
+        self.pos = nn.Parameter(0.02 * torch.randn(seq, hidden))
+        self.norm1 = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(layers))
+        self.qkv = nn.ModuleList(nn.Linear(hidden, 3 * hidden) for _ in range(layers))
+        self.proj = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
+        self.norm2 = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(layers))
+        self.moe = nn.ModuleList(MoEFFN(hidden, ffn, experts, top_k, capacity) for _ in range(layers))
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, ids):  # ids: (batch, seq)
+        x = self.embed(ids) + self.pos
+        b, s, h = x.shape
+        balance = x.new_zeros(())
+        for norm1, qkv, proj, norm2, moe in zip(self.norm1, self.qkv, self.proj, self.norm2, self.moe):
+            q, k, v = qkv(norm1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v)                      # (b, heads, s, head_dim)
+            x = x + proj(a.transpose(1, 2).reshape(b, s, h))
+            y, aux = moe(norm2(x))
+            x, balance = x + y, balance + aux
+        return self.head(x.mean(dim=1)), balance
+
+
+def moe_loss(output, target, balance_weight: float = 0.01):
+    """Cross entropy of :class:`MoEClassifier`'s logits plus its weighted load-balancing term."""
+    logits, balance = output
+    return F.cross_entropy(logits, target) + balance_weight * balance
+
+
+def moe(*, batch=4, seq=8, hidden=32, heads=4, ffn=64, experts=4, top_k=2, capacity_factor=1.5, layers=2,
+        vocab=64, classes=8, device=None, seed=0) -> Example:
+    """:class:`MoEClassifier`: top-2 of 4 expert MLPs per block, capacity ``capacity_factor`` x the
+    balanced share of a sequence's tokens (``ceil(cf * seq * top_k / experts)``, at most ``seq``)."""
+    capacity = min(seq, -(-int(capacity_factor * seq * top_k * 1000) // (experts * 1000)))
+    torch.manual_seed(seed)
+    model = _on(device, lambda: MoEClassifier(vocab, seq, hidden, heads, ffn, experts, top_k, capacity, layers,
+                                              classes))
+    return Example(name="moe", model=model, args=(_ids(batch, seq, vocab, device, seed),), kwargs={},
+                   loss_fn=moe_loss, target=_labels(batch, classes, device))
+
+
+#: Mixture-of-experts models (not in :data:`ZOO`).
+_MOE: dict[str, Callable[..., Example]] = {"mixtral": mixtral, "moe": moe}
+
+
 # ---------------------------------------------------------------- registry
 #: The six models every test runs on (small configs).
 ZOO = ("gpt2", "llama", "bert", "vit", "resnet", "mlp")
@@ -214,6 +388,8 @@ ZOO = ("gpt2", "llama", "bert", "vit", "resnet", "mlp")
 _SMALL: dict[str, Callable[..., Example]] = {
     "gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "resnet": resnet, "mlp": mlp,
 }
+_SMALL.update(_NN_ATTENTION)
+_SMALL.update(_MOE)
 
 # Big configs, for planning and profiling (build them on device="meta").
 _BIG: dict[str, tuple[Callable[..., Example], dict[str, Any]]] = {

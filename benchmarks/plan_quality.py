@@ -156,7 +156,7 @@ def _flat_from_free(free: dict) -> dict:
         return {"error": free["error"], "why": free["why"]}
     if not free["pipeline"]:
         return {k: free[k] for k in ("ms", "peak_gib", "family", "status", "gap", "breakdown")}
-    flat = [a for a in free["alternatives"] if str(a.get("family", "")).startswith("searched")]
+    flat = [a for a in free["alternatives"] if not str(a.get("family", "")).startswith("pp(")]
     if not flat:
         return {"error": "OOM", "why": "the single-stage plan does not fit the budget"}
     return {"ms": flat[0]["step_time"] * 1e3, "peak_gib": flat[0]["peak_bytes"] / 2**30, "family": flat[0]["family"]}

@@ -6,13 +6,15 @@ layers; the predicted peak memory of one training step. ``capture(...) -> Captur
 training-IR fx graph alone. This package imports torch only (never autopar or solver).
 """
 from .capture import CaptureError, Captured, capture
-from .flops import EXTRA_FLOP_FORMULAS, format_bytes, format_flops
+from .execute import ProfileError
+from .flops import EXTRA_FLOP_FORMULAS, NAMED_FLOP_FORMULAS, flop_formulas, format_bytes, format_flops
 from .memory import MemoryEstimate
 from .profile import GraphProfile, NodeProfile, profile, profile_captured
 from .repeats import RepeatGroup, find_repeats
 
 __all__ = [
-    "CaptureError", "Captured", "capture", "EXTRA_FLOP_FORMULAS", "format_bytes", "format_flops",
+    "CaptureError", "Captured", "capture", "ProfileError", "EXTRA_FLOP_FORMULAS", "NAMED_FLOP_FORMULAS", "flop_formulas",
+    "format_bytes", "format_flops",
     "MemoryEstimate", "GraphProfile", "NodeProfile", "profile", "profile_captured", "RepeatGroup",
     "find_repeats",
 ]

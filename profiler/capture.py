@@ -30,11 +30,26 @@ from .fastexport import trimmed_export
 #: Prefix export gives to FQNs of the wrapped model (the wrapper holds it as ``self.model``).
 _PREFIX = "model."
 
-_REMEDIES = (
-    "usual remedies: pass use_cache=False (HF models) so no cache objects are built; pass every "
-    "input the forward needs as example args/kwargs; replace data-dependent Python control flow "
-    "(`if x.sum() > 0:`, `.item()`, `.tolist()`) with tensor ops such as torch.where"
-)
+#: Remedies by kind of failure; a message appends only those that fit it.
+_REMEDY = {
+    "cache": "pass use_cache=False (HF models) so no cache objects are built",
+    "inputs": "pass every input the forward needs as example args/kwargs",
+    "control": ("replace data-dependent Python control flow (`if x.sum() > 0:`, `.item()`, `.tolist()`) "
+                "with tensor ops such as torch.where"),
+    "dtype": ("give every example input the dtype the model expects: token ids as torch.long, floating "
+              "inputs in the parameters' dtype (x.float() for float32 weights), or convert the model"),
+    "shape": "check the example inputs' shapes against what the forward expects",
+    "loss": ("check loss_fn against the model's output: it is called as loss_fn(output, target) "
+             "(loss_fn(output) when no target= is given)"),
+}
+
+#: What a data-dependent size failure appends.
+_REMEDIES = "remedy: " + _REMEDY["control"]
+
+
+def _remedies(*kinds: str) -> str:
+    text = "; ".join(_REMEDY[k] for k in kinds)
+    return ("remedy: " if len(kinds) == 1 else "remedies: ") + text
 
 
 class CaptureError(RuntimeError):
@@ -368,16 +383,47 @@ def _capture_error(model: nn.Module, e: BaseException) -> CaptureError:
     name = type(e).__name__
     text = str(e).strip().split("\n\n")[0][:2000]
     where = f" at {construct}" if construct else ""
+    lowered = text.lower()
+    cache = "cache" in lowered
     if _is_data_dependent(e):
         what = "data-dependent control flow or output shape (a Python branch or size that needs tensor values)"
+        kinds = ("control",)
+    elif _raised_in_loss_fn(e):
+        what = "the loss function raised on the model's output"
+        kinds = ("loss",)
     elif isinstance(e, (RuntimeError, TypeError, ValueError, IndexError)) and _raised_in_model(e):
-        what = ("the model's forward raised on the example inputs (wrong shape, dtype or arity of an "
-                "input?)")
+        if _is_dtype_error(lowered):
+            what = "the model's forward raised on the example inputs: an input has the wrong dtype"
+            kinds = ("dtype",)
+        elif isinstance(e, TypeError) and ("argument" in lowered or "positional" in lowered):
+            what = "the model's forward raised on the example inputs: a missing or extra input"
+            kinds = ("inputs",)
+        else:
+            what = ("the model's forward raised on the example inputs (wrong shape, dtype or arity of an "
+                    "input?)")
+            kinds = ("cache", "shape") if cache else ("shape", "inputs")
     else:
         what = "torch.export could not capture the model"
+        kinds = ("cache",) if cache else ("cache", "inputs", "control")
     msg = (f"capturing {type(model).__name__} failed{where}: {what}.\n"
-           f"export said ({name}): {text}\n{_REMEDIES}")
+           f"export said ({name}): {text}\n{_remedies(*kinds)}")
     return CaptureError(msg, construct=construct, cause=e)
+
+
+def _is_dtype_error(lowered_text: str) -> bool:
+    """The message of an op that rejected an input's dtype (mixed float types, float indices...)."""
+    return any(m in lowered_text for m in (
+        "scalar type", "scalar types", "dtype", "should be the same", "expected both", "found dtype",
+        "expected tensor for argument", "but found double", "but found float", "mat1 and mat2 must have the same"))
+
+
+def _raised_in_loss_fn(e: BaseException) -> bool:
+    """The failure happened inside ``loss_fn`` (the capture wrapper's call of it is on the stack)."""
+    here = os.path.abspath(__file__)
+    for f in traceback.extract_tb(e.__traceback__):
+        if f.name == "forward" and os.path.abspath(f.filename) == here and "self.loss_fn(" in (f.line or ""):
+            return True
+    return False
 
 
 def _is_data_dependent(e: BaseException) -> bool:

@@ -89,6 +89,41 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class ProfileError(RuntimeError):
+    """A node of the captured graph failed to run on the example inputs' fake values; the message
+    names the node, its module and its inputs (and the dtype clash when there is one)."""
+
+
+def _node_failure(node: torch.fx.Node, args, kwargs, err: BaseException) -> str:
+    """The message of :class:`ProfileError` for ``node``, which raised ``err`` on ``args``/``kwargs``."""
+    from .capture import module_path
+
+    path = module_path(node)
+    where = f" in module '{path}'" if path else ""
+    stack = node.meta.get("nn_module_stack") or {}
+    if path and stack:
+        kind = next(reversed(stack.values()))[1]
+        kind = getattr(kind, "__name__", None) or str(kind).rsplit(".", 1)[-1].strip("'>")
+        where += f" ({kind})"
+    # The fx inputs and their values have the same pytree structure.
+    srcs = pytree.tree_leaves((node.args, node.kwargs), is_leaf=lambda x: isinstance(x, torch.fx.Node))
+    vals = pytree.tree_leaves((args, kwargs))
+    tensors = [(src.name if isinstance(src, torch.fx.Node) else "?", v)
+               for src, v in zip(srcs, vals) if isinstance(v, torch.Tensor)] if len(srcs) == len(vals) else \
+        [("?", v) for v in vals if isinstance(v, torch.Tensor)]
+    inputs = ", ".join(f"{n} {str(t.dtype).removeprefix('torch.')}{tuple(t.shape)}" for n, t in tensors[:6])
+    floats = sorted({str(t.dtype).removeprefix("torch.") for _, t in tensors if t.is_floating_point()})
+    msg = f"node '{node.name}' ({node.target}){where} failed on the example inputs"
+    if len(floats) > 1:
+        msg += (f": its inputs mix floating dtypes {' and '.join(floats)} ({inputs}). The model's floating "
+                f"inputs and parameters must share one dtype: pass the example inputs in the parameters' dtype "
+                f"(e.g. images.float() for float32 weights) or convert the model (model.to(dtype))")
+    elif inputs:
+        msg += f" (inputs: {inputs})"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return f"{msg}.\ntorch said ({type(err).__name__}): {first[:500]}"
+
+
 class _NoMap(Exception):
     """A key of the twin has no counterpart: measure the node instead of copying."""
 
@@ -111,7 +146,16 @@ class _Meter(TorchDispatchMode):
                 r = func.decompose(*args, **kwargs)
             if r is not NotImplemented:
                 return r
-        out = func(*args, **kwargs)
+        if func is torch.ops.aten.histc.default and not args[0].is_floating_point() and args[0].device.type == "cpu":
+            # Meta-device graphs run on fake CPU tensors, but their code took the accelerator's
+            # path: HF's mixture-of-experts layers count tokens per expert with an integer histc,
+            # which CUDA has and the CPU kernel (whose fake kernel checks it) lacks. Count in a
+            # floating type of the same element size; the counts come back in the input's dtype.
+            x = args[0]
+            wide = torch.float64 if x.element_size() == 8 else torch.float32
+            out = func(x.to(wide), *args[1:], **kwargs).to(x.dtype)
+        else:
+            out = func(*args, **kwargs)
         self.runner.on_op(func, args, kwargs, out)
         return out
 
@@ -196,6 +240,10 @@ class Runner:
         self.fwd, self.fwd_name, self.pending_saved, self.internal = rec, node.name, [], 0
         try:
             out = self._call(node, args, kwargs)
+        except (RuntimeError, TypeError, ValueError, IndexError) as err:
+            if isinstance(err, ProfileError):
+                raise
+            raise ProfileError(_node_failure(node, args, kwargs, err)) from err
         finally:
             self.fwd = None
         self.env[node.name] = out

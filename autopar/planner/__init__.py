@@ -53,7 +53,11 @@ def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, t
     ``checkpoint``: offer activation checkpointing of repeated layers (True), not (False), or
     checkpoint every repeated layer (``"all"``)."""
     import profiler
+    from autopar.options import keyword_names, plan_options, refuse_unknown
 
+    # Options are checked before the (slow) capture and profile: a typo fails at once.
+    refuse_unknown("plan", options, keyword_names(plan) + plan_options())
+    _check_family(force)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     t0 = time.perf_counter()
@@ -69,11 +73,13 @@ def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, t
 def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="float32", force=None,
                  checkpoint=True, pipeline="auto", time_limit=60.0, pin=None, **options) -> Plan:
     """Plan from an existing ``profiler.GraphProfile`` (the planner's steps 2-5)."""
+    from autopar.options import EXTRA_PLAN_OPTIONS, keyword_names, refuse_unknown
+
     t_start = time.perf_counter()
+    refuse_unknown("plan_profile", options, keyword_names(plan_profile) + EXTRA_PLAN_OPTIONS)
     mesh = _as_mesh(mesh)
     budget = parse_bytes(memory_budget)
-    if force is not None and force not in FAMILIES and force != "pp-tp":
-        raise ValueError(f"unknown plan family {force!r}; choose one of {', '.join(FAMILIES + ('pp-tp',))}")
+    _check_family(force)
     every = checkpoint == "all"  # checkpoint every layer (a family's checkpointed variant)
     cfg = Config(mesh=mesh, optimizer=optimizer, dtype=dtype, family=force if force != "pp-tp" else None,
                  memory_budget=budget, checkpoint=bool(checkpoint), time_limit=time_limit, pin=dict(pin or {}))
@@ -97,13 +103,35 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="floa
         raise err
     ok.sort(key=lambda p: (p.step_time, p.peak_bytes))
     best = ok[0]
-    best.alternatives = [{"family": c.options.get("family", "?"), "step_time": c.step_time,
-                          "peak_bytes": c.peak_bytes} for c in ok[1:6]]
+    best.alternatives = _runner_ups(best, ok[1:])
     best.options.update({k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))})
     if pin:
         best.options["pin"] = dict(pin)
     best.timings["plan_seconds"] = time.perf_counter() - t_start  # every candidate, build + solve
     return best
+
+
+def _runner_ups(best: Plan, others: list, top: int = 5) -> list[dict]:
+    """The fastest plan of each other family label, fastest first (a label is listed once, and
+    not at all when it is the winner's own: the winner is the best plan of its label)."""
+    seen = {best.options.get("family", "?")}
+    out = []
+    for c in others:
+        fam = c.options.get("family", "?")
+        if fam in seen:
+            continue
+        seen.add(fam)
+        out.append({"family": fam, "step_time": c.step_time, "peak_bytes": c.peak_bytes})
+    return out[:top]
+
+
+#: The values ``force=`` takes: a family of ``autopar.planner.families`` or a pipeline.
+FORCE_CHOICES = FAMILIES + ("pp-tp",)
+
+
+def _check_family(force) -> None:
+    if force is not None and force not in FORCE_CHOICES:
+        raise ValueError(f"unknown plan family {force!r}; choose one of {', '.join(FORCE_CHOICES)}")
 
 
 def _solve_flat(gp, cfg: Config, every: bool = False, beat: float | None = None):
@@ -135,10 +163,11 @@ def _solve_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
             sol = solver.solve(dataclasses.replace(problem, memory_budget=row) if budget is not None else problem)
         except solver.Infeasible as err:
             if last is None:
+                dominant = "; ".join(err.dominant) or "nothing in particular"
                 return InfeasibleBudget(
-                    f"no plan fits the memory budget of {_gib(cfg.memory_budget)} per device on mesh "
-                    f"{cfg.mesh.shape}: the smallest feasible budget is {_gib(err.min_budget)} ({err.dominant}). "
-                    f"Raise the budget, use more devices, or a smaller batch")
+                    f"no plan fits the memory budget of {_size(cfg.memory_budget)} per device on mesh "
+                    f"{_shape(cfg.mesh)}: the smallest feasible budget is {_size(err.min_budget)} "
+                    f"(dominated by {dominant}). Raise the budget, use more devices, or a smaller batch")
             if floor is not None:
                 break
             floor = row = err.min_budget * (1 + 1e-6)  # the ILP's most frugal plan is worth a try
@@ -172,9 +201,9 @@ def _solve_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
         return fit
     p, sol = last
     return InfeasibleBudget(
-        f"no plan found whose simulated per-device peak fits the memory budget of {_gib(budget)} on mesh "
-        f"{cfg.mesh.shape} (the last one tried peaks at {_gib(p.peak_bytes)}, where the ILP's linear memory "
-        f"row counted {_gib(float(sol.peak_bytes))}). Raise the budget, use more devices, or a smaller batch")
+        f"no plan found whose simulated per-device peak fits the memory budget of {_size(budget)} on mesh "
+        f"{_shape(cfg.mesh)} (the last one tried peaks at {_size(p.peak_bytes)}, where the ILP's linear memory "
+        f"row counted {_size(float(sol.peak_bytes))}). Raise the budget, use more devices, or a smaller batch")
 
 
 #: Solves the budget loop of ``_solve_flat`` runs at most, and the width (a share of the budget)
@@ -233,14 +262,27 @@ def _hashable(value):
     return value
 
 
-def _gib(b) -> str:
-    return "unbounded" if b is None else f"{b / 2**30:.2f} GiB"
+def _size(b) -> str:
+    """Bytes in messages, in the unit that fits (``autopar.report.human_bytes``)."""
+    from autopar.report import human_bytes
+
+    return "unbounded" if b is None else human_bytes(b, digits=2)
 
 
-def _family_name(cfg: Config, plan_nodes, params) -> str:
+def _shape(mesh) -> str:
+    return "x".join(map(str, mesh.shape)) or "1"
+
+
+def _family_name(cfg: Config, gp, plan_nodes, params) -> str:
+    """The label of a flat plan: the forced family, ``"replicated: no parallelism"`` when every
+    rank does the same work, else ``"searched RxC"``."""
+    from autopar.planner.labels import axis_roles, is_replicated
+
     if cfg.family:
         return cfg.family
     shape = cfg.mesh.shape
+    if is_replicated(axis_roles(gp.captured, plan_nodes, params, len(shape)), shape):
+        return "replicated: no parallelism"
     sharded_params = any("S" in p for p in params.values())
     return f"searched {'x'.join(map(str, shape))}" + (" (sharded params)" if sharded_params else "")
 
@@ -305,7 +347,7 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
              peak_bytes=float(sol.peak_bytes if peak_bytes is None else peak_bytes), breakdown=bd,
              solver={"status": str(sol.status), "gap": float(sol.gap), "variables": int(sol.num_variables),
                      "constraints": int(sol.num_constraints), "checkpointed": list(sol.checkpointed)},
-             options={"family": family or _family_name(cfg, nodes, params)})
+             options={"family": family or _family_name(cfg, gp, nodes, params)})
     p.timings.update(build_seconds=float(build_seconds), solve_seconds=float(sol.solve_seconds))
     p.layers = _layer_rows(gp, p, built, pick)
     p.considered = _considered(gp, built, sol)
@@ -344,6 +386,7 @@ def _considered(gp, built: Built, sol, top: int = 6) -> dict[str, list[dict]]:
         nbrs[e.src].append((e.cost, e.dst))
         nbrs[e.dst].append((e.cost.T, e.src))
     tied_later = {n for t in built.problem.ties for n in t[1:]}
+    position = {n.name: i for i, n in enumerate(gp.captured.gm.graph.nodes)}  # graph order, for explain
     out = {}
     for node in built.problem.nodes:
         nid = node.id
@@ -360,7 +403,7 @@ def _considered(gp, built: Built, sol, top: int = 6) -> dict[str, list[dict]]:
         out[nid] = [{"strategy": node.labels[s], "outputs": ",".join(pl.fmt(x) for x in strats[s].outputs),
                      "time": float(node.time[s]), "comm": float(node.comm[s]), "reshard": float(resh[s]),
                      "mem": float(node.mem[s]), "act": float(node.act[s]), "total": float(total[s]),
-                     "chosen": s == chosen, "layer": layer} for s in order]
+                     "chosen": s == chosen, "layer": layer, "order": position.get(nid, -1)} for s in order]
     return out
 
 

@@ -80,6 +80,7 @@ def _placeholders_to_first_user(gp, units: list[list[str]]) -> list[list[str]]:
 def pipeline_candidates(gp, cfg: Config, *, required: bool = False) -> list:
     """Plans (or the errors that stopped them) for every pipeline axis, best count and schedule per axis."""
     from autopar.planner import InfeasibleBudget
+    from autopar.report import human_bytes
 
     gm = gp.captured.gm
     order = [n.name for n in gm.graph.nodes if n.op not in ("output", "get_attr")]
@@ -105,7 +106,8 @@ def pipeline_candidates(gp, cfg: Config, *, required: bool = False) -> list:
             out.append(plan)
         else:
             out.append(plan if plan is not None else
-                       InfeasibleBudget(f"no pipeline over axis {axis} fits the memory budget"))
+                       InfeasibleBudget(f"no pipeline over axis {axis} fits the memory budget of "
+                                        f"{human_bytes(cfg.memory_budget, digits=2)} per device"))
     if required and not any(not isinstance(c, Exception) for c in out):
         why = "; ".join(str(c) for c in out if isinstance(c, Exception))
         raise ValueError("no pipeline plan is possible: the mesh has no axis of size >= 2 that the model's "
@@ -125,6 +127,7 @@ def _axis_plan(gp, cfg: Config, units, axis: int, counts: list[int]):
     one, every schedule); None when none fits the memory budget, the ValueError when no count
     has strategies that divide its micro-batch."""
     from autopar.planner import build_cached, to_plan
+    from autopar.planner.labels import axes_label, axis_roles
 
     other, sub = _sub_mesh(cfg.mesh, axis)
     p = cfg.mesh.shape[axis]
@@ -155,10 +158,14 @@ def _axis_plan(gp, cfg: Config, units, axis: int, counts: list[int]):
     plan = to_plan(gp, best["sub_cfg"], built, best["sol"], sharding_axes=other,
                    pipeline=Pipeline(axis=axis, stages=stages, microbatches=m, schedule=best["sched"],
                                      virtual_stages=best["v"]),
-                   step_time=best["step"], peak_bytes=best["peak"],
-                   family=f"pp({p}) x {'tp' if sub.size > 1 else 'none'}({sub.size})")
+                   step_time=best["step"], peak_bytes=best["peak"], family=f"pp({p})")
     plan.mesh = cfg.mesh.to_dict()
     plan.memory_budget = cfg.memory_budget
+    # The label names what the other axis does in this plan (dp, tp, replicated...), read off
+    # the chosen placements.
+    roles = axis_roles(gp.captured, plan.nodes, plan.params, len(other))
+    if sub.size > 1:
+        plan.options["family"] = f"pp({p}) x {axes_label(roles, sub.shape)}"
     # The solution's split is of one micro-batch through every stage: rescale its shares to the
     # busiest device's m micro-batches, so that the parts add up to the step time.
     bd = plan.breakdown
@@ -171,6 +178,12 @@ def _axis_plan(gp, cfg: Config, units, axis: int, counts: list[int]):
     bd["grad_sync"] = float(best["sync"])
     plan.options["stage_times"] = [float(x) * m for x in best["dev_times"]]
     plan.options["stage_memory"] = best["split"]
+    # The memory split is what one device holds: the busiest pipeline rank at its peak (to_plan
+    # summed the resident bytes of every stage, which no device holds).
+    worst = max(best["split"], key=lambda r: r["params"] + r["activations"])
+    for k in [k for k in bd if k.startswith("mem_")]:
+        del bd[k]
+    bd.update(mem_params=float(worst["params"]), mem_activations=float(worst["activations"]))
     return plan
 
 

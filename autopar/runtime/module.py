@@ -42,6 +42,16 @@ def _R(n):
     return (Replicate(),) * n
 
 
+def _state_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each key of ``model.state_dict()``, in its order, with every key of the same tensor (a
+    tied weight's names; the key itself first). Non-persistent buffers are not keys."""
+    state = model.state_dict(keep_vars=True)
+    by_tensor: dict[int, list[str]] = {}
+    for k, v in state.items():
+        by_tensor.setdefault(id(v), []).append(k)
+    return {k: (k, *[n for n in by_tensor[id(v)] if n != k]) for k, v in state.items()}
+
+
 class ParallelModule(nn.Module):
     """Per-rank module of ``plan`` (see module docstring).
 
@@ -154,6 +164,7 @@ class ParallelModule(nn.Module):
     def _install_state(self, model, captured, sig):
         from autopar.codegen.lower import canonical_fqns
 
+        object.__setattr__(self, "_state_names", _state_names(model))
         full = dict(model.named_parameters(remove_duplicate=False))
         full.update(dict(model.named_buffers(remove_duplicate=False)))
         canon = canonical_fqns(captured)
@@ -335,19 +346,31 @@ class ParallelModule(nn.Module):
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (gathered) parameters and buffers under the original names, on every rank."""
-        return self._gather(lambda t: t, kinds=("param", "buffer"))
+        """Full (gathered) parameters and persistent buffers on every rank, with exactly the keys
+        of the original model's ``state_dict()`` in its order (every name of a tied weight;
+        non-persistent buffers, such as rotary ``inv_freq`` or ``position_ids``, left out), ready
+        for a strict ``model.load_state_dict``."""
+        names = self._state_names
+        full = self._gather(lambda t: t, kinds=("param", "buffer"), keep={n for same in names.values() for n in same})
+        out = {}
+        for key, same in names.items():
+            src = next((n for n in same if n in full), None)
+            if src is not None:
+                out[key] = full[src]
+        return out
 
     @torch.no_grad()
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full (gathered) gradients under the original parameter names (after ``train_step``)."""
         return self._gather(lambda t: t.grad, kinds=("param",))
 
-    def _gather(self, pick, kinds) -> dict[str, torch.Tensor]:
+    def _gather(self, pick, kinds, keep: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """Full values of the slots of ``kinds`` (and the other names of tied parameters);
+        ``keep``: gather only these names (the same on every rank: each gather is collective)."""
         ctx = self._sig.ctx
         out = {}
         for s in self._sig.slots:
-            if s.kind not in kinds:
+            if s.kind not in kinds or (keep is not None and s.name not in keep):
                 continue
             t = pick(self._get(s.name))
             if self._pipe is not None:  # this rank's shard, as the owner stage's rank holds it

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.strategies.base import P, R, S, Entry, OpInfo
-from autopar.strategies.local import in_val, local_out_shape
+from autopar.strategies.local import bound, in_val, local_out_shape
 from autopar.strategies.registry import register
 
 aten = torch.ops.aten
@@ -144,10 +144,12 @@ def reshape(info: OpInfo):
 
 
 def _unflatten_local(node, st, args, kwargs, ctx):
-    x, dim, sizes = args[0], int(args[1]), args[2]
-    d = dim % len(node.meta["val"].shape)
+    a = bound(node, args, kwargs)
+    x, dim, sizes = a["self"], int(a["dim"]), a["sizes"]
+    # A negative dim counts from the end of the INPUT (the output has len(sizes) - 1 more dims).
+    d = dim % max(in_val(node, 0).dim(), 1)
     shape = local_out_shape(node, st, ctx)
-    return node.target(x, dim, shape[d:d + len(sizes)])
+    return node.target(x, d, shape[d:d + len(sizes)])
 
 
 @register(aten.flatten.using_ints, full=True)

@@ -174,7 +174,8 @@ def reference(ex, steps: int = STEPS, lr: float = LR) -> dict:
         loss = _call(model, ex)
         loss.backward()
         if i == 0:
-            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters(remove_duplicate=False)}
+            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters(remove_duplicate=False)
+                     if p.grad is not None}  # a frozen parameter (Whisper's positions) has none
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
