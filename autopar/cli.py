@@ -226,6 +226,14 @@ def main(argv=None) -> int:
     except UserError as err:
         print(f"autopar: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # a model that cannot be captured or profiled is the user's to fix
+        from profiler import ProfileError
+        from profiler.capture import CaptureError
+
+        if not isinstance(err, (CaptureError, ProfileError)):
+            raise
+        print(f"autopar: error: {err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

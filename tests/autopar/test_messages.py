@@ -150,6 +150,25 @@ def test_cli_batch_for_a_factory_without_one(tmp_path, monkeypatch, capsys):
     assert len(err) == 1 and "--batch" in err[0] and "'batch'" in err[0], err
 
 
+def test_cli_reports_a_model_that_cannot_be_captured_in_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_branchy.py").write_text(
+        "import torch\n"
+        "class Branchy(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        y = self.lin(x)\n"
+        "        return (y if y.sum() > 0 else -y).sum()\n"
+        "def make():\n"
+        "    return Branchy(), (torch.randn(2, 4),)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["profile", "my_branchy:make"]) == 2
+    err = capsys.readouterr().err  # (torch.export may log the graph it traced before ours)
+    assert "Traceback" not in err, err
+    assert any(line.startswith("autopar: error: capturing Branchy failed") for line in err.splitlines()), err
+
+
 def test_unknown_options_are_refused_naming_the_closest(monkeypatch):
     ex = zoo.build("mlp")
 
