@@ -1,5 +1,5 @@
-"""Slicing, joining and indexing: slice/select/narrow, split/unbind, cat/stack, index, gather,
-index_select, pad, diff, repeat, flip, tril/triu.
+"""Slicing, joining and indexing: slice/select/narrow, split/unbind, cat/stack, gather,
+index_select, pad, diff, repeat, flip, tril/triu (advanced indexing, ``index``: routing.py).
 
 The rule for all of them: the dim being sliced, joined, padded or indexed needs the whole dim on
 every rank (a local slice of a shard would take the wrong elements); every other dim can be
@@ -74,13 +74,7 @@ def stack(info: OpInfo) -> list[Entry]:
     return keep_dims_entries(info, set(), lambda d: d + (d >= dim), slots=slots)
 
 
-@register(aten.index.Tensor)
-def index(info: OpInfo) -> list[Entry]:
-    # Advanced indexing moves and merges dims in ways that depend on the index layout; only the
-    # data's linearity is used: gathering from partial sums gives partial sums.
-    if info.ins[0] is not None and _float(info):
-        return [info.entry("partial", {0: P}, [P])]
-    return []
+# aten.index.Tensor (advanced indexing, the gathers of mixture-of-experts routing): routing.py.
 
 
 @register(aten.index_select.default)

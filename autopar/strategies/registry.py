@@ -72,9 +72,32 @@ def register(*ops, local: Callable[..., Any] | None = None, full: bool = False, 
     return deco
 
 
+def register_named(*names: str, local: Callable[..., Any] | None = None, full: bool = False,
+                   simulate: bool = False):
+    """Like :func:`register`, for ops of other libraries named as ``str(op)``
+    (``"transformers.grouped_mm_fallback.default"``): such an op exists only once its library is
+    imported, which may happen after ours; nodes find the rule by the op's name."""
+    def deco(fn):
+        for name in names:
+            if name in _NAMED_RULES:
+                raise ValueError(f"{name} already has a sharding rule; an op gets one rule")
+            _NAMED_RULES[name] = Rule(fn=fn, local=local, full=full, simulate=simulate)
+        return fn
+    return deco
+
+
+_NAMED_RULES: dict[str, Rule] = {}
+
+
 def registered_ops() -> list:
-    """Every op with a rule of our own (the sweep test runs them all)."""
+    """Every op with a rule of our own (the sweep test runs them all); ops registered by name
+    are in :func:`registered_names`."""
     return [op for op in _RULES if op not in (PLACEHOLDER, OUTPUT, GET_ATTR)]
+
+
+def registered_names() -> list[str]:
+    """The names of the ops of other libraries with a rule of our own (:func:`register_named`)."""
+    return list(_NAMED_RULES)
 
 
 def rule_for(node: fx.Node) -> Rule | None:
@@ -82,6 +105,8 @@ def rule_for(node: fx.Node) -> Rule | None:
     if node.op != "call_function":
         return _RULES.get(node.op)
     rule = _RULES.get(node.target)
+    if rule is None and _NAMED_RULES and isinstance(node.target, torch._ops.OpOverload):
+        rule = _NAMED_RULES.get(str(node.target))
     if rule is None:
         from autopar.strategies import dtensor
 
@@ -218,5 +243,6 @@ from autopar.strategies import (  # noqa: E402,F401
     pointwise,
     pool,
     reduction,
+    routing,
     view,
 )

@@ -266,12 +266,56 @@ def _factory_examples(x3, x4) -> list:
         (aten.sym_size.int, (x3, 1)), (aten.sym_numel.default, (x3,)), (aten._assert_async.msg, (torch.tensor(True), "ok")),
     ]
 
+def _routing_examples(x3, x4) -> list:
+    """Mixture-of-experts routing: top-k, sorts, histograms, one-hot, gathers and scatters,
+    grouped matmuls (autopar.strategies.routing)."""
+    rows = torch.stack([torch.randperm(6, generator=_GEN)[:3] for _ in range(4)])  # (4, 3), no repeats per row
+    return [
+        (aten.topk.default, (x3, 3)), (aten.topk.default, (x3, 2, 1, False)),
+        (aten.sort.default, (x3, 1)), (aten.sort.stable, (x3,), {"stable": True, "dim": -1, "descending": True}),
+        (aten.argsort.default, (x3, 0)), (aten.argsort.stable, (x3,), {"stable": True, "dim": 1}),
+        (aten.one_hot.default, (ints(4, 4, 6), 4)),
+        (aten.floor_divide.default, (ints(20, 4, 6), ints(3, 6) + 1)), (aten.floor_divide.Scalar, (ints(20, 4, 6), 3)),
+        (aten.repeat_interleave.self_int, (x3, 2, 1)), (aten.repeat_interleave.self_int, (x3, 3, 0), {"output_size": 12}),
+        (aten.repeat_interleave.self_int, (rnd(4, 6), 2)),
+        (aten.histc.default, (rnd(4, 6), 6, -1.5, 1.5), {}, (0,)), (aten.histc.default, (rnd(8), 4), {}, (0,)),
+        (aten.index.Tensor, (x3, [None, ints(6, 5)])), (aten.index.Tensor, (x3, [ints(4, 2, 4), None, ints(8, 4)])),
+        (aten.index.Tensor, (x3, [None, ints(6, 4, 1), ints(8, 2)])), (aten.index.Tensor, (x3, [torch.tensor([-1, 0, 3, -4])])),
+        (aten.index_add.default, (rnd(6, 8), 0, ints(6, 4), rnd(4, 8))),
+        (aten.index_add.default, (x3, 1, ints(6, 8), rnd(4, 8, 8)), {"alpha": 0.5}),
+        (aten.index_add_.default, (rnd(6, 8), 0, ints(6, 4), rnd(4, 8))),
+        (aten.scatter_add.default, (rnd(4, 6), 1, ints(6, 4, 4), rnd(4, 4))),
+        (aten.scatter_add.default, (rnd(6, 4), 0, ints(6, 4, 4), rnd(4, 4))),
+        (aten.scatter_add_.default, (rnd(4, 6), 1, ints(6, 4, 4), rnd(4, 4))),
+        (aten.scatter.src, (rnd(4, 6), 1, rows, rnd(4, 3))), (aten.scatter.value, (rnd(4, 6), 1, rows, 2.0)),
+        (aten.scatter_.src, (rnd(4, 6), 1, rows, rnd(4, 3))), (aten.scatter_.value, (rnd(4, 6), 1, rows, 2.0)),
+    ]
+
+
+def _grouped_mm_cases() -> list[Case]:
+    """torch._grouped_mm: its fake kernel takes bfloat16 only (the CUDA kernel's dtypes) and its
+    CPU kernel float32 too, so the node is made in bfloat16 and checked in float32. Rows and
+    columns of 16 floats: the CPU kernel wants 16-byte strides, also on quarter shards."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    offs = torch.tensor([3, 8, 8, 16], dtype=torch.int32)  # 4 groups of 16 rows, one empty
+    cases = []
+    for k, args in enumerate([(rnd(16, 16), rnd(4, 16, 16), offs), (rnd(4, 8, 16), rnd(4, 16, 16))]):
+        low = tuple(a.bfloat16() if a.is_floating_point() else a for a in args)
+        node, _ = V.one_op_node(aten._grouped_mm.default, low)
+        mode = FakeTensorMode()
+        for ph, a in zip(node.all_input_nodes, args):
+            ph.meta["val"] = mode.from_tensor(a.detach().clone().requires_grad_(a.is_floating_point()))
+        node.meta["val"] = mode.from_tensor(aten._grouped_mm.default(*args))
+        cases.append(Case(f"hand:grouped_mm{k}", node, [a.detach() for a in args]))
+    return cases
+
 def hand_cases() -> dict[str, list[Case]]:
     """``(op, args[, kwargs[, nograd]])`` examples, then generic ones for the pointwise tables."""
     x3, x4 = rnd(4, 6, 8), rnd(4, 6, 4, 4)
     examples = []
     for part in (_pointwise_examples, _reduction_view_examples, _index_matmul_examples, _nn_examples,
-                 _factory_examples):
+                 _factory_examples, _routing_examples):
         examples += part(x3, x4)
     out: dict[str, list[Case]] = collections.defaultdict(list)
     for k, item in enumerate(examples):
@@ -282,6 +326,7 @@ def hand_cases() -> dict[str, list[Case]]:
     out[str(aten.batch_norm.default)].append(make_case(
         "hand:batch_norm", aten.batch_norm.default, (x4, rnd(6), rnd(6), torch.zeros(6), torch.ones(6), True, 0.1, 1e-5, False),
         nograd=(3, 4)))
+    out[str(aten._grouped_mm.default)] += _grouped_mm_cases()
     for op in list(_generic_ops()) + list(DTENSOR_OPS):
         if str(op) not in out:
             out[str(op)].append(pointwise_case(op))
