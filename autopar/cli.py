@@ -81,6 +81,12 @@ def _check_plan_options(a) -> None:
         raise UserError(f"unknown --optimizer {a.optimizer!r}: use one of {', '.join(OPTIMIZER_STATES)}")
     if not a.time_limit > 0:
         raise UserError(f"--time-limit must be a positive number of seconds, got {a.time_limit}")
+    from autopar.precision import GRAD_REDUCE, PRECISIONS
+
+    if a.precision is not None and a.precision not in PRECISIONS:
+        raise UserError(f"unknown --precision {a.precision!r}: use one of {', '.join(PRECISIONS)}")
+    if a.grad_reduce not in GRAD_REDUCE:
+        raise UserError(f"unknown --grad-reduce {a.grad_reduce!r}: use one of {', '.join(GRAD_REDUCE)}")
 
 
 def _check_sizes(a) -> None:
@@ -134,7 +140,8 @@ def cmd_plan(a) -> int:
     ex = load_spec(a.spec, batch=a.batch, seq=a.seq)
     try:
         p = autopar.plan(ex.model, mesh, ex.args, example_kwargs=ex.kwargs, loss_fn=ex.loss_fn, target=ex.target,
-                         memory_budget=budget, force=a.force, optimizer=a.optimizer, time_limit=a.time_limit)
+                         memory_budget=budget, force=a.force, optimizer=a.optimizer, time_limit=a.time_limit,
+                         precision=a.precision, grad_reduce=a.grad_reduce)
     except autopar.InfeasibleBudget as err:
         raise UserError(str(err)) from None
     p.options["spec"] = a.spec
@@ -199,6 +206,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--optimizer", default="adamw", help="optimizer whose state counts in memory: adamw, adam, "
                     "sgd, sgd-momentum (default: %(default)s)")
     sp.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
+    sp.add_argument("--precision", help="fp32 or bf16-mixed (default: bf16-mixed on GPU clusters, fp32 on cpu)")
+    sp.add_argument("--grad-reduce", default="fp32", help="dtype of gradient reductions under bf16-mixed: fp32 or "
+                                                          "bf16 (default: %(default)s)")
     sp.add_argument("-o", "--output", help="write the plan JSON here")
     sp.set_defaults(fn=cmd_plan)
 

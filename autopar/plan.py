@@ -93,7 +93,9 @@ class Plan:
     optimizer: str = "adamw"
     """Optimizer whose state the memory model counts."""
     dtype: str = "float32"
-    """Training precision: ``"float32"`` or ``"bf16-mixed"``."""
+    """Training precision: ``"float32"`` or ``"bf16-mixed"`` (see :mod:`autopar.precision`)."""
+    grad_reduce: str = "fp32"
+    """Under bf16-mixed, the dtype gradient reductions run in: ``"fp32"`` or ``"bf16"``."""
     pipeline: Pipeline | None = None
     """Pipeline stages, or ``None`` for a single stage."""
     step_time: float = 0.0
@@ -311,6 +313,10 @@ def _validate(data: Any) -> Plan:
         if key in body:
             _need(isinstance(body[key], str), key, "expected a string")
             out[key] = body[key]
+    _need(out.get("dtype", "float32") in ("float32", "bf16-mixed"), "dtype", "expected 'float32' or 'bf16-mixed'")
+    if "grad_reduce" in body:
+        _need(body["grad_reduce"] in ("fp32", "bf16"), "grad_reduce", "expected 'fp32' or 'bf16'")
+        out["grad_reduce"] = body["grad_reduce"]
     out["pipeline"] = _validate_pipeline(body.get("pipeline"), len(shape), nodes)
     for key in ("step_time", "peak_bytes"):
         if key in body:

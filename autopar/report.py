@@ -44,6 +44,12 @@ def plan_family(plan: "Plan") -> str:
     return "pipeline" if plan.pipeline else "sharded"
 
 
+def _precision_text(plan) -> str:
+    if plan.dtype == "bf16-mixed":
+        return f"bf16-mixed (gradients reduced in {getattr(plan, 'grad_reduce', 'fp32')})"
+    return "fp32"
+
+
 def plan_summary(plan: "Plan") -> str:
     mesh = plan.mesh
     shape = "x".join(str(s) for s in mesh.get("shape", ()))
@@ -51,7 +57,7 @@ def plan_summary(plan: "Plan") -> str:
     out = [f"autopar plan for {plan.model} on mesh {shape} ({names})  family: {plan_family(plan)}"]
     budget = "none" if plan.memory_budget is None else human_bytes(plan.memory_budget)
     out.append(f"predicted step time {human_seconds(plan.step_time)}   peak memory/device "
-               f"{human_bytes(plan.peak_bytes)}   budget {budget}")
+               f"{human_bytes(plan.peak_bytes)}   budget {budget}   precision {_precision_text(plan)}")
     bd = plan.breakdown
     if bd:
         t = [f"{k} {human_seconds(bd[k])}" for k in ("compute", "comm", "reshard", "recompute", "bubble") if k in bd]

@@ -140,6 +140,19 @@ class GraphProfile:
                                        optimizer=key[0], precision=sizing, foreach=key[2])
         return self._memo[key]
 
+    def output_itemsizes(self, dtype: Any = torch.float32) -> dict[str, list[int]]:
+        """Per node, the element size of each floating output under ``dtype`` (0 for a
+        non-floating one): for ``"bf16-mixed"``/``"fp16-mixed"`` as the mixed replay computes them
+        (2 where autocast runs 16 bits or a 16-bit value passes through, 4 where it keeps fp32),
+        else as traced. What the planner prices a resharded activation's bytes with."""
+        precision = normalize_precision(dtype)
+        key = ("itemsize", precision)
+        if key not in self._memo:
+            steps = self._step_nodes(precision)
+            size = {k: b for st in steps for k, b in st.float_size.items()}
+            self._memo[key] = {st.name: [size.get(k, 0) for k in st.out_keys] for st in steps}
+        return self._memo[key]
+
     def saved_bytes_by_node(self, dtype: Any = torch.float32) -> dict[str, int]:
         """Per node, the bytes autograd keeps for backward (each storage counted at its first
         saver, parameters and buffers left out, as ``NodeProfile.saved_bytes``) under ``dtype``:

@@ -29,6 +29,8 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import placement as pl
+from autopar import precision
+from autopar.codegen import causal
 from autopar.codegen import executors as ex
 from autopar.codegen.context import MeshContext, mesh_context
 from autopar.codegen.modules import ReshardModule, WriteBack, _attr_name, check_local
@@ -79,6 +81,11 @@ class LocalSignature:
     """Per node with ``chunks > 1``: how it was chunked, or why it was not."""
     regions: int = 0
     """Number of checkpointed (recomputed) regions."""
+    causal: list[str] = dataclasses.field(default_factory=list)
+    """Attention nodes whose provably causal mask was dropped for ``is_causal=True``
+    (:mod:`autopar.codegen.causal`)."""
+    causal_kept: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Attention nodes with a provably causal mask that keep it, and why."""
 
 
 #: Ops whose output is a fresh tensor that their own backward never saves (it reads the inputs,
@@ -116,6 +123,9 @@ class _Lowering:
         self.pre_edged: set[tuple[str, str]] = set()  # (producer, consumer) edges a ChunkedOp ran
         self.chunking: dict[str, str] = {}  # node -> what its chunks= became
         self.rng: rng.RandomStream | None = None  # made at the first random node
+        self.plan_dtype = getattr(plan, "dtype", "float32")
+        self.compute_dtype = precision.compute_dtype(self.plan_dtype)
+        self.reduce_dtype = precision.reduce_dtype(self.plan_dtype, getattr(plan, "grad_reduce", "fp32"))
         self._classify()
 
     # ------------------------------------------------------------------ placements
@@ -273,15 +283,22 @@ class _Lowering:
         gdst = ex.grad_of(dst) if gdst is None else gdst
         if src == dst and gsrc == gdst:
             return value
-        key = (prod.name, dst, gdst)
-        if prod.op == "placeholder" and key in self.edge_cache:
-            return self.edge_cache[key]
         fwd, bwd, shape = self.edge_steps(prod, node, src, dst, gsrc, gdst)
         if not fwd and not bwd:
             return value
+        # Mixed precision (autopar.precision): a parameter moved for a 16-bit op moves in bf16, and
+        # its gradient is reduced in the reduction dtype.
+        is_param = self.kinds.get(prod.name, ("",))[0] == "param"
+        fwd_dtype = (self.compute_dtype if precision.casts_before_gather(self.plan_dtype, is_param, node, fwd)
+                     else None)
+        bwd_dtype = (self.reduce_dtype or torch.float32) if is_param and self.compute_dtype is not None else None
+        key = (prod.name, dst, gdst, fwd_dtype)
+        if prod.op == "placeholder" and key in self.edge_cache:
+            return self.edge_cache[key]
         owned_fwd, owned_bwd = self._owned(prod, value, node)
         mod = ReshardModule(fwd, bwd, self.ctx, shape,
-                            f"{prod.name} -> {node.name} {pl.fmt(src)}->{pl.fmt(dst)}", owned_fwd, owned_bwd)
+                            f"{prod.name} -> {node.name} {pl.fmt(src)}->{pl.fmt(dst)}", owned_fwd, owned_bwd,
+                            fwd_dtype, bwd_dtype)
         name = _attr_name(mod.label, self.taken)
         self.root[name] = mod
         self.reshards.append(f"{name}: {mod.what}, {mod.label}")
@@ -671,9 +688,16 @@ def build(captured, plan, device_mesh, *, debug: bool = False, executor: str = "
     if callable(graph_hash) and check_hash:
         plan.check_fits(graph_hash())
     ctx = mesh_context(device_mesh, plan.mesh, plan.sharding_axes)
+    # The one graph rewrite before lowering: attention whose mask is provably the causal triangle
+    # (a constant of the shapes, no user input) runs is_causal=True without it, on a copy of the
+    # captured graph and plan, where the plan keeps the sequence whole and the erased mask
+    # computation runs no collective (autopar.codegen.causal).
+    rewrite = causal.for_lowering(captured, plan, ctx.mesh, executor)
+    captured, plan, causal_nodes = rewrite.captured, rewrite.plan, rewrite.rewritten
     low = _Lowering(captured, plan, ctx, debug=debug, executor=executor)
     gm = low.run()
     gm.meta["autopar"] = LocalSignature(slots=low.sig_slots, param_grads={low.kinds[k][1]: v for k, v in low.pgrads.items()},
                                         ctx=ctx, executors=low.executors, reshards=low.reshards,
-                                        chunking=low.chunking, regions=low.regions)
+                                        chunking=low.chunking, regions=low.regions, causal=causal_nodes,
+                                        causal_kept=rewrite.kept)
     return gm

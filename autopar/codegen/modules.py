@@ -20,12 +20,15 @@ class ReshardModule(nn.Module):
     """One edge: forward ``src -> dst`` steps, backward ``grad_dst -> grad_src`` steps."""
 
     def __init__(self, fwd, bwd, ctx: MeshContext, shape, what: str, owned_fwd: bool = False,
-                 owned_bwd: bool = False):
+                 owned_bwd: bool = False, fwd_dtype=None, bwd_dtype=None):
         super().__init__()
         self.fwd, self.bwd, self.ctx, self.shape = tuple(fwd), tuple(bwd), ctx, tuple(shape)
         # owned_*: the edge alone reads its input / gradient, so an all-reduce runs in place.
         self.owned_fwd, self.owned_bwd = owned_fwd, owned_bwd
-        self.label = (f"{_label(self.fwd, ctx.axis_names, owned_fwd)} / bwd "
+        # *_dtype: casts before the steps (autopar.precision: bf16 gathers, the reduction dtype).
+        self.fwd_dtype, self.bwd_dtype = fwd_dtype, bwd_dtype
+        cast = f"to_{str(fwd_dtype).removeprefix('torch.')}+" if fwd_dtype is not None else ""
+        self.label = (f"{cast}{_label(self.fwd, ctx.axis_names, owned_fwd)} / bwd "
                       f"{_label(self.bwd, ctx.axis_names, owned_bwd)}")
         self.what = what
 
@@ -34,7 +37,7 @@ class ReshardModule(nn.Module):
 
     def forward(self, x):
         return Reshard.apply(x, self.fwd, self.bwd, self.ctx.device_mesh, self.shape, None,
-                             self.owned_fwd, self.owned_bwd)
+                             self.owned_fwd, self.owned_bwd, self.fwd_dtype, self.bwd_dtype)
 
 
 def _attr_name(label: str, taken: set) -> str:

@@ -25,6 +25,7 @@ import numpy as np
 
 import solver
 from autopar import placement as pl
+from autopar import precision as _precision
 from autopar.mesh import Mesh
 from autopar.plan import InfeasibleBudget, NodePlan, Plan
 from autopar.planner.build import Built, Config, build, choices
@@ -45,32 +46,40 @@ def _as_mesh(mesh) -> Mesh:
 
 
 def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, target=None,
-         memory_budget=None, optimizer: str = "adamw", dtype: str = "float32", force: str | None = None,
+         memory_budget=None, optimizer: str = "adamw", precision: str | None = None, dtype: str | None = None,
+         grad_reduce: str = "fp32", force: str | None = None,
          checkpoint: bool = True, pipeline: bool | str = "auto", time_limit: float = 60.0,
          **options: Any) -> Plan:
     """Plan ``model`` for ``mesh`` (see the module docstring). ``force`` restricts the search to a
     plan family (``autopar.planner.FAMILIES``); ``memory_budget`` is bytes or a size string;
     ``checkpoint``: offer activation checkpointing of repeated layers (True), not (False), or
-    checkpoint every repeated layer (``"all"``)."""
+    checkpoint every repeated layer (``"all"``). ``precision``: ``"fp32"`` or ``"bf16-mixed"``
+    (default: bf16-mixed on GPU clusters, fp32 on CPUs; ``dtype=`` is the older name), and
+    ``grad_reduce``: the dtype of gradient reductions under bf16-mixed (``"fp32"`` or ``"bf16"``);
+    see :mod:`autopar.precision`."""
     import profiler
     from autopar.options import keyword_names, plan_options, refuse_unknown
 
     # Options are checked before the (slow) capture and profile: a typo fails at once.
     refuse_unknown("plan", options, keyword_names(plan) + plan_options())
     _check_family(force)
+    _precision.resolve(precision, dtype, getattr(_as_mesh(mesh), "cluster", None))  # a bad value fails now
+    _precision.check_grad_reduce(grad_reduce)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     t0 = time.perf_counter()
     gp = profiler.profile(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, target=target)
     t_prof = time.perf_counter() - t0
-    p = plan_profile(gp, mesh, memory_budget=memory_budget, optimizer=optimizer, dtype=dtype, force=force,
+    p = plan_profile(gp, mesh, memory_budget=memory_budget, optimizer=optimizer, precision=precision, dtype=dtype,
+                     grad_reduce=grad_reduce, force=force,
                      checkpoint=checkpoint, pipeline=pipeline, time_limit=time_limit, **options)
     p.timings["profile_seconds"] = t_prof
     p.model = type(model).__name__
     return p
 
 
-def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="float32", force=None,
+def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", precision=None, dtype=None,
+                 grad_reduce="fp32", force=None,
                  checkpoint=True, pipeline="auto", time_limit=60.0, pin=None, **options) -> Plan:
     """Plan from an existing ``profiler.GraphProfile`` (the planner's steps 2-5)."""
     from autopar.options import EXTRA_PLAN_OPTIONS, keyword_names, refuse_unknown
@@ -81,7 +90,9 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", dtype="floa
     budget = parse_bytes(memory_budget)
     _check_family(force)
     every = checkpoint == "all"  # checkpoint every layer (a family's checkpointed variant)
-    cfg = Config(mesh=mesh, optimizer=optimizer, dtype=dtype, family=force if force != "pp-tp" else None,
+    dtype = _precision.resolve(precision, dtype, mesh.cluster)
+    cfg = Config(mesh=mesh, optimizer=optimizer, dtype=dtype, grad_reduce=_precision.check_grad_reduce(grad_reduce),
+                 family=force if force != "pp-tp" else None,
                  memory_budget=budget, checkpoint=bool(checkpoint), time_limit=time_limit, pin=dict(pin or {}))
     if "chunks" in options:  # overlap chunk counts offered, e.g. chunks=(1,) to plan without chunking
         cfg.chunks = tuple(int(k) for k in options.pop("chunks"))
@@ -342,7 +353,7 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
     bd.update({k if k.startswith("peak_") else f"mem_{k}": float(v) for k, v in mem.items()})
     p = Plan(graph_hash=_graph_hash(cap), model=type(gp.captured).__name__, mesh=cfg.mesh.to_dict(),
              sharding_axes=list(sharding_axes), nodes=nodes, params=params, memory_budget=cfg.memory_budget,
-             optimizer=cfg.optimizer, dtype=cfg.dtype, pipeline=pipeline,
+             optimizer=cfg.optimizer, dtype=cfg.dtype, grad_reduce=cfg.grad_reduce, pipeline=pipeline,
              step_time=float(sol.objective if step_time is None else step_time),
              peak_bytes=float(sol.peak_bytes if peak_bytes is None else peak_bytes), breakdown=bd,
              solver={"status": str(sol.status), "gap": float(sol.gap), "variables": int(sol.num_variables),

@@ -30,6 +30,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import solver
 from autopar import placement as pl
+from autopar import precision
 from autopar.costs.collectives import collective_time
 from autopar.costs.compute import compute_time
 from autopar.costs.reshard import _search as search_from  # Dijkstra from one source, cached
@@ -57,6 +58,8 @@ class Config:
     """Optimizer whose state counts in memory: adamw, adam, sgd, sgd-momentum."""
     dtype: str = "float32"
     """``"float32"`` or ``"bf16-mixed"`` (bf16 activations and compute, fp32 master state)."""
+    grad_reduce: str = "fp32"
+    """Under bf16-mixed, the dtype gradient reductions run in (see :mod:`autopar.precision`)."""
     family: str | None = None
     """Forced plan family (see ``autopar.planner.families``), or None for a free search."""
     pin: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -460,10 +463,12 @@ class _EdgePricer:
         consumer input placement and input-gradient placement per consumer choice.
         ``param_uses``: for a parameter's edge, how many ops read the parameter (0: not one)."""
         shape, itemsize = tuple(t.shape), t.element_size()
+        # Under mixed precision forward and gradient may move in different dtypes (_AsRun).
+        gsize = t.grad_element_size() if hasattr(t, "grad_element_size") else itemsize
         diff = _differentiable(t)
         o_keys = [self.key(o) for o in outs]
         i_keys = [(self.key(x), self.key(g) if diff else None) for x, g in zip(ins, grads)]
-        key = (tuple(o_keys), tuple(i_keys), shape, itemsize, param_uses)
+        key = (tuple(o_keys), tuple(i_keys), shape, itemsize, gsize, param_uses)
         m = self.cache.get(key)
         if m is None:
             uo = list(dict.fromkeys(o_keys))
@@ -474,9 +479,9 @@ class _EdgePricer:
                 for b, (x, g) in enumerate(ui):
                     c = self.one(o, x, shape, itemsize)
                     if g is not None and o is not None and param_uses:
-                        c += self.param_grad(o, g, shape, itemsize, param_uses)
+                        c += self.param_grad(o, g, shape, gsize, param_uses)
                     elif g is not None and o is not None:
-                        c += self.one(g, go, shape, itemsize)
+                        c += self.one(g, go, shape, gsize)
                     small[a, b] = c
             io = np.array([uo.index(k) for k in o_keys])
             ii = np.array([ui.index(k) for k in i_keys])
@@ -509,11 +514,28 @@ def _in_grad(strat: Strategy, j: int):
     return strat.input_grads[j] if j < len(strat.input_grads) else None
 
 
-def edges(gm, options, leader, follow, mesh: Mesh, micro: "Micro | None" = None, params=()):
+class _AsRun:
+    """A tensor's shape and dtype with the bytes per element the per-rank program moves it with,
+    forward and for its gradient (:func:`autopar.precision.edge_itemsizes`)."""
+
+    def __init__(self, t, fwd: int, bwd: int):
+        self.shape, self.dtype, self._fwd, self._bwd = t.shape, t.dtype, fwd, bwd
+
+    def element_size(self) -> int:
+        return self._fwd
+
+    def grad_element_size(self) -> int:
+        return self._bwd
+
+
+def edges(gm, options, leader, follow, mesh: Mesh, micro: "Micro | None" = None, params=(), cfg=None,
+          itemsizes=None):
     """Resharding edges between groups, plus the cost of edges inside a group folded into the
     group's own time vector (returned as ``inner``: leader -> extra seconds per choice); with
     ``micro``, priced per micro-batch (``Micro.matrix``). ``params``: placeholder names of
-    parameters, whose gradients are bucketed (``comms``)."""
+    parameters, whose gradients are bucketed (``comms``). ``cfg`` and ``itemsizes`` (the mixed
+    replay's ``GraphProfile.output_itemsizes``): under bf16-mixed each edge is priced in the
+    dtypes it runs in."""
     uses = comms.param_uses(gm, options, params)
     pricer = _EdgePricer(mesh, comms.effective_bucket_bytes(gm, params))
     edge_memo: dict[tuple, np.ndarray] = {}
@@ -532,10 +554,15 @@ def edges(gm, options, leader, follow, mesh: Mesh, micro: "Micro | None" = None,
             t = vals[idx] if idx < len(vals) else (vals[0] if vals else None)
             if t is None:
                 continue
+            if cfg is not None and cfg.dtype == "bf16-mixed":
+                fi, bi = precision.edge_itemsizes(cfg.dtype, cfg.grad_reduce, prod, node, t, itemsizes, idx,
+                                                  prod.name in params)
+                if (fi, bi) != (t.element_size(), t.element_size()):
+                    t = _AsRun(t, fi, bi)
             # Twins share options and follow maps: one matrix per distinct (producer, consumer) pair.
             n_uses = uses.get(prod.name, 0)
             ekey = (id(popt), id(opt), idx, j, fs.tobytes(), fu.tobytes(), tuple(t.shape), t.dtype,
-                    micro and micro.kind(prod.name), n_uses)
+                    t.element_size(), getattr(t, "_bwd", None), micro and micro.kind(prod.name), n_uses)
             m = edge_memo.get(ekey)
             if m is None:
                 outs = [_out_pl(popt, s, idx) for s in fs]           # per leader(prod) choice
@@ -663,7 +690,9 @@ def build(gp, cfg: Config) -> Built:
     leader, follow = merge_followers(gm, options, cfg.merge_followers)
     if micro is not None:
         micro.leader = leader
-    acc, inner, pricer = edges(gm, options, leader, follow, cfg.mesh, micro, params=gp.captured.params)
+    itemsizes = gp.output_itemsizes(cfg.dtype) if cfg.dtype == "bf16-mixed" else None
+    acc, inner, pricer = edges(gm, options, leader, follow, cfg.mesh, micro, params=gp.captured.params, cfg=cfg,
+                               itemsizes=itemsizes)
     # Once the edge matrices exist, before groups sum them: chunked overlap adds its discount.
     # Pipeline stage problems (priced per micro-batch) are not chunked: the discount is derived
     # from full-batch op figures, and stage modules run their edges whole.

@@ -30,6 +30,7 @@ import operator
 from typing import Sequence
 
 from autopar import placement as pl
+from autopar import precision
 from autopar.costs.collectives import collective_time
 from autopar.costs.reshard import reshard, step_cost
 from autopar.mesh import Mesh
@@ -209,18 +210,25 @@ class _Walk:
         gdst = _grad_of(dst) if gdst is None else gdst
         gsrc = self.pgrads.get(prod.name) or _grad_of(self.outputs(prod)[0])
         if prod.op == "placeholder":
-            key = (prod.name, dst, gdst)
+            # The runtime keeps one moved copy per placement (and per dtype under bf16-mixed:
+            # autopar.precision casts a parameter moved for a 16-bit op).
+            cast = (self.plan.dtype == "bf16-mixed" and prod.name in self.params
+                    and precision.feeds_lower_precision(node))
+            key = (prod.name, dst, gdst, cast)
             if key in self.param_edges:
                 return  # the runtime reuses one resharded copy
             self.param_edges.add(key)
         t = _vals(prod)[_out_index(prod, node)]
-        shape, item, where = tuple(t.shape), t.element_size(), f"{prod.name} -> {node.name}"
+        shape, where = tuple(t.shape), f"{prod.name} -> {node.name}"
+        item, gitem = precision.edge_itemsizes(self.plan.dtype, getattr(self.plan, "grad_reduce", "fp32"), prod,
+                                               node, t, getattr(self, "itemsizes", None), _out_index(prod, node),
+                                               prod.name in self.params)
         fwd = _steps(src, dst, shape, item, self.mesh, "forward", where)
         self.out += fwd
         if recompute:
             self.out += [dataclasses.replace(c, phase="recompute") for c in fwd]
         if (t.dtype.is_floating_point or t.dtype.is_complex) and gsrc != gdst:
-            self.out += _steps(gdst, gsrc, shape, item, self.mesh, "backward", where)
+            self.out += _steps(gdst, gsrc, shape, gitem, self.mesh, "backward", where)
 
     def node(self, node) -> None:
         np_ = self.plan.nodes.get(node.name)
@@ -366,13 +374,15 @@ def _strategy(node, name: str, mesh_shape):
         return None
 
 
-def plan_collectives(captured, plan, *, bucket_bytes: int = GRAD_BUCKET_BYTES) -> list[Collective]:
+def plan_collectives(captured, plan, *, bucket_bytes: int = GRAD_BUCKET_BYTES,
+                     itemsizes: dict | None = None) -> list[Collective]:
     """Every collective one ``train_step`` of ``plan`` issues on one rank, in graph order (the
     bucketed gradient reductions last), each with its price on the plan's mesh.
 
     ``captured``: the ``profiler.capture.Captured`` the plan was made for; ``plan``: a single-stage
     :class:`autopar.plan.Plan` (pipelined plans run micro-batches: not listed here);
-    ``bucket_bytes``: the runtime's gradient bucket size."""
+    ``bucket_bytes``: the runtime's gradient bucket size; ``itemsizes``: under bf16-mixed, the
+    profile's ``output_itemsizes("bf16-mixed")`` (activations are priced at fp32 without it)."""
     if getattr(plan, "pipeline", None) is not None and len(plan.pipeline.stages) > 1:
         raise ValueError("plan_collectives lists single-stage plans; this plan has "
                          f"{len(plan.pipeline.stages)} pipeline stages (plan with pipeline=False)")
@@ -380,6 +390,7 @@ def plan_collectives(captured, plan, *, bucket_bytes: int = GRAD_BUCKET_BYTES) -
         raise ValueError("plan_collectives does not list chunked (overlapped) nodes; plan without chunking")
     mesh = Mesh.from_dict(plan.mesh)
     walk = _Walk(captured, plan, mesh)
+    walk.itemsizes = itemsizes
     for node in captured.gm.graph.nodes:
         if node.op == "call_function":
             walk.node(node)

@@ -69,9 +69,13 @@ class _Scaled:
 
     def __init__(self, t, m: int):
         self.shape, self.dtype, self._size = t.shape, t.dtype, t.element_size() / m
+        self._grad = (t.grad_element_size() if hasattr(t, "grad_element_size") else t.element_size()) / m
 
     def element_size(self) -> float:
         return self._size
+
+    def grad_element_size(self) -> float:
+        return self._grad
 
 
 class Micro:

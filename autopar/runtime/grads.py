@@ -48,6 +48,8 @@ class _Bucket:
     """The in-place all-reduce in flight (a c10d ``Work``)."""
     viewed: bool = False
     """The members' ``.grad`` are views of ``flat`` (filled by the hooks)."""
+    sent: torch.Tensor | None = None
+    """What the all-reduce sums: ``flat``, or its copy in the reduction dtype."""
 
 
 def partial_axes(placements: Sequence[Placement]) -> tuple[int, ...]:
@@ -62,8 +64,12 @@ class GradSync:
     """
 
     def __init__(self, params: Iterable[tuple[torch.nn.Parameter, Sequence[Placement]]],
-                 device_mesh: DeviceMesh, *, bucket_bytes: int = 25 * 2**20):
+                 device_mesh: DeviceMesh, *, bucket_bytes: int = 25 * 2**20,
+                 reduce_dtype: torch.dtype | None = None):
         self.dm = device_mesh
+        # The dtype buckets are summed in (None: the gradients' own; bf16 under
+        # ``grad_reduce="bf16"``, see autopar.precision).
+        self.reduce_dtype = reduce_dtype
         self.enabled = True
         self._queued = False
         self._active = False  # some gradient arrived since the last finish()
@@ -164,7 +170,9 @@ class GradSync:
             b.flat = torch.cat([p.grad.reshape(-1) for p in b.members])
         # One all-reduce over a flattened group when the bucket is Partial on several axes.
         group = b.group[0].get_group(b.group[1]) if b.group else self.dm.get_group(b.axes[0])
-        b.work = dist.all_reduce(b.flat, group=group, async_op=True)
+        cast = self.reduce_dtype is not None and b.flat.dtype != self.reduce_dtype
+        b.sent = b.flat.to(self.reduce_dtype) if cast else b.flat
+        b.work = dist.all_reduce(b.sent, group=group, async_op=True)
 
     def finish(self, force: bool = False) -> None:
         """Complete every bucket: launch the ones not launched, sum over the remaining axes, and
@@ -182,7 +190,7 @@ class GradSync:
                 b.ready.clear()
                 b.launched = False
                 continue
-            flat = b.flat
+            flat = b.sent if b.sent is not None else b.flat
             where = f"the gradient bucket of {len(b.members)} parameters summed over mesh axes {b.axes}"
             if b.work is not None:  # a peer that never joins surfaces here: name the collective
                 work = b.work
@@ -190,12 +198,15 @@ class GradSync:
             for axis in () if b.group else b.axes[1:]:
                 _collective("all_reduce", flat, self.dm, axis, where,
                             lambda: (dist.all_reduce(flat, group=self.dm.get_group(axis)), flat)[1])
+            if flat is not b.flat:
+                b.flat.copy_(flat)  # back to the gradients' dtype
+                flat = b.flat
             if not b.viewed:
                 off = 0
                 for p in b.members:
                     n = p.grad.numel()
                     p.grad.copy_(flat[off:off + n].view_as(p.grad))
                     off += n
-            b.flat, b.members, b.launched, b.work, b.viewed = None, [], False, None, False
+            b.flat, b.members, b.launched, b.work, b.viewed, b.sent = None, [], False, None, False, None
             b.ready.clear()
 

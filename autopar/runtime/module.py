@@ -15,6 +15,7 @@ plan's input placements; with ``inputs_sharded=True`` each rank passes its own s
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -24,6 +25,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar import placement as pl
+from autopar import precision
 from autopar.codegen import build
 from autopar.costs.reshard import reshard as plan_reshard
 from autopar.runtime.grads import GradSync
@@ -97,7 +99,9 @@ class ParallelModule(nn.Module):
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 pairs.append((p, sig.param_grads[s.name]))
-        object.__setattr__(self, "_grad_sync", GradSync(pairs, sig.ctx.device_mesh, bucket_bytes=bucket_bytes))
+        object.__setattr__(self, "_grad_sync", GradSync(
+            pairs, sig.ctx.device_mesh, bucket_bytes=bucket_bytes,
+            reduce_dtype=precision.reduce_dtype(plan.dtype, getattr(plan, "grad_reduce", "fp32"))))
         # Pipelines: gradients are reduced once, after the last micro-batch.
         self._grad_sync.enabled = not pipelined
 
@@ -296,7 +300,16 @@ class ParallelModule(nn.Module):
         stages have no separate forward: use :meth:`train_step`."""
         if self._pipe is not None:
             raise RuntimeError("a pipelined plan runs forward and backward together: call train_step()")
-        return self._run(*self._graph_args(self._local_inputs(args, kwargs, target)))
+        with self.autocast():
+            return self._run(*self._graph_args(self._local_inputs(args, kwargs, target)))
+
+    def autocast(self):
+        """The context the per-rank program runs in: ``torch.autocast`` in the plan's compute
+        dtype under bf16-mixed (see :mod:`autopar.precision`), else nothing."""
+        dtype = precision.compute_dtype(self.plan.dtype)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self._sig.ctx.device.type, dtype=dtype)
 
     def train_step(self, *args, target=None, **kwargs) -> torch.Tensor:
         """Forward and backward of one global batch; gradients are accumulated into ``.grad``

@@ -229,7 +229,8 @@ class StageModule(nn.Module):
         if self.first:  # global micro-batch in, this rank's shards out
             received = tuple(owner._shard(x, s.placements) for x, s in zip(received, owner._input_slots()))
         state = [owner._slot_value(i) for i in self.sg.state]
-        out = self.graph_module(*received, *state)
+        with owner.autocast():  # the plan's compute dtype, as the flat program (autopar.precision)
+            out = self.graph_module(*received, *state)
         if isinstance(out, tuple):
             # A value passed on unchanged is cloned: PipelineStage's backward needs outputs that
             # are not its inputs.

@@ -90,16 +90,25 @@ def _check_steps(local, steps, dm, shape, src) -> None:
 
 class Reshard(torch.autograd.Function):
     """``Reshard.apply(local, fwd_steps, bwd_steps, device_mesh, global_shape=None, where=None,
-    owned_fwd=False, owned_bwd=False)``: forward runs ``fwd_steps`` on the local shard, backward
-    runs ``bwd_steps`` on the local gradient; ``where`` (e.g. ``"edge addmm -> gelu S(1)R->RR"``)
-    labels collective failures. ``owned_fwd`` / ``owned_bwd``: nothing but this edge reads the
-    input / the gradient (the codegen knows when: a matmul's fresh output, a matmul's fresh input
-    gradient), so an all-reduce sums it in place instead of copying it first."""
+    owned_fwd=False, owned_bwd=False, fwd_dtype=None, bwd_dtype=None)``: forward runs
+    ``fwd_steps`` on the local shard, backward runs ``bwd_steps`` on the local gradient; ``where``
+    (e.g. ``"edge addmm -> gelu S(1)R->RR"``) labels collective failures. ``owned_fwd`` /
+    ``owned_bwd``: nothing but this edge reads the input / the gradient (the codegen knows when: a
+    matmul's fresh output, a matmul's fresh input gradient), so an all-reduce sums it in place
+    instead of copying it first.
+
+    ``fwd_dtype``: cast the shard before the forward steps (a parameter gathered in bf16 for a
+    16-bit matmul, see :mod:`autopar.precision`); ``bwd_dtype``: cast the gradient before the
+    backward steps (the dtype gradient reductions run in). The gradient leaves in the input's
+    dtype either way."""
 
     @staticmethod
     def forward(ctx, local, fwd_steps, bwd_steps, device_mesh, global_shape=None, where=None,
-                owned_fwd=False, owned_bwd=False):
-        ctx.bwd = (tuple(bwd_steps), device_mesh, global_shape, where, owned_bwd)
+                owned_fwd=False, owned_bwd=False, fwd_dtype=None, bwd_dtype=None):
+        ctx.bwd = (tuple(bwd_steps), device_mesh, global_shape, where, owned_bwd, bwd_dtype, local.dtype)
+        if fwd_dtype is not None and local.dtype != fwd_dtype:
+            local, owned_fwd = local.to(fwd_dtype), True
+            return _apply(local, tuple(fwd_steps), device_mesh, where=where, owned=True)[0]
         out, written = _apply(local, tuple(fwd_steps), device_mesh, where=where, owned=owned_fwd)
         if written and out is local and not local._is_view():
             ctx.mark_dirty(local)  # summed in place: autograd's version check guards any other reader
@@ -114,9 +123,13 @@ class Reshard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        steps, dm, _, where, owned = ctx.bwd
+        steps, dm, _, where, owned, bwd_dtype, in_dtype = ctx.bwd
+        if bwd_dtype is not None and grad.dtype != bwd_dtype:
+            grad, owned = grad.to(bwd_dtype), True
         g = apply_steps(grad, steps, dm, where=f"backward of {where}" if where else None, owned=owned)
-        return (g.view_as(g) if g is grad else g), None, None, None, None, None, None, None
+        if g.dtype != in_dtype and g.is_floating_point():
+            g = g.to(in_dtype)
+        return (g.view_as(g) if g is grad else g), None, None, None, None, None, None, None, None, None
 
 
 def reshard_local(local: torch.Tensor, src, dst, device_mesh: DeviceMesh, global_shape: Sequence[int],

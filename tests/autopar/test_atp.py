@@ -55,8 +55,8 @@ def test_communication_follows_the_formula(gp):
         b0, b1 = (lk.beta for lk in mesh.links)
         bsh = B * S * H * 4  # bytes of one (b, s, h) fp32 activation
         # chunks=(1,): the closed form has no overlap discount (a chunk chain hides messages).
-        col = plan_profile(gp, mesh, pin=COL, pipeline=False, checkpoint=False, chunks=(1,))
-        row = plan_profile(gp, mesh, pin=ROW, pipeline=False, checkpoint=False, chunks=(1,))
+        col = plan_profile(gp, mesh, pin=COL, pipeline=False, checkpoint=False, chunks=(1,), precision="fp32")
+        row = plan_profile(gp, mesh, pin=ROW, pipeline=False, checkpoint=False, chunks=(1,), precision="fp32")
         t_col = 2 * (bsh * 4 / 2 * 1.5 / b1 + bsh / 4 * 1.0 / b0)
         t_row = 2 * (bsh * 4 / 4 * 1.0 / b0 + bsh / 2 * 1.5 / b1)
         assert col.breakdown["reshard"] == pytest.approx(t_col, rel=0.15)

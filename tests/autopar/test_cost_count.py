@@ -128,3 +128,48 @@ def test_bucket_size_matches_runtime():
 
     default = inspect.signature(GradSync.__init__).parameters["bucket_bytes"].default
     assert default == comms.GRAD_BUCKET_BYTES
+
+
+def test_bf16_mixed_prices_the_bytes_it_moves(device_mesh):
+    """Under bf16-mixed ZeRO-3, a parameter gathered for a matmul is cast before its gather: the
+    listing prices that gather at 2 bytes an element and the runtime emits a cast edge for exactly
+    those; gradients are reduced in fp32 (unchanged bytes), or in bf16 with grad_reduce="bf16"."""
+    import dataclasses
+
+    ex, cap, gp = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_profile(gp, MESH, force="zero3", pipeline=False, precision="bf16-mixed")
+    assert plan.dtype == "bf16-mixed" and "bf16-mixed" in plan.summary()
+    sizes = gp.output_itemsizes("bf16-mixed")
+    mixed = comms.plan_collectives(cap, plan, itemsizes=sizes)
+    fp32 = comms.plan_collectives(cap, dataclasses.replace(plan, dtype="float32"))
+    params = set(cap.params)
+    nodes = {n.name: n for n in cap.gm.graph.nodes}
+    from autopar.precision import feeds_lower_precision
+
+    halved = 0
+    # (fp32 moves a tied weight once for both its readers; bf16-mixed moves it once per dtype)
+    by_key = {(c.kind, c.where.partition(" -> ")[0], c.phase, c.axes): c for c in fp32}
+    for m in mixed:
+        prod, _, cons = m.where.partition(" -> ")
+        f = by_key[(m.kind, prod, m.phase, m.axes)]
+        if prod in params and m.phase == "forward":
+            lower = feeds_lower_precision(nodes[cons])
+            assert m.nbytes == (f.nbytes / 2 if lower else f.nbytes), (m, f)
+            halved += lower
+        if prod in params and m.phase == "backward":
+            assert m.nbytes == f.nbytes  # reduced in fp32
+    assert halved > 0
+    from autopar.runtime.module import ParallelModule
+
+    with LocalTensorMode(WORLD):
+        pm = ParallelModule(ex.model, cap, plan, device_mesh)
+    casts = {m.what.split(" ")[0] + " -> " + m.what.split(" ")[2] for m in pm._program.modules()
+             if getattr(m, "fwd_dtype", None) is not None}
+    priced = {m.where for m in mixed if m.phase == "forward" and m.where.partition(" -> ")[0] in params
+              and feeds_lower_precision(nodes[m.where.partition(" -> ")[2]])}
+    assert casts == priced, (casts ^ priced)
+    low = comms.plan_collectives(cap, dataclasses.replace(plan, grad_reduce="bf16"), itemsizes=sizes)
+    assert all(lo.nbytes == m.nbytes / 2 for lo, m in zip(low, mixed)
+               if m.phase == "backward" and m.where.partition(" -> ")[0] in params)

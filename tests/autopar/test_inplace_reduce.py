@@ -142,7 +142,9 @@ def test_partial_output_with_two_readers_is_copied(tp_mesh):
 def test_zoo_megatron_reduces_in_place(tp_mesh, name, monkeypatch):
     """GPT-2 (Conv1D: ``addmm -> view -> dropout`` before each block's all-reduce, a vocabulary-
     parallel embedding's partial lookup) and BERT (a sum of embeddings) under Megatron's plan:
-    every all-reduce of a step runs in place, and two AdamW steps equal one device."""
+    every all-reduce of a step runs in place, and two AdamW steps equal one device. (On 2 ranks the
+    planner may reduce GPT-2's partial sums by reduce-scatter into row shards instead, Megatron's
+    sequence parallelism: then no all-reduce is left to copy, which the counts check too.)"""
     import os
     import sys
 
@@ -169,10 +171,12 @@ def test_zoo_megatron_reduces_in_place(tp_mesh, name, monkeypatch):
     assert cases.grad_err(grads, ref["grads"]) < 1e-5
     assert cases.compare_state(state, ref["state"])["global"] < 1e-5
     reduces = [m for m in _edges(pm) if any(s.kind == "all_reduce" for s in m.fwd + m.bwd)]
-    assert reduces and all(m.owned_fwd or not any(s.kind == "all_reduce" for s in m.fwd) for m in reduces), \
+    scatters = [m for m in _edges(pm) if any(s.kind == "reduce_scatter" for s in m.fwd)]
+    assert reduces or scatters, "the plan reduces no partial sum: it is not tensor parallel"
+    assert all(m.owned_fwd or not any(s.kind == "all_reduce" for s in m.fwd) for m in reduces), \
         [m.what for m in reduces if not m.owned_fwd]
     assert all(m.owned_bwd or not any(s.kind == "all_reduce" for s in m.bwd) for m in reduces)
-    assert calls["all_reduce"] == 0 and calls["all_reduce_"] > 0, calls
+    assert calls["all_reduce"] == 0 and (calls["all_reduce_"] > 0 or not reduces), calls
 
 
 def _counted(fn, calls, name, *args, **kwargs):

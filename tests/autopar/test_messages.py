@@ -42,7 +42,7 @@ def gpt2_pipelined():
     gp = profiler.profile(ex.model, ex.args, ex.kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = plan_profile(gp, Mesh((2, 4), cluster="a100"), force="pp-tp")
+        plan = plan_profile(gp, Mesh((2, 4), cluster="a100"), force="pp-tp", precision="fp32")
     return gp, plan
 
 

@@ -95,7 +95,7 @@ def test_budget_loop_tries_the_ilps_most_frugal_plan(monkeypatch):
 
     gp = _gp("gpt2", batch=8, seq=128, layers=2, hidden=128, heads=4, vocab=1024)
     mesh = Mesh((2, 2), cluster="a100")
-    top = plan_profile(gp, mesh, pipeline=False)
+    top = plan_profile(gp, mesh, precision="fp32", pipeline=False)
     budget = top.peak_bytes * 0.8
     real_replay, real_solve, replays, rows = P.simulated_peak, solver.solve, [], []
 
@@ -110,7 +110,7 @@ def test_budget_loop_tries_the_ilps_most_frugal_plan(monkeypatch):
 
     monkeypatch.setattr(P, "simulated_peak", replay)
     monkeypatch.setattr(P.solver, "solve", solve)
-    p = plan_profile(gp, mesh, memory_budget=budget, pipeline=False)
+    p = plan_profile(gp, mesh, precision="fp32", memory_budget=budget, pipeline=False)
     assert p.peak_bytes <= budget and p.peak_bytes in replays[1:]
     built = P.build_cached(gp, P.Config(mesh=mesh, memory_budget=1.0))
     with pytest.raises(solver.Infeasible) as floor:
@@ -132,7 +132,7 @@ def test_tensor_parallelism_goes_on_the_fast_axis():
     # Inner axis NVLink, outer axis a slow network: a large GPT puts its tensor parallelism inside.
     gp = _gp("llama", batch=8, seq=512, layers=2, hidden=2048, intermediate=5632, heads=16, kv_heads=16, vocab=8192)
     mesh = Mesh((2, 4), cluster="a100", links=[Link(20e-6, 1e9), Link(1e-6, 300e9)])
-    p = plan_profile(gp, mesh, pipeline=False)
+    p = plan_profile(gp, mesh, precision="fp32", pipeline=False)
     mats = [parse(v) for k, v in p.params.items() if k.endswith("proj.weight")]
     inner = sum(not m[1].is_replicate() for m in mats)  # sharded on the NVLink axis
     outer = sum(not m[0].is_replicate() for m in mats)  # sharded on the slow axis

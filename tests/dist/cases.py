@@ -165,13 +165,18 @@ def _call(model, ex):
     return out.loss
 
 
-def reference(ex, steps: int = STEPS, lr: float = LR) -> dict:
-    """Losses, first-step gradients and final state of ``steps`` AdamW steps on one device."""
+def reference(ex, steps: int = STEPS, lr: float = LR, autocast: torch.dtype | None = None) -> dict:
+    """Losses, first-step gradients and final state of ``steps`` AdamW steps on one device
+    (``autocast``: the forward under ``torch.autocast("cpu", autocast)``, the usual mixed-precision
+    loop with fp32 parameters and optimizer state)."""
+    import contextlib
+
     model = copy.deepcopy(ex.model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=EPS)
     losses, grads = [], None
     for i in range(steps):
-        loss = _call(model, ex)
+        with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+            loss = _call(model, ex)
         loss.backward()
         if i == 0:
             grads = {k: p.grad.detach().clone() for k, p in model.named_parameters(remove_duplicate=False)

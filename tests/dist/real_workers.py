@@ -122,3 +122,52 @@ def dropout_recompute_case(force: str) -> dict:
     regions = ckpt.signature.regions
     errs = {k: _rel(out["recompute"][1][k], v) for k, v in out["plain"][1].items()}
     return {"losses": (out["plain"][0], out["recompute"][0]), "grad_err": max(errs.values()), "regions": regions}
+
+
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "linear", "convolution", "_scaled_dot_product_flash_attention_for_cpu",
+            "scaled_dot_product_attention", "_scaled_dot_product_efficient_attention", "matmul"}
+
+
+def mixed_case(name: str, plan_json: str, steps: int = cases.STEPS) -> dict:
+    """``steps`` AdamW steps of zoo model ``name`` under a bf16-mixed plan: losses, digests of
+    every rank's full state, the dtypes of the matmul-like kernels of the first step's forward and
+    backward on this rank, and the dtype of every parameter and gradient."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.plan import Plan
+    from autopar.runtime.module import ParallelModule
+    from workers import _example
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name.split("::")[-1]
+            if name in _MATMULS:
+                dt = next((str(a.dtype) for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), "-")
+                self.seen[f"{name}:{dt}"] = self.seen.get(f"{name}:{dt}", 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    ex, cap = _example(name)
+    plan = Plan.from_json(plan_json)
+    pm = ParallelModule(ex.model, cap, plan, mesh(tuple(plan.mesh["shape"])), loss_fn=ex.loss_fn)
+    opt = torch.optim.AdamW(pm.parameters(), lr=cases.LR, eps=cases.EPS)
+    losses, kernels = [], {}
+    for i in range(steps):
+        if i == 0:
+            with Kernels() as k:
+                loss = pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+            kernels = k.seen
+            dtypes = sorted({str(p.dtype) for p in pm.parameters()} | {str(p.grad.dtype) for p in pm.parameters()
+                                                                      if p.grad is not None})
+        else:
+            loss = pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    state = pm.full_state_dict()
+    digest = sum(float(v.double().sum()) for v in state.values() if v.is_floating_point())
+    casts = [m.label for m in pm.modules() if getattr(m, "fwd_dtype", None) is not None]
+    return {"losses": losses, "digest": digest, "kernels": kernels, "dtypes": dtypes, "cast_edges": casts}

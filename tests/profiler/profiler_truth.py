@@ -26,9 +26,14 @@ def eager_loss(ex):
 
 
 def captured_loss(captured, ex):
-    """The loss of one real forward of the captured program (same parameters as the model)."""
+    """The loss of one real forward of the captured program (same parameters as the model), on
+    the inputs as the capture sees them: every input its own tensor (``labels=ids`` copied), so
+    the ids the embedding saves and the labels the loss saves are two storages, as in training."""
+    from profiler.capture import dealias_inputs
+
     module = captured.ep.module()
-    return lambda: module(tuple(ex.args), dict(ex.kwargs), ex.target)
+    args, kwargs, target = dealias_inputs(tuple(ex.args), dict(ex.kwargs), ex.target)
+    return lambda: module(args, kwargs, target)
 
 
 def real_flops(loss_fn) -> tuple[int, int]:
