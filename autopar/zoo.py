@@ -180,6 +180,21 @@ def bert(*, batch=2, seq=16, layers=2, hidden=64, heads=4, intermediate=128, voc
     return Example(name="bert", model=model, args=(ids,), kwargs={"labels": ids})
 
 
+def t5(*, batch=4, seq=16, layers=2, hidden=64, heads=4, ffn=128, vocab=256, device=None, seed=0) -> Example:
+    """HF ``T5ForConditionalGeneration``: encoder-decoder with cross-attention and relative
+    position bias; the labels are shifted into decoder inputs inside the model."""
+    ensure_torchvision_importable()
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(d_model=hidden, d_kv=hidden // heads, d_ff=ffn, num_layers=layers, num_decoder_layers=layers,
+                   num_heads=heads, dropout_rate=0.0, vocab_size=vocab, decoder_start_token_id=0, pad_token_id=0,
+                   use_cache=False)
+    torch.manual_seed(seed)
+    model = _on(device, lambda: T5ForConditionalGeneration(cfg))
+    ids = _ids(batch, seq, vocab, device, seed)
+    return Example(name="t5", model=model, args=(ids,), kwargs={"labels": ids})
+
+
 # ---------------------------------------------------------------- timm
 def _import_timm():
     ensure_torchvision_importable()
@@ -390,6 +405,7 @@ _SMALL: dict[str, Callable[..., Example]] = {
 }
 _SMALL.update(_NN_ATTENTION)
 _SMALL.update(_MOE)
+_SMALL["t5"] = t5
 
 # Big configs, for planning and profiling (build them on device="meta").
 _BIG: dict[str, tuple[Callable[..., Example], dict[str, Any]]] = {

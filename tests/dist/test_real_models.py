@@ -67,3 +67,19 @@ def test_dropout_recompute_replays_masks(pool):
     plain, ckpt = res["losses"]
     assert abs(plain - ckpt) <= TOL * abs(plain)
     assert res["grad_err"] <= TOL, res
+
+
+# Models outside the six-model zoo, end to end on gloo: attention from torch.nn, experts with a
+# router, an encoder-decoder. Each trains three AdamW steps with the one-device numbers.
+BEYOND = [("mha", "dp"), ("transformer_encoder", "megatron-axis1"), ("moe", "dp"), ("mixtral", "megatron-axis1"),
+          ("t5", "dp")]
+
+
+@pytest.mark.parametrize("name,family", BEYOND)
+def test_beyond_the_zoo_on_gloo(pool, name, family):
+    import cases
+    from test_train import check_case
+
+    plan = cases.planner_plan(cases.example(name), family)
+    assert any("S(" in o for np_ in plan.nodes.values() for o in np_.outputs if o), "nothing sharded"
+    check_case(pool, name, plan.to_json(), f"{name}/{family}")
