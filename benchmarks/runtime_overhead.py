@@ -1,6 +1,10 @@
 """What the emitted per-rank module costs against running the model by hand.
 
-    python benchmarks/runtime_overhead.py [--steps 10] [--json out.json]
+    python benchmarks/runtime_overhead.py [--steps 10] [--precision fp32|bf16-mixed] [--json out.json]
+
+``--precision bf16-mixed`` runs autopar's bf16-mixed plans (the per-rank program under CPU
+autocast, fp32 masters) against the original and hand-written models stepped under
+``torch.autocast("cpu", torch.bfloat16)``: the same comparison, in the precision users train in.
 
 (a) One gloo process, mesh 1x1: ``ParallelModule.train_step`` of the plan against the original
     model's ``loss.backward()`` on the same batch. RATIO = emitted / original; target <= 1.05.
@@ -45,13 +49,27 @@ def _example():
     return zoo.build("gpt2", **GPT2)
 
 
+PRECISION = {"value": "fp32"}  # set by --precision, passed to the launched ranks
+
+
 def _plan(cap, mesh, force=None):
     from autopar.planner import plan_profile
     import profiler
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return plan_profile(profiler.profile_captured(cap), mesh, force=force, pipeline=False)
+        return plan_profile(profiler.profile_captured(cap), mesh, force=force, pipeline=False,
+                            precision=PRECISION["value"])
+
+
+def _autocast():
+    import contextlib
+
+    import torch
+
+    if PRECISION["value"] == "bf16-mixed":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _step_timer(dist_on: bool):
@@ -84,7 +102,9 @@ def _alternate(sides: dict, warmup: int, steps: int, timed) -> dict[str, float]:
 def _hf_step(model, ex):
     def step():
         model.zero_grad(set_to_none=True)
-        model(*ex.args, **ex.kwargs).loss.backward()
+        with _autocast():
+            loss = model(*ex.args, **ex.kwargs).loss
+        loss.backward()
     return step
 
 
@@ -96,7 +116,8 @@ def _pm_step(pm, ex):
 
 
 # ------------------------------------------------------------------ (a) one process
-def single(rank, world, warmup, steps):
+def single(rank, world, warmup, steps, precision="fp32"):
+    PRECISION["value"] = precision
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.mesh import Mesh
@@ -153,7 +174,8 @@ def _dtensor_model(ex, dm):
     return parallelize_module(model, dm, plan)
 
 
-def pair(rank, world, warmup, steps):
+def pair(rank, world, warmup, steps, precision="fp32"):
+    PRECISION["value"] = precision
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -171,7 +193,7 @@ def pair(rank, world, warmup, steps):
     with torch.no_grad():
         ref = float(ex.model(*ex.args, **ex.kwargs).loss)
         got = float(tp(*ex.args, **ex.kwargs).loss)
-    if abs(got - ref) > 1e-5 * abs(ref):
+    if abs(got - ref) > 1e-5 * abs(ref):  # checked in fp32: the conversion must be exact
         raise AssertionError(f"the hand-written TP model's loss {got} differs from the original's {ref}")
     sides = {"dtensor": _hf_step(tp, ex), **{k: _pm_step(pm, ex) for k, pm in pms.items()}}
     med = _alternate(sides, warmup, steps, _step_timer(True))
@@ -183,16 +205,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed"])
     ap.add_argument("--json")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    print(f"GPT-2 {GPT2}; forward + backward per step, median of {args.steps} after {args.warmup} warm-up")
-    a = launch(1, single, args.warmup, args.steps)[0]
+    print(f"GPT-2 {GPT2}; forward + backward per step, median of {args.steps} after {args.warmup} warm-up; "
+          f"precision {args.precision}")
+    a = launch(1, single, args.warmup, args.steps, args.precision)[0]
     s = a["seconds"]
     ra = s["autopar"] / s["original"]
     print(f"\n(a) 1 process, mesh 1x1 ({a['family']}): original {s['original'] * 1e3:.1f} ms, "
           f"autopar {s['autopar'] * 1e3:.1f} ms; RATIO autopar / original {ra:.3f} (target <= 1.05)", flush=True)
-    b = launch(2, pair, args.warmup, args.steps)[0]
+    b = launch(2, pair, args.warmup, args.steps, args.precision)[0]
     s = b["seconds"]
     print(f"\n(b) 2 processes (losses: original {b['loss'][0]:.6f}, hand-written TP {b['loss'][1]:.6f})")
     print(f"{'side':<18} {'plan':<28} {'ms':>8} {'RATIO vs dtensor':>17}")
@@ -202,7 +226,7 @@ def main():
     print(f"target: autopar / dtensor <= 1.0\ntotal {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": GPT2, "single": a, "pair": b}, f, indent=1)
+            json.dump({"config": GPT2, "precision": args.precision, "single": a, "pair": b}, f, indent=1)
 
 
 if __name__ == "__main__":
