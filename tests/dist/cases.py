@@ -32,8 +32,20 @@ SMALL = {"gpt2": dict(batch=4), "llama": dict(batch=4), "bert": dict(batch=4), "
 FAMILIES = ("replicate", "dp", "megatron-axis0", "megatron-axis1", "atp-col-first", "atp-row-first", "zero3")
 
 
+#: Zoo models whose runs are compared in fp64. ResNet's last stages normalise 1x1 maps of a batch of
+#: 4 (a batch-sharded batch norm sums 1 value per rank): fp32 rounding of those statistics, and
+#: AdamW's normalised steps on the exactly-zero gradients of biases before a batch norm, move the
+#: parameters by 1e-5 while every real gradient agrees to 1e-7; in fp64 the same runs agree to
+#: 1e-11 (docs/limitations.md). The contract (1e-5) is unchanged; fp64 measures it.
+FP64 = {"resnet"}
+
+
 def example(name: str, **over):
-    return zoo.build(name, **{**SMALL.get(name, {}), **over})
+    ex = zoo.build(name, **{**SMALL.get(name, {}), **over})
+    if name in FP64:
+        ex.model.double()
+        ex.args = tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in ex.args)
+    return ex
 
 
 def capture(ex):
