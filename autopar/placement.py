@@ -65,15 +65,6 @@ def parse(text: str) -> Placements:
     return tuple(out)
 
 
-def shard_factor(placements: Sequence[Placement], mesh_shape: Sequence[int], dim: int | None = None) -> int:
-    """Number of pieces a tensor (or one ``dim`` of it) is split into by ``placements``."""
-    f = 1
-    for p, n in zip(placements, mesh_shape):
-        if isinstance(p, Shard) and (dim is None or p.dim == dim):
-            f *= n
-    return f
-
-
 def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> tuple[int, ...]:
     """Local shard shape under even sharding; raises ``ValueError`` when a dim does not divide."""
     out = list(shape)

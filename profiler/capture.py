@@ -126,13 +126,6 @@ def module_path(node: torch.fx.Node) -> str:
     return _strip(path)
 
 
-def module_stack(node: torch.fx.Node) -> list[str]:
-    """All module paths enclosing ``node``, outermost first (wrapper prefix removed, root dropped)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = [_strip(v[0]) for v in stack.values()]
-    return [p for p in paths if p]
-
-
 def _strip(path: str) -> str:
     if path == "model":
         return ""

@@ -57,16 +57,6 @@ class RepeatGroup:
         return f"RepeatGroup({first} x{self.count}, {len(self.layers[0])} nodes/layer)"
 
 
-def node_signature(node: torch.fx.Node, index_in_layer: dict[torch.fx.Node, int] | None = None) -> str:
-    """Op, constants, output shapes/dtypes and argument kinds of ``node`` (names excluded).
-
-    An argument node is written as its layer index when ``index_in_layer`` holds it, else as
-    ``w`` (a parameter) or ``ext`` (any other outside value) plus its shape.
-    """
-    base, refs = _Signatures().sig(node, index_in_layer or {})
-    return base + repr(refs)
-
-
 class _Signatures:
     """Memoised node signatures: the node-independent part is built once per node."""
 

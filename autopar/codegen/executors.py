@@ -26,7 +26,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar import placement as pl
 from autopar.codegen import local_rules
 
 Placements = tuple[Placement, ...]
@@ -293,7 +292,3 @@ def all_replicated(*groups) -> bool:
             if pls is not None and not all(isinstance(p, Replicate) for p in pls):
                 return False
     return True
-
-
-def parse_or_none(text: str | None) -> Placements | None:
-    return None if text is None else pl.parse(text)

@@ -3,7 +3,7 @@
 :class:`LiveMemory` is a ``TorchDispatchMode`` that counts the storage of every tensor an op
 creates until that storage is freed, on top of tensors registered up front (parameters,
 gradients, optimizer state). Its ``peak`` is what the plan's ``peak_bytes`` predicts; compare
-them with :func:`peak_ratio`. It counts storages once (views are free), so it measures what an
+them (``measured / plan.peak_bytes``). It counts storages once (views are free), so it measures what an
 allocator would need without fragmentation or workspace.
 
 Under ``LocalTensorMode`` (simulated ranks in one process) every rank's local tensor has its own
@@ -181,12 +181,6 @@ def measure_step(pm, opt, args=(), kwargs=None, target=None, *, world: int = 1, 
         opt.step()
     opt.zero_grad()
     return mem
-
-
-def peak_ratio(measured: float, plan) -> float:
-    """Measured peak over the plan's predicted ``peak_bytes`` (nan when the plan predicts none)."""
-    predicted = float(getattr(plan, "peak_bytes", 0.0) or 0.0)
-    return measured / predicted if predicted > 0 else float("nan")
 
 
 def resident_tensors(pm) -> list:

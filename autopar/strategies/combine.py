@@ -159,7 +159,3 @@ def is_plain(p) -> bool:
 def grad_of(placements):
     """The gradient placement arriving at an output placed ``placements`` (P -> R)."""
     return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
-
-
-def is_float(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype.is_floating_point

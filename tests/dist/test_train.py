@@ -238,8 +238,6 @@ def test_pipeline_holds_its_stages(pool):
 
 def test_report_memory(capsys):
     """Measured per-rank peak (live tensor bytes of the last step) against the plan's prediction."""
-    from autopar.runtime.memory import peak_ratio  # noqa: F401 - the helper planner tests use
-
     with capsys.disabled():
         print("\ncase                          peak MiB  predicted MiB  ratio (ranks: min-max)   seconds")
         for m in MEASURED:
