@@ -45,6 +45,14 @@ def _as_mesh(mesh) -> Mesh:
     raise TypeError(f"mesh must be an autopar.Mesh, a torch DeviceMesh or a shape, got {type(mesh).__name__}")
 
 
+def _check_optimizer(optimizer: str) -> None:
+    from profiler.memory import OPTIMIZER_STATES
+
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}: its state per parameter is not known; use one of "
+                         f"{', '.join(sorted(OPTIMIZER_STATES))}")
+
+
 def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, target=None,
          memory_budget=None, optimizer: str = "adamw", precision: str | None = None, dtype: str | None = None,
          grad_reduce: str = "fp32", force: str | None = None,
@@ -63,6 +71,7 @@ def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, t
     # Options are checked before the (slow) capture and profile: a typo fails at once.
     refuse_unknown("plan", options, keyword_names(plan) + plan_options())
     _check_family(force)
+    _check_optimizer(optimizer)
     _precision.resolve(precision, dtype, getattr(_as_mesh(mesh), "cluster", None))  # a bad value fails now
     _precision.check_grad_reduce(grad_reduce)
     if not isinstance(example_inputs, (tuple, list)):
@@ -89,6 +98,7 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", precision=N
     mesh = _as_mesh(mesh)
     budget = parse_bytes(memory_budget)
     _check_family(force)
+    _check_optimizer(optimizer)
     every = checkpoint == "all"  # checkpoint every layer (a family's checkpointed variant)
     dtype = _precision.resolve(precision, dtype, mesh.cluster)
     cfg = Config(mesh=mesh, optimizer=optimizer, dtype=dtype, grad_reduce=_precision.check_grad_reduce(grad_reduce),

@@ -29,6 +29,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import solver
+from profiler.memory import OPTIMIZER_STATES
 from autopar import placement as pl
 from autopar import precision
 from autopar.costs.collectives import collective_time
@@ -45,7 +46,6 @@ FORBIDDEN = 1.0e4
 #: Seconds charged per mesh axis a parameter is stored sharded on (a tie-break, not a cost model).
 SHARD_TIE_BREAK = 1e-7
 
-_OPT_STATE = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -187,7 +187,7 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: fl
         local = _local_bytes(t, strat.outputs[0], shape)
         if kind == "param":
             # parameter + gradient + optimizer state, all sharded as stored.
-            mem = local * (2 + _OPT_STATE.get(cfg.optimizer, 2))
+            mem = local * (2 + OPTIMIZER_STATES[cfg.optimizer])  # the name is checked by plan_profile
             if cfg.dtype == "bf16-mixed":
                 mem += local / 2  # bf16 compute copy of the weight
             # Storing a parameter sharded adds a gather/scatter pair around its use: when that is

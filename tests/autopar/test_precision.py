@@ -63,3 +63,10 @@ def test_cli_precision_flag(capsys, tmp_path):
     assert main(["plan", "mlp", "--mesh", "2x2", "--precision", "int8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--precision" in err[0] and "bf16-mixed" in err[0]
+
+
+def test_an_unknown_optimizer_is_refused_not_priced_as_adam(gp):
+    from autopar.planner import plan_profile
+
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'.*adamw"):
+        plan_profile(gp, Mesh((2, 2), cluster="cpu"), optimizer="lion")
