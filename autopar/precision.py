@@ -10,7 +10,7 @@ the per-rank program.
   replay, ``GraphProfile.output_itemsizes``);
 - a parameter stored sharded and gathered for a matmul-like op (ZeRO-3/FSDP) is cast to bf16
   *before* the gather, as FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` does:
-  the gather moves 2 bytes a parameter (:func:`casts_before_gather`);
+  the gather moves 2 bytes a parameter (:func:`feeds_lower_precision` says which consumers);
 - gradient reductions (the reduce-scatter of a gathered parameter's gradient, the bucketed
   all-reduce of a replicated parameter's) run in fp32 by default (``grad_reduce="fp32"``), or in
   bf16 (``grad_reduce="bf16"``: half the bytes, a rounding per reduction), as FSDP2's
@@ -88,15 +88,6 @@ def feeds_lower_precision(node, depth: int = 4) -> bool:
     if depth and _is_view(node) and node.users:
         return all(feeds_lower_precision(u, depth - 1) for u in node.users)
     return False
-
-
-def casts_before_gather(plan_dtype: str, is_param: bool, consumer, fwd_steps) -> bool:
-    """Whether the edge from a parameter to ``consumer`` casts the shard to bf16 before its
-    forward steps (a gather, a slice): under bf16-mixed, when the consumer computes in 16 bits
-    anyway (autocast would cast the moved fp32 weight after the move)."""
-    if plan_dtype != "bf16-mixed" or not is_param or not fwd_steps:
-        return False
-    return feeds_lower_precision(consumer)
 
 
 def edge_itemsizes(plan_dtype: str, grad_reduce: str, prod, consumer, t, itemsizes: dict | None,

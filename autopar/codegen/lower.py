@@ -283,18 +283,18 @@ class _Lowering:
         gdst = ex.grad_of(dst) if gdst is None else gdst
         if src == dst and gsrc == gdst:
             return value
+        # Mixed precision (autopar.precision): a parameter moved for a 16-bit op moves in bf16, and
+        # its gradient is reduced in the reduction dtype; one moved copy per placement and dtype.
+        is_param = self.kinds.get(prod.name, ("",))[0] == "param"
+        cast = self.compute_dtype is not None and is_param and precision.feeds_lower_precision(node)
+        key = (prod.name, dst, gdst, cast)
+        if prod.op == "placeholder" and key in self.edge_cache:
+            return self.edge_cache[key]
         fwd, bwd, shape = self.edge_steps(prod, node, src, dst, gsrc, gdst)
         if not fwd and not bwd:
             return value
-        # Mixed precision (autopar.precision): a parameter moved for a 16-bit op moves in bf16, and
-        # its gradient is reduced in the reduction dtype.
-        is_param = self.kinds.get(prod.name, ("",))[0] == "param"
-        fwd_dtype = (self.compute_dtype if precision.casts_before_gather(self.plan_dtype, is_param, node, fwd)
-                     else None)
+        fwd_dtype = self.compute_dtype if cast and fwd else None
         bwd_dtype = (self.reduce_dtype or torch.float32) if is_param and self.compute_dtype is not None else None
-        key = (prod.name, dst, gdst, fwd_dtype)
-        if prod.op == "placeholder" and key in self.edge_cache:
-            return self.edge_cache[key]
         owned_fwd, owned_bwd = self._owned(prod, value, node)
         mod = ReshardModule(fwd, bwd, self.ctx, shape,
                             f"{prod.name} -> {node.name} {pl.fmt(src)}->{pl.fmt(dst)}", owned_fwd, owned_bwd,
@@ -543,11 +543,7 @@ class _Lowering:
         args_t, kwargs_t = ex.template(node, self.ctx.device)
         in_pls = [p if p is not None else (self.outputs_of(n)[0] if _vals(n) else None)
                   for p, n in zip(pls, node.all_input_nodes)]
-        infos = [ex.TensorInfo(_vals(n)[self._src_index(n, node)], p, g) if _vals(n) and p is not None else None
-                 for p, g, n in zip(in_pls, grads, node.all_input_nodes)]
-        out_infos = [ex.TensorInfo(v, p, None) for v, p in zip(_vals(node), outs)]
-        mod = ex.DTensorExec(node.name, node.target, args_t, kwargs_t, infos, out_infos, self.ctx)
-        return mod, "dtensor", (args_t, kwargs_t)
+        return self._dtensor_module(node, in_pls, grads, outs, args_t, kwargs_t), "dtensor", (args_t, kwargs_t)
 
     def _random_op(self, node, inner: nn.Module) -> nn.Module:
         """``inner`` seeded so that replicas of the output draw alike and shards draw their own
@@ -595,6 +591,10 @@ class _Lowering:
         if self.mode == "strategy":
             raise CodegenError(f"node {node.name!r}: strategy {np_.strategy if np_ else None!r} has no local "
                                f"implementation in autopar.strategies")
+        mod = self._dtensor_module(node, in_pls, grads, outs, args_t, kwargs_t)
+        return mod, ("rule" if mod.rule is not None else "dtensor")
+
+    def _dtensor_module(self, node, in_pls, grads, outs, args_t, kwargs_t) -> ex.DTensorExec:
         infos = []
         for p, g, n in zip(in_pls, grads, node.all_input_nodes):
             v = _vals(n)
@@ -604,8 +604,7 @@ class _Lowering:
             k = self._src_index(n, node)
             infos.append(ex.TensorInfo(v[k] if k < len(v) else v[0], p, g))
         out_infos = [ex.TensorInfo(v, p, None) for v, p in zip(_vals(node), outs)]
-        mod = ex.DTensorExec(node.name, node.target, args_t, kwargs_t, infos, out_infos, self.ctx)
-        return mod, ("rule" if mod.rule is not None else "dtensor")
+        return ex.DTensorExec(node.name, node.target, args_t, kwargs_t, infos, out_infos, self.ctx)
 
     def _check(self, node, new):
         expected = []

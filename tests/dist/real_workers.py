@@ -46,8 +46,9 @@ def aliased_labels_case(force: str) -> dict:
 
 def _dropout_gpt2():
     """GPT-2 (tiny) with residual, embedding and attention dropout at p = 0.5 and 0.2."""
-    autopar_zoo = __import__("autopar.zoo", fromlist=["ensure_torchvision_importable"])
-    autopar_zoo.ensure_torchvision_importable()
+    from autopar import zoo
+
+    zoo.ensure_torchvision_importable()
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.5,
