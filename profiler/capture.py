@@ -87,6 +87,9 @@ class Captured:
     """The node computing the scalar loss (the graph's user output)."""
     mutated_buffers: dict[str, str]
     """Buffer placeholder name -> name of the graph output holding its new value (BatchNorm stats)."""
+    causal: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Attention nodes whose provably causal mask was replaced by ``is_causal=True`` at capture
+    (:mod:`profiler.causal`), with the proof's one-line reason."""
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -171,12 +174,15 @@ def _describe(x: Any) -> str:
 
 
 def capture(model: nn.Module, args, kwargs: dict | None = None, *, loss_fn: Callable | None = None,
-            target: Any = None, stack_traces: bool = False) -> Captured:
+            target: Any = None, stack_traces: bool = False, causal: bool = True) -> Captured:
     """Capture ``model``'s scalar training loss on the example inputs as a training-IR graph.
 
     The loss is ``loss_fn(model(*args, **kwargs), target)`` when ``loss_fn`` is given, else the
     model's own loss (``output.loss`` of an HF ModelOutput, ``output[0]``, or a scalar output).
     ``stack_traces=True`` records a Python stack trace per node (slower to capture).
+    ``causal=True`` rewrites attention whose mask is provably the causal triangle (a constant of
+    the shapes, no user input) to ``is_causal=True`` without the mask (:mod:`profiler.causal`),
+    the call eager code makes; ``False`` keeps the graph as traced.
     Raises :class:`CaptureError` with the failing construct and remedies when export fails, and
     before any tracing when the inputs do not fit ``model.forward``.
     """
@@ -190,7 +196,14 @@ def capture(model: nn.Module, args, kwargs: dict | None = None, *, loss_fn: Call
         except Exception as e:  # export raises many types; all are reported the same way
             raise _capture_error(model, e) from e
         _refuse_data_dependent_sizes(ep, model)
-        return _build_captured(ep, model)
+        captured = _build_captured(ep, model)
+        if causal:
+            from profiler.causal import causal_attention, rewrite_causal_attention
+
+            proofs = causal_attention(captured.graph)
+            done = rewrite_causal_attention(captured.gm, proofs=proofs)
+            captured.causal = {name: proofs[name].reason for name in done}
+        return captured
 
 
 def _refuse_data_dependent_sizes(ep: torch.export.ExportedProgram, model: nn.Module) -> None:

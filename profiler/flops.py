@@ -12,6 +12,13 @@ its mixture-of-experts layers run on the CPU and under ``torch.export``). Pass
 ``FlopCounterMode(custom_mapping=flop_formulas())`` to count like the profiler does
 (``EXTRA_FLOP_FORMULAS`` alone leaves out the named ops).
 
+Causal attention counts the work its kernel does. The flash kernels, on the CPU and on CUDA,
+skip the key blocks a causal query row cannot see, so an ``is_causal=True`` call is counted at
+the visible share of the (L, S) score matrix, ``causal_fraction(L, S)`` (about one half for
+self-attention), forward and backward, for the CPU flash kernel and CUDA's flash, efficient and
+cuDNN kernels. ``torch.utils.flop_counter`` counts them as if nothing were skipped (model FLOPs,
+the convention of MFU figures); the profiler prices time, so it counts what runs.
+
 Convention, as the table's: a matrix product of (m, k) by (k, n) is ``2 * m * k * n``; additions
 of a bias or of an accumulator are not counted (``addmm``, ``baddbmm``). A grouped product counts
 the rows it is given, whatever their split into groups: ``2 * total_rows * k * n``.
@@ -32,6 +39,33 @@ def _sdpa_cpu_flop(query_shape, key_shape, value_shape, *args, out_shape=None, *
 def _sdpa_cpu_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
                             **kwargs) -> int:
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def causal_fraction(L: int, S: int) -> float:
+    """Share of the (L, S) score matrix a top-left aligned causal mask keeps (SDPA's
+    ``is_causal``: query row ``i`` sees key ``j`` iff ``j <= i``): ``(L + 1) / 2L`` when L == S."""
+    L, S = int(L), int(S)
+    if L <= 0 or S <= 0:
+        return 1.0
+    k = min(L, S)
+    return (k * (k + 1) // 2 + (L - k) * S) / (L * S)
+
+
+def _causal_aware(op_packet, formula):
+    """``formula`` scaled by :func:`causal_fraction` when the call passes ``is_causal=True``
+    (found by the op's schema; query and key by name, their shapes as the counter gives them)."""
+    names = [a.name for a in op_packet.default._schema.arguments]
+    at, qi, ki = names.index("is_causal"), names.index("query"), names.index("key")
+
+    def counted(*args, out_shape=None, **kwargs):
+        flops = formula(*args, out_shape=out_shape, **kwargs)
+        causal = args[at] if len(args) > at else kwargs.get("is_causal", False)
+        if not causal:
+            return flops
+        q, k = args[qi], args[ki]
+        return int(round(flops * causal_fraction(q[-2], k[-2])))
+
+    return counted
 
 
 def _numel(shape) -> int:
@@ -116,10 +150,21 @@ def _hf_grouped_mm_fallback_backward_flop(input_shape, weight_shape, offs_shape,
     return 2 * _hf_grouped_mm_fallback_flop(input_shape, weight_shape, offs_shape)
 
 
-#: Formulas for ops ``torch.utils.flop_counter`` does not count (raw, shape-based functions).
-EXTRA_FLOP_FORMULAS = {
+#: Attention kernels with an ``is_causal`` argument, with the formula that counts them whole.
+_ATTENTION_KERNELS = {
     aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flop,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flop,
+    **{op: getattr(flop_registry[op], "__wrapped__", flop_registry[op]) for op in (  # the raw formula
+        aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward,
+        aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_efficient_attention_backward,
+        aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward)
+       if op in flop_registry},
+}
+
+#: Formulas for ops ``torch.utils.flop_counter`` does not count, or counts as if a causal kernel
+#: skipped nothing (raw, shape-based functions).
+EXTRA_FLOP_FORMULAS = {
+    **{op: _causal_aware(op, f) for op, f in _ATTENTION_KERNELS.items()},
     aten._grouped_mm: _grouped_mm_flop,
     aten._scaled_grouped_mm: _scaled_grouped_mm_flop,
     aten.dot: _dot_flop,

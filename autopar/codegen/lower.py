@@ -30,7 +30,6 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import placement as pl
 from autopar import precision
-from autopar.codegen import causal
 from autopar.codegen import executors as ex
 from autopar.codegen.context import MeshContext, mesh_context
 from autopar.codegen.modules import ReshardModule, WriteBack, _attr_name, check_local
@@ -82,10 +81,8 @@ class LocalSignature:
     regions: int = 0
     """Number of checkpointed (recomputed) regions."""
     causal: list[str] = dataclasses.field(default_factory=list)
-    """Attention nodes whose provably causal mask was dropped for ``is_causal=True``
-    (:mod:`autopar.codegen.causal`)."""
-    causal_kept: dict[str, str] = dataclasses.field(default_factory=dict)
-    """Attention nodes with a provably causal mask that keep it, and why."""
+    """Attention nodes that run ``is_causal=True`` because capture proved their mask causal
+    (``Captured.causal``, :mod:`profiler.causal`)."""
 
 
 #: Ops whose output is a fresh tensor that their own backward never saves (it reads the inputs,
@@ -687,16 +684,10 @@ def build(captured, plan, device_mesh, *, debug: bool = False, executor: str = "
     if callable(graph_hash) and check_hash:
         plan.check_fits(graph_hash())
     ctx = mesh_context(device_mesh, plan.mesh, plan.sharding_axes)
-    # The one graph rewrite before lowering: attention whose mask is provably the causal triangle
-    # (a constant of the shapes, no user input) runs is_causal=True without it, on a copy of the
-    # captured graph and plan, where the plan keeps the sequence whole and the erased mask
-    # computation runs no collective (autopar.codegen.causal).
-    rewrite = causal.for_lowering(captured, plan, ctx.mesh, executor)
-    captured, plan, causal_nodes = rewrite.captured, rewrite.plan, rewrite.rewritten
     low = _Lowering(captured, plan, ctx, debug=debug, executor=executor)
     gm = low.run()
     gm.meta["autopar"] = LocalSignature(slots=low.sig_slots, param_grads={low.kinds[k][1]: v for k, v in low.pgrads.items()},
                                         ctx=ctx, executors=low.executors, reshards=low.reshards,
-                                        chunking=low.chunking, regions=low.regions, causal=causal_nodes,
-                                        causal_kept=rewrite.kept)
+                                        chunking=low.chunking, regions=low.regions,
+                                        causal=sorted(getattr(captured, "causal", {})))
     return gm

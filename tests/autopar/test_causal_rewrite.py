@@ -1,11 +1,12 @@
 """Attention with a provably causal mask runs ``is_causal=True`` without it
-(:mod:`autopar.codegen.causal`).
+(:mod:`profiler.causal`, applied by every capture).
 
 The rewrite fires on the masks GPT-2, Llama and Qwen2 (transformers 5) build when no padding is
 given, and never on a mask that reads a user input (a padding ``attention_mask``, even all ones),
-on BERT's bidirectional mask, on a sliding window or on a bottom-right aligned triangle. Llama
-trained on 4 simulated ranks (2x2 mesh) after the rewrite equals one device; the rewritten call
-equals the masked one on random inputs, forward and backward.
+on BERT's bidirectional mask, on a sliding window or on a bottom-right aligned triangle. The
+profile prices the rewritten graph (the causal kernel's FLOPs, no mask); Llama trained on 4
+simulated ranks (2x2 mesh) from it equals one device; the rewritten call equals the masked one
+on random inputs, forward and backward.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
 import cases  # noqa: E402
 
 from autopar import zoo  # noqa: E402
-from autopar.codegen import causal  # noqa: E402
+from profiler import causal  # noqa: E402
 
 TOL = 1e-5
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -61,7 +62,7 @@ def _capture(name: str, attention_mask: str | None = None):
     from profiler.capture import capture
 
     model, args, kwargs = _example(name, attention_mask)
-    return capture(model, args, kwargs)
+    return capture(model, args, kwargs, causal=False)  # the graph as traced: these tests rewrite it
 
 
 def _sdpa(gm):
@@ -162,7 +163,7 @@ def _capture_attn(kind, q_len=8, k_len=8):
     torch.manual_seed(0)
     model = _Attn(kind, q_len, k_len)
     x, y = torch.randn(2, q_len, 16), torch.randn(2, k_len, 16)
-    return model, (x, y), capture(model, (x, y), loss_fn=lambda out: out.square().mean())
+    return model, (x, y), capture(model, (x, y), loss_fn=lambda out: out.square().mean(), causal=False)
 
 
 @pytest.mark.parametrize("kind,q_len,k_len,fires", [
@@ -224,9 +225,58 @@ def test_is_causal_equals_the_masked_call(q_len, k_len, mask_kind):
         torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
 
 
+# ---------------------------------------------------------------------- capture, profile, plan
+@pytest.mark.parametrize("name", LMS + ("bert",))
+def test_capture_rewrites_by_default(name):
+    from profiler.capture import capture
+
+    model, args, kwargs = _example(name)
+    cap = capture(model, args, kwargs)
+    nodes = _sdpa(cap.gm)
+    if name == "bert":
+        assert cap.causal == {} and not any(_causal_unmasked(n) for n in nodes)
+        return
+    assert sorted(cap.causal) == sorted(n.name for n in nodes) and all(map(_causal_unmasked, nodes))
+    padded = capture(model, args, {**kwargs, "attention_mask": torch.ones_like(args[0])})
+    assert padded.causal == {}  # a user's mask is kept, whatever it holds
+
+
+def test_profile_prices_the_causal_kernel():
+    """The profile is of the rewritten program: attention FLOPs at the causal kernel's share, and
+    no mask tensor computed or saved."""
+    import profiler
+    from profiler.flops import causal_fraction
+
+    ex = cases.example("llama")
+    run = lambda causal: profiler.profile_captured(profiler.capture(  # noqa: E731
+        ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target, causal=causal))
+    masked, rewritten = run(False), run(True)
+    attn = lambda gp: [p for p in gp.nodes.values() if p.op == "aten.scaled_dot_product_attention.default"]  # noqa: E731
+    (a0, a1), (b0, b1) = attn(masked), attn(rewritten)
+    q = next(n for n in rewritten.captured.graph.nodes if n.name == b0.name).args[0].meta["val"]
+    frac = causal_fraction(q.shape[-2], q.shape[-2])
+    for m, r in ((a0, b0), (a1, b1)):
+        assert r.fwd_flops == round(m.fwd_flops * frac) and r.bwd_flops == round(m.bwd_flops * frac)
+        assert r.saved_bytes < m.saved_bytes  # the mask is no longer saved for backward
+    assert rewritten.fwd_flops < masked.fwd_flops and rewritten.saved_bytes < masked.saved_bytes
+
+
+def test_query_split_is_not_offered_for_is_causal():
+    """A rank holding query rows [o, o + l) needs the triangle shifted by o: ``is_causal`` attention
+    is split on batch and heads only; the masked graph keeps its query-sequence split."""
+    from autopar.strategies import strategies_for
+
+    names = lambda cap: {s.name for n in _sdpa(cap.gm) for s in strategies_for(n, (2, 2))}  # noqa: E731
+    from profiler.capture import capture
+
+    model, args, kwargs = _example("llama")
+    assert "dp x seq" in names(_capture("llama"))
+    assert not any("seq" in s for s in names(capture(model, args, kwargs)))
+
+
 # ---------------------------------------------------------------------- the emitted program
 @functools.lru_cache(maxsize=None)
-def _llama_setup(family):
+def _llama_setup(family, causal_capture=True):
     import warnings
 
     import profiler
@@ -234,21 +284,22 @@ def _llama_setup(family):
     from autopar.planner import plan_profile
 
     ex = cases.example("llama")
-    gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    cap = profiler.capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target,
+                           causal=causal_capture)
+    gp = profiler.profile_captured(cap)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = plan_profile(gp, Mesh((2, 2), cluster="cpu"), force=family, pipeline=False)
     return ex, gp.captured, plan, cases.reference(ex, steps=2)
 
 
-@pytest.mark.parametrize("family", [None, "megatron-axis1"], ids=["planner", "megatron"])
+@pytest.mark.parametrize("family", [None, "megatron-axis1", "dp"], ids=["planner", "megatron", "dp"])
 def test_llama_trains_like_one_device_after_the_rewrite(mesh, family):
     ex, cap, plan, ref = _llama_setup(family)
     pm, losses, grads, state = cases.train_local(ex, cap, plan, mesh, world=4, steps=2)
     sdpa = [n.name for n in _sdpa(cap.gm)]
-    assert sorted(pm.signature.causal) == sorted(sdpa), (pm.signature.causal, {n: plan.nodes[n].strategy for n in sdpa})
-    # The caller's graph and plan are untouched; the per-rank program runs is_causal attention.
-    assert all(isinstance(causal.sdpa_args(n).get("attn_mask"), torch.fx.Node) for n in _sdpa(cap.gm))
+    assert sorted(pm.signature.causal) == sorted(sdpa) == sorted(cap.causal)
+    assert all(_causal_unmasked(n) for n in _sdpa(cap.gm))  # the graph profiled, planned and lowered
     assert cases.loss_err(losses, ref["losses"]) < TOL, (losses, ref["losses"])
     assert cases.grad_err(grads, ref["grads"]) < TOL
     assert cases.compare_state(state, ref["state"])["global"] < TOL
@@ -271,69 +322,14 @@ def _with_attention(plan, cap, name: str):
     return plan
 
 
-@pytest.mark.parametrize("strategy,rewritten", [("dp x heads", True), ("dp x seq", False)])
-def test_llama_split_attention(mesh, strategy, rewritten):
+@pytest.mark.parametrize("strategy,causal_capture", [("dp x heads", True), ("dp x seq", False)])
+def test_llama_split_attention(mesh, strategy, causal_capture):
     """Heads split: each rank's call sees the whole triangle and runs is_causal. Query sequence
-    split: a rank's rows start at an offset, so the mask stays (and the numbers are still right)."""
-    ex, cap, plan, ref = _llama_setup(None)
+    split (offered on the masked graph only): each rank's mask rows follow its query rows."""
+    ex, cap, plan, ref = _llama_setup(None, causal_capture)
     plan = _with_attention(plan, cap, strategy)
     pm, losses, grads, state = cases.train_local(ex, cap, plan, mesh, world=4, steps=2)
-    assert bool(pm.signature.causal) is rewritten, pm.signature.causal_kept
-    if not rewritten:
-        assert all("splits" in why for why in pm.signature.causal_kept.values()), pm.signature.causal_kept
+    assert bool(pm.signature.causal) is causal_capture
     assert cases.loss_err(losses, ref["losses"]) < TOL, (losses, ref["losses"])
     assert cases.grad_err(grads, ref["grads"]) < TOL
     assert cases.compare_state(state, ref["state"])["global"] < TOL
-
-
-def test_mask_computed_with_collectives_is_kept(mesh):
-    """The data-parallel family splits Llama's mask computation with gathers between its nodes:
-    erasing it would drop collectives the plan counted, so the mask stays (priced = issued)."""
-    ex, cap, plan, ref = _llama_setup("dp")
-    pm, losses, grads, state = cases.train_local(ex, cap, plan, mesh, world=4, steps=2)
-    assert pm.signature.causal == []
-    kept = pm.signature.causal_kept
-    assert sorted(kept) == sorted(n.name for n in _sdpa(cap.gm)), kept
-    assert all("communicates" in why for why in kept.values()), kept
-    assert cases.loss_err(losses, ref["losses"]) < TOL, (losses, ref["losses"])
-    assert cases.grad_err(grads, ref["grads"]) < TOL
-    assert cases.compare_state(state, ref["state"])["global"] < TOL
-
-
-def _step_collectives(ex, cap, plan, device_mesh):
-    """(module, collectives one train_step issues, by op name) on 4 simulated ranks."""
-    import collections
-
-    from torch.distributed._local_tensor import LocalTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from autopar.runtime.module import ParallelModule
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.kinds = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace in ("_c10d_functional", "c10d") and "wait" not in func.__name__:
-                self.kinds[func.__name__] += 1
-            return func(*args, **(kwargs or {}))
-
-    with LocalTensorMode(4):
-        pm = ParallelModule(ex.model, cap, plan, device_mesh)
-        count = Count()
-        with count:
-            pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
-    return pm, count.kinds
-
-
-def test_rewrite_issues_the_collectives_the_plan_counted(mesh, monkeypatch):
-    """The rewrite erases local work only: the step issues the same collectives as the masked
-    program the planner priced."""
-    ex, cap, plan, _ = _llama_setup(None)
-    pm, issued = _step_collectives(ex, cap, plan, mesh)
-    assert pm.signature.causal
-    monkeypatch.setattr(causal, "for_lowering", lambda c, p, m, e="auto": causal.CausalRewrite(c, p, [], {}))
-    pm, masked = _step_collectives(ex, cap, plan, mesh)
-    assert not pm.signature.causal
-    assert issued == masked and sum(issued.values()) > 0, (issued, masked)

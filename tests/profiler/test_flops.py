@@ -9,11 +9,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from profiler.flops import EXTRA_FLOP_FORMULAS, format_bytes, format_flops
 
 
-def _count(backend):
+def _count(backend, causal=False):
     q, k, v = (torch.randn(2, 4, 32, 16, requires_grad=True) for _ in range(3))
     counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
     with counter, sdpa_kernel(backend):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         fwd = counter.get_total_flops()
         out.sum().backward()
     return fwd, counter.get_total_flops() - fwd, dict(counter.get_flop_counts()["Global"])
@@ -29,6 +29,23 @@ def test_cpu_flash_attention_counts_like_the_cuda_kernels():
     # backward: the fused kernel recomputes Q K^T (5 matmuls, like the CUDA flash formula); the
     # math path kept the probabilities (4 bmms)
     assert fused_bwd == 5 * fused_fwd // 2 and math_bwd == 2 * math_fwd
+
+
+def test_causal_flash_attention_counts_the_visible_blocks():
+    """The flash kernels skip the key blocks a causal row cannot see: ``is_causal=True`` counts
+    the kept share of the score matrix, (s + 1) / 2s, forward and backward; the math path, which
+    computes every score and masks them, counts them all."""
+    from profiler.flops import causal_fraction
+
+    full_fwd, full_bwd, _ = _count(SDPBackend.FLASH_ATTENTION)
+    fwd, bwd, ops = _count(SDPBackend.FLASH_ATTENTION, causal=True)
+    math_fwd, math_bwd, _ = _count(SDPBackend.MATH, causal=True)
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu in ops
+    assert causal_fraction(32, 32) == 33 / 64
+    assert fwd == round(full_fwd * 33 / 64) and bwd == round(full_bwd * 33 / 64)
+    assert math_fwd == full_fwd  # masked scores are still computed
+    # top-left aligned, as SDPA's is_causal: 4 query rows over 8 keys see 1 + 2 + 3 + 4 of 32
+    assert causal_fraction(4, 8) == 10 / 32 and causal_fraction(8, 4) == (10 + 4 * 4) / 32
 
 
 def test_human_units():

@@ -1,11 +1,17 @@
-"""Causal attention: SDPA calls whose mask is provably causal run ``is_causal=True`` with no mask.
+"""Causal attention: SDPA calls whose mask is provably causal become ``is_causal=True`` with no mask.
 
 Hugging Face causal LMs (GPT-2, Llama, Qwen2 in transformers 5) build their attention mask as a
-tensor and call ``aten.scaled_dot_product_attention(q, k, v, mask)`` in the captured graph, where
-eager code with no padding would pass ``is_causal=True``. On GPUs a materialised mask rules out
-the flash kernels and costs a (batch, 1, L, S) tensor per step. :func:`rewrite_causal_attention`
-turns such a call into ``scaled_dot_product_attention(q, k, v, is_causal=True)`` (``dropout_p``,
-``scale``, ``enable_gqa`` kept) and erases the mask nodes nothing else reads.
+tensor when traced and call ``aten.scaled_dot_product_attention(q, k, v, mask)`` in the captured
+graph, where eager code with no padding passes ``is_causal=True``. On GPUs a materialised mask
+rules out the flash kernels and costs a (batch, 1, L, S) tensor per step.
+:func:`rewrite_causal_attention` turns such a call into
+``scaled_dot_product_attention(q, k, v, is_causal=True)`` (``dropout_p``, ``scale``,
+``enable_gqa`` kept) and erases the mask nodes nothing else reads.
+
+:func:`profiler.capture.capture` applies it to every capture (``causal=False`` keeps the masked
+graph), before anything is profiled, planned or lowered: the profile measures the kernel that
+runs (no mask tensor, no mask saved for backward, the causal kernel's FLOPs:
+:mod:`profiler.flops`), the planner prices that graph and the codegen lowers that same graph.
 
 What is proved, for each SDPA node with a mask and ``is_causal=False`` (:func:`prove_causal`):
 
@@ -31,21 +37,12 @@ Numerics: an additive ``finfo.min`` entry makes the softmax weight exactly 0 jus
 does (no causal row is fully masked: column 0 is always visible), so forward and backward equal
 the masked call's. Step 1 makes the check a property of the graph, not of one example input.
 
-:func:`for_lowering` is what :func:`autopar.codegen.build` calls: it rewrites a copy of the
-captured graph and drops the mask from a copy of the plan's entries, for the SDPA nodes whose
-plan keeps the query and key sequence whole on every rank (a query-split ``seq`` strategy would
-need a rank-offset triangle) and whose erased mask computation runs no collective under the
-plan (a batch-split mask whose nodes gather keeps its mask: the collectives the planner counted
-are the ones the program issues).
-
-Pricing: the planner prices the captured (masked) graph. Where the rewrite fires it removes only
-local work: the mask nodes' memory traffic and the mask SDPA saves for backward (measured by
-the profiler on Llama, batch 2 x 512: 2 MiB per layer, the (2, 1, 512, 512) fp32 bias), so the
-plan's time and peak memory are upper bounds of the rewritten program's.
+Sharding: ``is_causal`` attention splits on batch and heads (every rank sees the whole
+triangle); a query-sequence split would need a rank-offset triangle and is not offered
+(:mod:`autopar.strategies.attention`), so no plan can make a rank's call see the wrong rows.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import operator
 from typing import Any
@@ -295,189 +292,3 @@ def _erase_dead(graph: fx.Graph, masks: list[fx.Node]) -> None:
             for u in list(n.users):  # export's dtype/device assertion of a value no one reads
                 graph.erase_node(u)
             graph.erase_node(n)
-
-
-# ---------------------------------------------------------------------- the lowering hook
-#: Resharding steps that move no data between ranks.
-_LOCAL_STEPS = {"slice", "zero_partial", "noop"}
-
-
-def _placements(np_, node: fx.Node, mesh_shape):
-    """(inputs, input gradients) of ``node``'s plan entry aligned with ``node.all_input_nodes``
-    (None: as produced), or None when the entry does not line up."""
-    from autopar import placement as pl
-
-    ins = node.all_input_nodes
-    tensor = [i for i, n in enumerate(ins) if _tensors(n.meta.get("val"))]
-    if len(np_.inputs) == len(ins):
-        slots = list(range(len(ins)))
-    elif len(np_.inputs) == len(tensor):
-        slots = tensor
-    else:
-        return None
-    pls, grads = [None] * len(ins), [None] * len(ins)
-    for k, i in enumerate(slots):
-        pls[i] = pl.parse(np_.inputs[k]) if np_.inputs[k] is not None else None
-        g = np_.input_grads[k] if k < len(np_.input_grads) else None
-        grads[i] = pl.parse(g) if g is not None else None
-    if any(p is not None and len(p) != len(mesh_shape) for p in pls + grads):
-        return None
-    return pls, grads
-
-
-def _seq_whole(node: fx.Node, np_, mesh_shape) -> bool:
-    """The plan keeps the query, key and value sequence dims (and the output's) whole on every
-    rank: the local call sees the full L x S triangle."""
-    from autopar import placement as pl
-
-    a = sdpa_args(node)
-    got = _placements(np_, node, mesh_shape)
-    if got is None or not np_.outputs:
-        return False
-    pls = got[0]
-    checks = [(a[x], pls[node.all_input_nodes.index(a[x])]) for x in ("query", "key", "value")]
-    checks.append((node, pl.parse(np_.outputs[0]) if np_.outputs[0] is not None else None))
-    for n, p in checks:
-        v = n.meta.get("val")
-        if p is None or len(p) != len(mesh_shape) or not isinstance(v, torch.Tensor):
-            return False
-        if pl.local_shape(tuple(v.shape), p, mesh_shape)[-2] != v.shape[-2]:
-            return False
-    return True
-
-
-def _communicates(nodes: list[fx.Node], edges: list[tuple[fx.Node, int]], plan, mesh, executor: str) -> str | None:
-    """What collective the plan runs for ``nodes`` (the mask nodes the rewrite erases) or on the
-    ``edges`` (consumer, input index: the masks entering attention); None when all of it is
-    local work. The rewrite then removes only work the plan priced as local compute and memory,
-    never a collective it counted."""
-    from autopar import placement as pl
-    from autopar.codegen.executors import all_replicated, grad_of
-    from autopar.costs.reshard import reshard
-
-    shape = tuple(mesh.shape)
-
-    def out_pl(prod: fx.Node):
-        np_ = plan.nodes.get(prod.name)
-        if np_ is None or len(_tensors(prod.meta.get("val"))) != 1 or not np_.outputs or np_.outputs[0] is None:
-            return None
-        return pl.parse(np_.outputs[0])
-
-    def edge(node: fx.Node, i: int, pls, grads) -> str | None:
-        prod = node.all_input_nodes[i]
-        vals = _tensors(prod.meta.get("val"))
-        if not vals or node.target is operator.getitem:
-            return None  # not a tensor edge (the lowering passes it through)
-        src = out_pl(prod)
-        if src is None:
-            return f"{prod.name} -> {node.name}: no single planned output placement"
-        dst = pls[i] if pls[i] is not None else src
-        v = vals[0]
-        steps = list(reshard(src, dst, tuple(v.shape), v.element_size(), mesh).steps) if src != dst else []
-        if v.dtype.is_floating_point or v.dtype.is_complex:
-            gsrc, gdst = grad_of(src), grads[i] if grads[i] is not None else grad_of(dst)
-            if gsrc != gdst:
-                steps += list(reshard(gdst, gsrc, tuple(v.shape), v.element_size(), mesh).steps)
-        moving = [st for st in steps if st.kind not in _LOCAL_STEPS]
-        return f"{prod.name} -> {node.name}: {moving[0]}" if moving else None
-
-    for n in nodes:
-        np_ = plan.nodes.get(n.name)
-        if np_ is None:
-            if n.target is operator.getitem:
-                continue
-            return f"{n.name} has no plan entry"
-        got = _placements(np_, n, shape)
-        if got is None:
-            return f"{n.name}: plan entry does not fit"
-        pls, grads = got
-        outs = [pl.parse(o) if o is not None else None for o in np_.outputs]
-        if not all_replicated(pls, grads, outs):  # not the plain call: the strategy must be local
-            if executor == "dtensor":
-                return f"{n.name} runs on DTensor"
-            from autopar.strategies import strategies_for
-
-            try:
-                strat = next((st for st in strategies_for(n, shape) if st.name == np_.strategy), None)
-            except Exception:  # noqa: BLE001 - no rule: DTensor would run it
-                strat = None
-            if strat is None or strat.comm:
-                return f"{n.name}: strategy {np_.strategy!r} " + ("communicates" if strat else "runs on DTensor")
-        for i in range(len(n.all_input_nodes)):
-            why = edge(n, i, pls, grads)
-            if why:
-                return why
-    for node, i in edges:
-        got = _placements(plan.nodes[node.name], node, shape)
-        why = "plan entry does not fit" if got is None else edge(node, i, *got)
-        if why:
-            return why
-    return None
-
-
-@dataclasses.dataclass
-class CausalRewrite:
-    """What :func:`for_lowering` did."""
-
-    captured: Any
-    """The captured graph to lower (a rewritten copy, or the input)."""
-    plan: Any
-    """The plan to lower with (a copy without the dropped masks, or the input)."""
-    rewritten: list[str]
-    """SDPA nodes now ``is_causal=True`` without a mask."""
-    kept: dict[str, str]
-    """SDPA nodes with a provably causal mask that keep it, and why (the plan splits their query
-    sequence, or the mask's computation runs collectives the plan counted)."""
-
-
-def for_lowering(captured, plan, mesh, executor: str = "auto") -> CausalRewrite:
-    """The captured graph and plan :func:`autopar.codegen.build` lowers.
-
-    SDPA nodes of ``captured`` whose mask is provably causal (:func:`prove_causal`) are rewritten
-    (:func:`rewrite_causal_attention`) in a copy of the graph, and their mask dropped from a copy
-    of ``plan``'s entries, when ``plan`` (on the plain-data sharding ``mesh``) keeps their query
-    and key sequence whole on every rank and the erased mask computation runs no collective (so
-    the collectives the plan priced are the ones the program issues). Neither input is modified;
-    with nothing to rewrite both are returned as they are."""
-    graph = captured.gm.graph
-    shape = tuple(mesh.shape)
-    by_name = {n.name: n for n in graph.nodes}
-    chosen, kept = {}, {}
-    proofs = causal_attention(graph)
-    for name, proof in proofs.items():
-        if not proof.causal:
-            continue
-        np_ = plan.nodes.get(name)
-        if np_ is not None and _seq_whole(by_name[name], np_, shape):
-            chosen[name] = by_name[name].all_input_nodes.index(by_name[proof.mask])
-        else:
-            kept[name] = "the plan splits the attention's sequence"
-    if not chosen or not (dataclasses.is_dataclass(captured) and dataclasses.is_dataclass(plan)):
-        return CausalRewrite(captured, plan, [], kept)
-    new_graph = fx.Graph()
-    new_graph._codegen = copy.copy(graph._codegen)  # an exported graph's pytree calling convention
-    env: dict[fx.Node, fx.Node] = {}
-    out, old_out = new_graph.graph_copy(graph, env, return_output_node=True)  # same names and meta
-    new_out = new_graph.output(out, type_expr=old_out.type)
-    new_out.meta = dict(old_out.meta)
-    if [n.name for n in new_graph.nodes] != [n.name for n in graph.nodes]:
-        return CausalRewrite(captured, plan, [], {**kept, **{n: "the graph copy renamed nodes" for n in chosen}})
-    done = rewrite_causal_attention(new_graph, only=set(chosen), proofs=proofs)
-    left = {n.name for n in new_graph.nodes}
-    erased = [n for n in graph.nodes if n.name not in left and n.op == "call_function" and n.target is not _ASSERT]
-    why = _communicates(erased, [(by_name[n], chosen[n]) for n in done], plan, mesh, executor)
-    if why is not None:
-        return CausalRewrite(captured, plan, [], {**kept, **{n: f"the mask's computation communicates ({why})"
-                                                      for n in done}})
-    gm = fx.GraphModule(captured.gm, new_graph)
-    gm.meta.update(captured.gm.meta)
-    loss = getattr(captured, "loss_node", None)
-    cap = dataclasses.replace(captured, gm=gm, loss_node=env[loss] if loss is not None else None)
-    nodes = dict(plan.nodes)
-    for name in done:
-        i, np_ = chosen[name], nodes[name]
-        if len(np_.inputs) != len(by_name[name].all_input_nodes):  # listed per tensor input
-            i = [k for k, n in enumerate(by_name[name].all_input_nodes) if _tensors(n.meta.get("val"))].index(i)
-        nodes[name] = dataclasses.replace(np_, inputs=np_.inputs[:i] + np_.inputs[i + 1:],
-                                          input_grads=np_.input_grads[:i] + np_.input_grads[i + 1:])
-    return CausalRewrite(cap, dataclasses.replace(plan, nodes=nodes), done, kept)
