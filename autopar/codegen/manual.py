@@ -27,6 +27,8 @@ from autopar import placement as pl
 from autopar.mesh import Mesh
 from autopar.plan import NodePlan, Plan
 
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
 PlacementRule = Callable[[str, tuple], str | None] | Mapping[str, str]
 
 
@@ -99,15 +101,38 @@ class _Recorder(fx.Interpreter):
             return super().call_function(target, args, kwargs)
         # Everything here lives on the meta device.
         args, kwargs = torch.utils._pytree.tree_map_only(torch.device, lambda d: torch.device("meta"), (args, kwargs))
+        if target is _SDPA:
+            out = self._attention(args, kwargs)
+            if out is not None:
+                return out
         try:
             return super().call_function(target, args, kwargs)
         except NotImplementedError:
             # No DTensor rule (e.g. CPU flash attention): the node runs replicated.
-            full = [a.full_tensor() if isinstance(a, DTensor) else a for a in _flat(args, kwargs)]
-            a2, k2 = _unflat(args, kwargs, full)
-            out = target(*a2, **k2)
-            rep = [Replicate()] * self.n
-            return _map_tensors(out, lambda t: DTensor.from_local(t, self.dm, rep, run_check=False))
+            return self._replicated(target, args, kwargs)
+
+    def _replicated(self, target, args, kwargs):
+        full = [a.full_tensor() if isinstance(a, DTensor) else a for a in _flat(args, kwargs)]
+        a2, k2 = _unflat(args, kwargs, full)
+        out = target(*a2, **k2)
+        rep = [Replicate()] * self.n
+        return _map_tensors(out, lambda t: DTensor.from_local(t, self.dm, rep, run_check=False))
+
+    def _attention(self, args, kwargs):
+        """``is_causal`` attention without a mask, which DTensor's CPU decomposition cannot run:
+        per batch/head block when q, k and v are placed alike on those dims (the local rule the
+        DTensor executor runs, :mod:`autopar.codegen.local_rules`), else replicated."""
+        if len(args) > 3 or "attn_mask" in kwargs or not kwargs.get("is_causal", False):
+            return None
+        q, k, v = args[:3]
+        if not all(isinstance(t, DTensor) for t in (q, k, v)):
+            return None
+        pls = tuple(q.placements)
+        if tuple(k.placements) == tuple(v.placements) == pls and q.dim() == 4 and all(
+                isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim % 4 in (0, 1)) for p in pls):
+            out = _SDPA(q.to_local(), k.to_local(), v.to_local(), **kwargs)
+            return DTensor.from_local(out, self.dm, pls, run_check=False)
+        return self._replicated(_SDPA, args, kwargs)
 
 
 def _flat(args, kwargs):

@@ -276,8 +276,9 @@ class PipelineRunner:
         from torch.distributed.pipelining.microbatch import _CustomReducer
 
         # The last stage returns a scalar loss per micro-batch: summed, not concatenated (the
-        # step's loss is taken from the per-micro-batch losses).
-        merge = _CustomReducer(torch.zeros(()), lambda a, b: a + b.detach().cpu())
+        # step's loss is taken from the per-micro-batch losses), on the device: no host sync per
+        # micro-batch.
+        merge = _CustomReducer(torch.zeros((), device=device), lambda a, b: a + b.detach())
         kw = dict(n_microbatches=self.m, loss_fn=_loss_is_output, scale_grads=False, output_merge_spec=merge)
         if pipe.schedule == "interleaved-1f1b" or len(self.stages) > 1:
             self.schedule = ScheduleInterleaved1F1B(self.stages, **kw)
