@@ -180,14 +180,22 @@ def _cluster(name: str) -> Cluster:
     return CLUSTERS[name]
 
 
+#: The most axes a mesh may have (pp x dp x cp x tp).
+MAX_AXES = 4
+
+
 def _default_axis_names(ndim: int) -> tuple[str, ...]:
     # The outer axis carries data parallelism (slow links), the inner one tensor parallelism.
-    # 0-D: one device, no axis (the per-stage mesh of a pipeline over a 1-D mesh).
-    return {0: (), 1: ("dp",), 2: ("dp", "tp")}[ndim]
+    # 0-D: one device, no axis (the per-stage mesh of a pipeline over a 1-D mesh). Beyond two
+    # axes the outer ones get neutral names: a name says what an axis does only when the user
+    # gives it ("pp" makes an axis the pipeline's, see autopar.planner).
+    if ndim <= 2:
+        return {0: (), 1: ("dp",), 2: ("dp", "tp")}[ndim]
+    return tuple(f"a{i}" for i in range(ndim - 2)) + ("dp", "tp")
 
 
 class Mesh:
-    """A 1D or 2D logical device mesh with its link per axis and its device spec (immutable).
+    """A logical device mesh of 1 to 4 axes with its link per axis and its device spec (immutable).
     (A 0-D mesh, shape ``()``, is one device: what remains of a 1-D mesh once a pipeline takes
     its axis.)
 
@@ -232,7 +240,7 @@ class Mesh:
     # ---- shape helpers -------------------------------------------------------------------------
     @property
     def ndim(self) -> int:
-        """Number of mesh axes (1 or 2)."""
+        """Number of mesh axes (1 to 4)."""
         return len(self.shape)
 
     @property
@@ -342,8 +350,9 @@ class Mesh:
 
 def _check_shape(shape) -> tuple[int, ...]:
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    if len(shape) > 2:
-        raise ValueError(f"mesh shape {shape} must have 1 or 2 axes")
+    if len(shape) > MAX_AXES:
+        raise ValueError(f"mesh shape {shape} has {len(shape)} axes; a mesh has at most {MAX_AXES} "
+                         f"(e.g. pp x dp x cp x tp)")
     if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in shape):
         raise ValueError(f"mesh sizes must be positive ints, got {shape}")
     return shape

@@ -30,9 +30,11 @@ def parse_bytes(value) -> float | None:
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
-    """``"2x4"`` -> ``(2, 4)``; ``"8"`` -> ``(8,)``. Raises ``ValueError`` with the accepted form."""
-    if isinstance(text, str) and re.fullmatch(r"\s*\d+(\s*[xX,]\s*\d+)?\s*", text):
+    """``"2x4"`` -> ``(2, 4)``; ``"8"`` -> ``(8,)``; ``"4x16x8"`` -> ``(4, 16, 8)`` (up to 4 axes).
+    Raises ``ValueError`` with the accepted form."""
+    if isinstance(text, str) and re.fullmatch(r"\s*\d+(\s*[xX,]\s*\d+){0,3}\s*", text):
         shape = tuple(int(x) for x in re.split(r"[xX,]", text.replace(" ", "")))
         if all(s >= 1 for s in shape):
             return shape
-    raise ValueError(f"cannot read mesh {text!r}: use AxB for a 2D mesh (e.g. 2x4) or N for a 1D mesh")
+    raise ValueError(f"cannot read mesh {text!r}: use AxB for a 2D mesh (e.g. 2x4), N for a 1D mesh, "
+                     f"up to 4 axes (4x16x8)")

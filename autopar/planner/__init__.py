@@ -107,16 +107,33 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", precision=N
     if "chunks" in options:  # overlap chunk counts offered, e.g. chunks=(1,) to plan without chunking
         cfg.chunks = tuple(int(k) for k in options.pop("chunks"))
     pipes = []
-    if (pipeline and force in (None, "pp-tp")) and mesh.ndim == 2:
+    named_pp = [a for a, name in enumerate(mesh.axis_names) if name == "pp" and mesh.shape[a] > 1]
+    if named_pp and (not pipeline or force not in (None, "pp-tp")):
+        raise ValueError(f"mesh {_shape(mesh)} names axis {named_pp[0]} 'pp': that axis is a pipeline's, so "
+                         f"pipeline={pipeline!r} / force={force!r} cannot plan it; pass pipeline=True (and no "
+                         f"force other than 'pp-tp'), or give the axis another name")
+    if (pipeline and force in (None, "pp-tp")) and mesh.ndim >= 2:
         from autopar.planner.pipeline import pipeline_candidates
 
-        pipes = pipeline_candidates(gp, cfg, required=force == "pp-tp")
-    # The pipelines first: the flat plan's budget loop need not look for a faster flat plan that
-    # fits once the ILP's bound says no flat plan beats the best pipeline.
+        # A logical mesh that names an axis "pp" is pipelined over that axis (its other axes carry
+        # the sharding); a physical one over any axis, or over a factor of one (PP x DP x TP).
+        pipes = pipeline_candidates(gp, cfg, required=force == "pp-tp" and mesh.ndim < 2, axes=named_pp or None)
+    # The whole-axis pipelines first: the flat plan's budget loop need not look for a faster flat
+    # plan that fits once the ILP's bound says no flat plan beats the best pipeline. Then the
+    # pipelines over factors of an axis, pruned by the best plan so far.
     beat = min((c.step_time for c in pipes if not isinstance(c, Exception)), default=None)
     candidates = []
-    if force != "pp-tp":
+    if force != "pp-tp" and not named_pp:
         candidates.append(_solve_flat(gp, cfg, every=every, beat=beat))
+    if (pipeline and force in (None, "pp-tp")) and mesh.ndim >= 2 and not named_pp:
+        from autopar.planner.pipeline import factored_candidates
+
+        best = min((c.step_time for c in candidates + pipes if not isinstance(c, Exception)), default=None)
+        pipes += factored_candidates(gp, cfg, beat=best)
+    if (force == "pp-tp" or named_pp) and not any(not isinstance(c, Exception) for c in pipes):
+        why = "; ".join(str(c) for c in pipes if isinstance(c, Exception))
+        raise ValueError("no pipeline plan is possible: the mesh has no axis of size >= 2 that the model's "
+                         "repeated layers can be cut along" + (f" ({why})" if why else ""))
     candidates += pipes
     ok = [c for c in candidates if not isinstance(c, Exception)]
     if not ok:

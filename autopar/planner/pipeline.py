@@ -26,6 +26,7 @@ time falls while the bubble shrinks faster than the floors add up, then rises.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -77,41 +78,172 @@ def _placeholders_to_first_user(gp, units: list[list[str]]) -> list[list[str]]:
     return out
 
 
-def pipeline_candidates(gp, cfg: Config, *, required: bool = False) -> list:
-    """Plans (or the errors that stopped them) for every pipeline axis, best count and schedule per axis."""
-    from autopar.planner import InfeasibleBudget
+def pipeline_candidates(gp, cfg: Config, *, required: bool = False, axes=None) -> list:
+    """Plans (or the errors that stopped them) for every pipeline axis (or those of ``axes``), best
+    count and schedule per axis (see :func:`search`)."""
+    axes = list(range(cfg.mesh.ndim)) if axes is None else list(axes)
+    out = search(gp, cfg, [(cfg.mesh, a) for a in axes])
+    if required and not any(not isinstance(c, Exception) for c in out):
+        why = "; ".join(str(c) for c in out if isinstance(c, Exception))
+        raise ValueError("no pipeline plan is possible: the mesh has no axis of size >= 2 that the model's "
+                         "repeated layers can be cut along" + (f" ({why})" if why else ""))
+    return out
+
+
+def factor_axis(mesh, axis: int, stages: int, name: str = "pp"):
+    """``mesh`` with physical axis ``axis`` (size n) factored into a pipeline axis of ``stages``
+    and the rest, ``n / stages``, in row-major order (pipeline outermost): ``(64, 8)`` factored on
+    axis 0 into 4 stages is ``(4, 16, 8)``. Both sub-axes keep the physical axis's link (a
+    pipeline stage's neighbour and a data-parallel peer lie across the same nodes)."""
+    n = mesh.shape[axis]
+    if stages < 2 or n % stages or n // stages < 2:
+        raise ValueError(f"axis {axis} of size {n} does not factor into {stages} stages and a rest of at least 2")
+    names = list(mesh.axis_names)
+    pp = name if name not in names else f"{name}{axis}"
+    return mesh.replace(shape=mesh.shape[:axis] + (stages, n // stages) + mesh.shape[axis + 1:],
+                        axis_names=tuple(names[:axis] + [pp] + names[axis:]),
+                        links=mesh.links[:axis] + (mesh.links[axis], mesh.links[axis]) + mesh.links[axis + 1:])
+
+
+def factorings(mesh, layers: int) -> list:
+    """(logical mesh, pipeline axis) for a pipeline over a factor of each physical axis: stage
+    counts q that divide an axis of size n, 2 <= q <= n / 2, at most ``layers`` (PP x DP x TP on a
+    (nodes, GPUs per node) mesh)."""
+    return [(factor_axis(mesh, a, q), a) for a in range(mesh.ndim) for q in range(2, mesh.shape[a] // 2 + 1)
+            if mesh.shape[a] % q == 0 and q <= layers]
+
+
+def factored_candidates(gp, cfg: Config, beat: float | None = None) -> list:
+    """:func:`search` over :func:`factorings` of ``cfg.mesh`` (none for a model without repeated
+    layers); ``beat`` as for :func:`search`."""
+    units = _stage_units(gp)
+    if units is None:
+        return []
+    out = search(gp, cfg, factorings(cfg.mesh, len(units)), beat=beat)
+    for c in out:
+        if not isinstance(c, Exception):
+            c.options["physical_mesh"] = list(cfg.mesh.shape)
+    return out
+
+
+#: Seconds the budget checks of :func:`search` may take once a plan is found: the (candidate,
+#: count) pairs left are skipped (the plan says how many). Bounds are computed for all of them.
+SEARCH_SECONDS = 30.0
+
+
+def _estimate(free: dict, budget: float | None) -> float:
+    """A guess of a (candidate, count)'s step time under ``budget``, to order the search: its bound
+    plus the recomputation of the share of its activations over the budget (a forward pass is
+    about a third of a step's compute). Only the order depends on it."""
+    if budget is None:
+        return free["step"]
+    worst = max(free["split"], key=lambda r: r["params"] + r["activations"])
+    over = worst["params"] + worst["activations"] - budget
+    if over <= 0:
+        return free["step"]
+    if worst["params"] >= budget:
+        return float("inf")  # the parameters alone do not fit: last
+    share = min(1.0, over / max(worst["activations"], 1.0))
+    return free["step"] * (1 + share / 3)
+
+
+def _stage_units(gp):
+    gm = gp.captured.gm
+    units = _units(gp, [n.name for n in gm.graph.nodes if n.op not in ("output", "get_attr")])
+    return None if units is None else _placeholders_to_first_user(gp, units)
+
+
+def search(gp, cfg: Config, candidates: list, beat: float | None = None) -> list:
+    """The best pipelined plan of each ``(mesh, axis)`` candidate worth finishing, and the errors
+    of those that have none: a best-first search over (candidate, micro-batch count).
+
+    1. **Bounds.** For every candidate and count, the sharding ILP of the other axes at the
+       micro-batch size, without a memory row, cut into stages and priced under every schedule
+       with memory ignored: a lower bound of that (candidate, count)'s step time under the budget
+       (the budget can only add recomputation and rule partitions out).
+    2. **Best first.** In increasing bound order, each is checked against the budget (the stage
+       replay) and, when over it, solved again with a stage memory row that makes the stages
+       recompute (:func:`_recompute_to_fit`); the search stops once the next bound is no faster
+       than the best plan found, so the expensive solves run only where they can win.
+
+    Without a budget, step 2 is step 1's answer. ``beat``: the step time of a plan found
+    elsewhere (the flat plan), which prunes like a pipeline found here. The result has one plan
+    per candidate that got one (its best count and schedule), in candidate order."""
+    from autopar.planner import InfeasibleBudget, build_cached
     from autopar.report import human_bytes
 
-    gm = gp.captured.gm
-    order = [n.name for n in gm.graph.nodes if n.op not in ("output", "get_attr")]
-    units = _units(gp, order)
+    units = _stage_units(gp)
     if units is None:
-        if required:
-            raise ValueError("pipeline parallelism needs repeated layers to cut into stages; this model has none")
+        if candidates:
+            return [ValueError("pipeline parallelism needs repeated layers to cut into stages; this model has none")]
         return []
-    units = _placeholders_to_first_user(gp, units)
-    out = []
-    mesh, batch = cfg.mesh, batch_size(gp)
-    for axis in range(mesh.ndim):
+    batch = batch_size(gp)
+    errors, entries = {}, []
+    for ci, (mesh, axis) in enumerate(candidates):
         p = mesh.shape[axis]
         if p < 2 or len(units) < p:
             continue
         counts = microbatch_counts(batch, (p, 2 * p, 4 * p, 8 * p))
         if not counts:
-            out.append(ValueError(f"no pipeline over axis {axis}: a batch of {batch} does not cut into {p} or more "
-                                  f"equal micro-batches of at least 2 samples; use a larger batch"))
+            errors[ci] = ValueError(f"no pipeline over axis {axis} of {tuple(mesh.shape)}: a batch of {batch} does "
+                                    f"not cut into {p} or more equal micro-batches of at least 2 samples; use a "
+                                    f"larger batch")
             continue
-        plan = _axis_plan(gp, cfg, units, axis, counts)
-        if isinstance(plan, ValueError):
-            out.append(plan)
+        c_cfg = dataclasses.replace(cfg, mesh=mesh)
+        free_cfg = dataclasses.replace(c_cfg, memory_budget=None)
+        other, sub = _sub_mesh(mesh, axis)
+        for m in counts:
+            sub_cfg = dataclasses.replace(cfg, mesh=sub, memory_budget=None, family=None, micro_batches=m)
+            try:
+                built = build_cached(gp, sub_cfg)
+            except ValueError as e:  # some op has no strategy that divides this micro-batch
+                errors.setdefault(ci, ValueError(f"no pipeline over axis {axis} of {tuple(mesh.shape)} with {m} "
+                                                 f"micro-batches: {e}"))
+                continue
+            sol = solver.solve(built.problem)
+            bound = _best_schedule(gp, free_cfg, built, sol, units, axis, m)
+            if bound is not None:
+                entries.append((_estimate(bound, cfg.memory_budget), bound["step"], ci, m, c_cfg, built, sol,
+                                sub_cfg, bound))
+    entries.sort(key=lambda e: (e[0], e[1], e[2], e[3]))
+    best: dict[int, dict] = {}
+    tried: set[int] = set()
+    top = float("inf") if beat is None else float(beat)
+    deadline = time.perf_counter() + SEARCH_SECONDS
+    skipped = 0
+    for _, bound, ci, m, c_cfg, built, sol, sub_cfg, free in entries:
+        if cfg.memory_budget is not None and bound >= top:
+            continue  # slower than a plan that fits, whatever the budget adds
+        if cfg.memory_budget is not None and time.perf_counter() > deadline and best:
+            skipped += 1
+            continue
+        axis = candidates[ci][1]
+        tried.add(ci)
+        if cfg.memory_budget is None:
+            found = free
         else:
-            out.append(plan if plan is not None else
-                       InfeasibleBudget(f"no pipeline over axis {axis} fits the memory budget of "
-                                        f"{human_bytes(cfg.memory_budget, digits=2)} per device"))
-    if required and not any(not isinstance(c, Exception) for c in out):
-        why = "; ".join(str(c) for c in out if isinstance(c, Exception))
-        raise ValueError("no pipeline plan is possible: the mesh has no axis of size >= 2 that the model's "
-                         "repeated layers can be cut along" + (f" ({why})" if why else ""))
+            found = _best_schedule(gp, c_cfg, built, sol, units, axis, m)
+            if found is None and cfg.checkpoint and built.problem.segments:
+                found, sol = _recompute_to_fit(gp, c_cfg, built, units, axis, m)
+        if found is None:
+            continue
+        found = dict(found, built=built, sol=sol, sub_cfg=sub_cfg, cfg=c_cfg)
+        if ci not in best or (found["step"], found["peak"]) < (best[ci]["step"], best[ci]["peak"]):
+            best[ci] = found
+        top = min(top, found["step"])
+    out = []
+    for ci, (mesh, axis) in enumerate(candidates):
+        if ci in best:
+            out.append(_finish(gp, best[ci]["cfg"], units, axis, best[ci]))
+            if skipped:
+                out[-1].options["pipeline_search"] = (f"stopped after {SEARCH_SECONDS:.0f} s with {skipped} "
+                                                      f"(candidate, micro-batch count) pairs not checked")
+        elif ci in errors:
+            out.append(errors[ci])
+        elif ci in tried:
+            out.append(InfeasibleBudget(f"no pipeline over axis {axis} of {tuple(mesh.shape)} fits the memory "
+                                        f"budget of {human_bytes(cfg.memory_budget, digits=2)} per device"))
+        # else pruned: each of its bounds is no faster than a plan found elsewhere
     return out
 
 
@@ -122,33 +254,13 @@ def _sub_mesh(mesh, axis: int):
                                links=tuple(mesh.links[a] for a in other))
 
 
-def _axis_plan(gp, cfg: Config, units, axis: int, counts: list[int]):
-    """The best pipelined plan over ``axis`` (every count of ``counts`` up to the first slower
-    one, every schedule); None when none fits the memory budget, the ValueError when no count
-    has strategies that divide its micro-batch."""
-    from autopar.planner import build_cached, to_plan
+def _finish(gp, cfg: Config, units, axis: int, best: dict):
+    """The plan of the best (count, schedule) ``best`` found for a pipeline over ``axis``."""
+    from autopar.planner import to_plan
     from autopar.planner.labels import axes_label, axis_roles
 
     other, sub = _sub_mesh(cfg.mesh, axis)
     p = cfg.mesh.shape[axis]
-    best, err = None, None
-    for m in counts:
-        sub_cfg = dataclasses.replace(cfg, mesh=sub, memory_budget=None, family=None, micro_batches=m)
-        try:
-            built = build_cached(gp, sub_cfg)
-        except ValueError as e:  # some op has no strategy that divides this micro-batch
-            err = err or ValueError(f"no pipeline over axis {axis} with {m} micro-batches: {e}")
-            continue
-        sol = solver.solve(built.problem)
-        found = _best_schedule(gp, cfg, built, sol, units, axis, m)
-        if found is None:
-            continue  # over the budget: more micro-batches hold fewer activations
-        if best is not None and found["step"] > best["step"]:
-            break
-        if best is None or (found["step"], found["peak"]) < (best["step"], best["peak"]):
-            best = dict(found, built=built, sol=sol, sub_cfg=sub_cfg)
-    if best is None:
-        return err
     built, m = best["built"], best["m"]
     if cfg.memory_budget is None:  # a budget had the replay computed for every candidate
         best["peak"], best["split"] = _replayed_peak(gp, cfg, built, best["sol"], units, best["bounds"],
@@ -187,6 +299,47 @@ def _axis_plan(gp, cfg: Config, units, axis: int, counts: list[int]):
     return plan
 
 
+#: Stage memory rows :func:`_recompute_to_fit` tries at most: the row is a linear figure of the
+#: busiest stage and the replay decides, so a row that admits a plan whose replay is over the
+#: budget is tightened by the excess.
+_STAGE_ROUNDS = 4
+
+
+def _stage_problem(problem, p: int, flight: int, budget: float):
+    """The sub-mesh problem with a memory row for its busiest pipeline stage: one of ``p`` stages
+    holds ``1 / p`` of the layers' resident bytes and ``flight`` micro-batches of their saved
+    activations (and checkpoint inputs), so the row over all layers is ``resident + flight *
+    activations <= p * budget``. The ILP then chooses which layers to recompute (and shards more
+    where that is cheaper) exactly as for a flat plan."""
+    nodes = tuple(dataclasses.replace(n, act=n.act * flight) for n in problem.nodes)
+    segs = tuple(dataclasses.replace(g, keep_bytes=tuple(b * flight for b in g.keep_bytes)) for g in problem.segments)
+    return dataclasses.replace(problem, nodes=nodes, segments=segs, memory_budget=p * budget)
+
+
+def _recompute_to_fit(gp, cfg: Config, built, units, axis: int, m: int):
+    """(found, solution) of the fastest schedule for ``m`` micro-batches once the stages recompute
+    what they must to fit the budget, or (None, None). The stage row counts the 1F1B first stage
+    (``min(p, m)`` micro-batches in flight: the most of any 1F1B stage); every schedule is then
+    priced and replayed with that solution's recompute. A row whose plan replays over the budget
+    is scaled by budget / replayed peak (a little under) for the next round."""
+    p = cfg.mesh.shape[axis]
+    flight = max(solver.pipeline.in_flight("1f1b", p, m, 1))
+    share = 1.0
+    for _ in range(_STAGE_ROUNDS):
+        try:
+            sol = solver.solve(_stage_problem(built.problem, p, flight, cfg.memory_budget * share))
+        except solver.Infeasible:
+            return None, None
+        seen: list[float] = []
+        found = _best_schedule(gp, cfg, built, sol, units, axis, m, peaks=seen)
+        if found is not None:
+            return found, sol
+        if not seen:
+            return None, None
+        share *= 0.97 * cfg.memory_budget / min(seen)
+    return None, None
+
+
 def _unit_figures(built, sol, units, m: int):
     """Per layer (unit), arrays over units: seconds of one micro-batch (its groups' own time and
     the resharding into them), seconds once per step (gradient sums), resident bytes, saved
@@ -207,18 +360,33 @@ def _unit_figures(built, sol, units, m: int):
     for (src, dst), part in built.step_edges.items():
         once[unit_of[dst]] += float(part[sol.choice[dst]] if src == dst else part[sol.choice[src], sol.choice[dst]])
     t -= once / m  # the problem charged each gradient sum 1/m per micro-batch; it runs once
+    # Checkpointed segments (a stage problem with a memory row): their nodes' forward runs again
+    # in backward, and they keep only their inputs (as solver.evaluate prices them).
+    recomputed: set[str] = set()
+    kept = np.zeros(n)
+    by_id = {node.id: node for node in built.problem.nodes}
+    segs = {g.id: g for g in built.problem.segments}
+    for sid in getattr(sol, "checkpointed", ()):
+        g = segs[sid]
+        recomputed.update(g.nodes)
+        for i in g.nodes:
+            t[unit_of[i]] += float(by_id[i].recompute[sol.choice[i]])
+        for keep, b in zip(g.keep, g.keep_bytes):
+            kept[unit_of[g.nodes[0]]] += float(b[sol.choice[keep]])
     mem, act, out_bytes = np.zeros(n), np.zeros(n), np.zeros(n)
     for k, u in enumerate(units):
         names = [x for x in u if x in pick]
         mem[k] = sum(float(built.options[x].mem[pick[x]]) for x in names)
-        act[k] = sum(float(built.options[x].act[pick[x]]) for x in names)
+        act[k] = sum(float(built.options[x].act[pick[x]]) for x in names if built.leader[x] not in recomputed)
         last = [x for x in names if built.options[x].strategies[0].inputs != ()]
         out_bytes[k] = float(built.options[last[-1]].work[pick[last[-1]]]) if last else 0.0
+    act += kept
     return t, once, mem, act, out_bytes
 
 
-def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int) -> dict | None:
-    """The fastest schedule (and virtual stage count) for ``m`` micro-batches within the budget."""
+def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int, peaks: list | None = None) -> dict | None:
+    """The fastest schedule (and virtual stage count) for ``m`` micro-batches within the budget;
+    ``peaks`` collects the replayed peaks of the candidates that did not fit."""
     t, once, mem, act, sent = _unit_figures(built, sol, units, m)
     send = np.array([2 * collective_time("send", b, cfg.mesh, (axis,)) for b in sent])
     p = cfg.mesh.shape[axis]
@@ -266,6 +434,8 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int) -> dic
         f["peak"], f["split"] = _replayed_peak(gp, cfg, built, sol, units, f["bounds"], f["sched"], m, f["v"], axis)
         if f["peak"] <= cfg.memory_budget:
             return f
+        if peaks is not None:
+            peaks.append(f["peak"])
     return None
 
 

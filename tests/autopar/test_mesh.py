@@ -70,8 +70,8 @@ def test_validation_errors():
         Mesh((2, 0), cluster="a100")
     with pytest.raises(ValueError, match="positive ints"):
         Mesh((-1,), cluster="a100")
-    with pytest.raises(ValueError, match="1 or 2 axes"):
-        Mesh((2, 2, 2), cluster="a100")
+    with pytest.raises(ValueError, match="at most 4"):
+        Mesh((2, 2, 2, 2, 2), cluster="a100")
     with pytest.raises(ValueError, match="one name per axis"):
         Mesh((2, 4), ("dp",), cluster="a100")
     with pytest.raises(ValueError, match="distinct"):
@@ -136,3 +136,27 @@ def test_device_validation():
     with pytest.raises(ValueError, match="fp32_flops"):
         Device(name="x", fp32_flops=float("nan"), tf32_flops=1, bf16_flops=1, fp16_flops=1,
                mem_bandwidth=1, memory_bytes=1)
+
+
+def test_logical_meshes_of_three_and_four_axes():
+    """pp x dp x tp on 8-GPU nodes: an axis is inside a node when the ranks it spans fit in one
+    (row-major), so (4, 16, 8) has NVLink on tp and InfiniBand on dp and pp."""
+    m = Mesh((4, 16, 8), axis_names=("pp", "dp", "tp"), cluster="a100")
+    assert m.ndim == 3 and m.size == 512 and m.links == (HDR, HDR, NVLINK3)
+    assert Mesh((2, 2, 2), cluster="a100").axis_names == ("a0", "dp", "tp")
+    assert Mesh((2, 4, 2, 4), cluster="h100").axis_names == ("a0", "a1", "dp", "tp")
+    assert Mesh.from_dict(m.to_dict()) == m
+
+
+def test_factor_axis_keeps_the_physical_links():
+    from autopar.planner.pipeline import factor_axis, factorings
+
+    phys = Mesh((64, 8), cluster="a100")
+    m = factor_axis(phys, 0, 4)
+    assert m.shape == (4, 16, 8) and m.axis_names == ("pp", "dp", "tp") and m.links == (HDR, HDR, NVLINK3)
+    inner = factor_axis(phys, 1, 2)  # a pipeline inside the node: both parts on NVLink
+    assert inner.shape == (64, 2, 4) and inner.links == (HDR, NVLINK3, NVLINK3)
+    got = {(tuple(m.shape), a) for m, a in factorings(phys, layers=40)}
+    assert got == {((q, 64 // q, 8), 0) for q in (2, 4, 8, 16, 32)} | {((64, q, 8 // q), 1) for q in (2, 4)}
+    with pytest.raises(ValueError, match="does not factor"):
+        factor_axis(phys, 1, 8)
