@@ -158,6 +158,9 @@ def compile(model, mesh=None, example_inputs=(), *, example_kwargs=None, loss_fn
                 raise failure
             raise_failure(got)
         plan = Plan.from_json(got)
+    from autopar.validate import check_runnable
+
+    check_runnable(plan)  # what the planner searches beyond the runtime is refused by name
     plan.check_fits(graph_hash, amesh.to_dict())
     verify_same_plan(plan, device)  # first, so one rank's bad file cannot leave the others waiting
     from autopar.validate import validate_plan_for

@@ -57,14 +57,16 @@ def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, t
          memory_budget=None, optimizer: str = "adamw", precision: str | None = None, dtype: str | None = None,
          grad_reduce: str = "fp32", force: str | None = None,
          checkpoint: bool = True, pipeline: bool | str = "auto", time_limit: float = 60.0,
-         **options: Any) -> Plan:
+         layout: dict | None = None, **options: Any) -> Plan:
     """Plan ``model`` for ``mesh`` (see the module docstring). ``force`` restricts the search to a
     plan family (``autopar.planner.FAMILIES``); ``memory_budget`` is bytes or a size string;
     ``checkpoint``: offer activation checkpointing of repeated layers (True), not (False), or
     checkpoint every repeated layer (``"all"``). ``precision``: ``"fp32"`` or ``"bf16-mixed"``
     (default: bf16-mixed on GPU clusters, fp32 on CPUs; ``dtype=`` is the older name), and
     ``grad_reduce``: the dtype of gradient reductions under bf16-mixed (``"fp32"`` or ``"bf16"``);
-    see :mod:`autopar.precision`."""
+    see :mod:`autopar.precision`. ``layout``: a hand-written layout to price
+    (``{"pp": 2, "dp": 32, "tp": 8, "zero": 0, "recompute": "full", "microbatches": 48,
+    "schedule": "1f1b"}``; keys left out are searched; :mod:`autopar.planner.layout`)."""
     import profiler
     from autopar.options import keyword_names, plan_options, refuse_unknown
 
@@ -74,13 +76,17 @@ def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, t
     _check_optimizer(optimizer)
     _precision.resolve(precision, dtype, getattr(_as_mesh(mesh), "cluster", None))  # a bad value fails now
     _precision.check_grad_reduce(grad_reduce)
+    if layout is not None:
+        from autopar.planner import layout as _layout
+
+        _layout.parse(layout)  # a bad key fails before the profile
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     t0 = time.perf_counter()
     gp = profiler.profile(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, target=target)
     t_prof = time.perf_counter() - t0
     p = plan_profile(gp, mesh, memory_budget=memory_budget, optimizer=optimizer, precision=precision, dtype=dtype,
-                     grad_reduce=grad_reduce, force=force,
+                     grad_reduce=grad_reduce, force=force, layout=layout,
                      checkpoint=checkpoint, pipeline=pipeline, time_limit=time_limit, **options)
     p.timings["profile_seconds"] = t_prof
     p.model = type(model).__name__
@@ -89,7 +95,7 @@ def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, t
 
 def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", precision=None, dtype=None,
                  grad_reduce="fp32", force=None,
-                 checkpoint=True, pipeline="auto", time_limit=60.0, pin=None, **options) -> Plan:
+                 checkpoint=True, pipeline="auto", time_limit=60.0, pin=None, layout=None, **options) -> Plan:
     """Plan from an existing ``profiler.GraphProfile`` (the planner's steps 2-5)."""
     from autopar.options import EXTRA_PLAN_OPTIONS, keyword_names, refuse_unknown
 
@@ -106,6 +112,12 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", precision=N
                  memory_budget=budget, checkpoint=bool(checkpoint), time_limit=time_limit, pin=dict(pin or {}))
     if "chunks" in options:  # overlap chunk counts offered, e.g. chunks=(1,) to plan without chunking
         cfg.chunks = tuple(int(k) for k in options.pop("chunks"))
+    if layout is not None:
+        if force is not None:
+            raise ValueError("give either force= (a plan family) or layout= (a hand-written layout), not both")
+        best = _plan_layout(gp, cfg, layout)
+        best.timings["plan_seconds"] = time.perf_counter() - t_start
+        return best
     pipes = []
     named_pp = [a for a, name in enumerate(mesh.axis_names) if name == "pp" and mesh.shape[a] > 1]
     if named_pp and (not pipeline or force not in (None, "pp-tp")):
@@ -132,6 +144,9 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", precision=N
         pipes += factored_candidates(gp, cfg, beat=best)
     if (force == "pp-tp" or named_pp) and not any(not isinstance(c, Exception) for c in pipes):
         why = "; ".join(str(c) for c in pipes if isinstance(c, Exception))
+        if pipes and all(isinstance(c, InfeasibleBudget) for c in pipes):
+            raise InfeasibleBudget(f"no pipeline plan fits the memory budget: {why}. Raise the budget, use more "
+                                   f"devices, or a smaller batch")
         raise ValueError("no pipeline plan is possible: the mesh has no axis of size >= 2 that the model's "
                          "repeated layers can be cut along" + (f" ({why})" if why else ""))
     candidates += pipes
@@ -146,6 +161,52 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", precision=N
     if pin:
         best.options["pin"] = dict(pin)
     best.timings["plan_seconds"] = time.perf_counter() - t_start  # every candidate, build + solve
+    return best
+
+
+def _plan_layout(gp, cfg: Config, layout) -> Plan:
+    """The plan of a hand-written layout (:mod:`autopar.planner.layout`): for every completion of
+    its degrees, its logical mesh with the layout's roles as the family, the pipeline options it
+    names, and the fastest of those plans; runner-ups listed as alternatives."""
+    from autopar.planner import layout as L
+    from autopar.planner.pipeline import search
+
+    lay = L.parse(layout)
+    found, errors = [], []
+    for pp, dp, tp in L.completions(lay, cfg.mesh.size, cfg.mesh.gpus_per_node):
+        if pp == 1 and (lay.microbatches not in (None, 1) or lay.schedule or lay.virtual_stages not in (None, 1)):
+            if lay.pp == 1:
+                raise ValueError("layout: microbatches, schedule and virtual_stages describe a pipeline; give "
+                                 "pp > 1 (gradient accumulation of flat plans is not priced yet)")
+            continue
+        mesh = L.logical_mesh(cfg.mesh, pp, dp, tp)
+        c = dataclasses.replace(cfg, mesh=mesh, family=L.family(mesh.axis_names, lay.zero),
+                                checkpoint=lay.recompute != "none", checkpoint_every=lay.recompute == "full",
+                                micro_choices=(lay.microbatches,) if lay.microbatches else (),
+                                schedule_choices=(lay.schedule,) if lay.schedule else (),
+                                virtual_choices=(lay.virtual_stages,) if lay.virtual_stages else ())
+        try:
+            if pp > 1:
+                got = search(gp, c, [(mesh, 0)])
+                got = got[0] if got else InfeasibleBudget(f"no pipeline of {pp} stages fits")
+            else:
+                got = _solve_flat(gp, c, every=lay.recompute == "full")
+        except ValueError as err:  # a degree no tensor divides (a batch of 64 over dp 128)
+            got = err
+        if isinstance(got, Exception):
+            errors.append((f"{L.describe(pp, dp, tp, lay)}: {got}", got))
+            continue
+        got.options["family"] = L.describe(pp, dp, tp, lay)
+        got.options["layout"] = dict(lay.to_dict(), pp=pp, dp=dp, tp=tp)
+        if cfg.mesh.shape != mesh.shape:
+            got.options["physical_mesh"] = list(cfg.mesh.shape)
+        found.append(got)
+    if not found:
+        cls = InfeasibleBudget if all(isinstance(e, InfeasibleBudget) for _, e in errors) else ValueError
+        raise cls("no plan for layout " + str(lay.to_dict()) + ": " + "; ".join(t for t, _ in errors))
+    found.sort(key=lambda p: (p.step_time, p.peak_bytes))
+    best = found[0]
+    best.alternatives = _runner_ups(best, found[1:])
     return best
 
 
@@ -266,6 +327,8 @@ def _checkpoint_every(problem, sol):
 _BUILDS: "OrderedDict[tuple, tuple]" = OrderedDict()
 _BUILDS_SIZE = 8
 _SOLVER_FIELDS = ("memory_budget", "time_limit", "mip_gap")
+#: Config fields that shape the search around the problem, not the problem: not in the build key.
+_SEARCH_FIELDS = ("micro_choices", "schedule_choices", "virtual_choices", "checkpoint_every")
 
 
 def build_cached(gp, cfg: Config) -> Built:
@@ -275,7 +338,7 @@ def build_cached(gp, cfg: Config) -> Built:
     import weakref
 
     key = (id(gp),) + tuple((f.name, _hashable(getattr(cfg, f.name))) for f in dataclasses.fields(cfg)
-                            if f.name not in _SOLVER_FIELDS)
+                            if f.name not in _SOLVER_FIELDS + _SEARCH_FIELDS)
     hit = _BUILDS.get(key)
     if hit is None or hit[0]() is not gp:
         built = build(gp, cfg)

@@ -79,6 +79,14 @@ class Config:
     mip_gap: float = 1e-3
     """Relative optimality gap at which the solver stops: plans within 0.1% of the optimum's
     predicted step time (proving the last fraction can take HiGHS most of its time)."""
+    micro_choices: tuple[int, ...] = ()
+    """Pipeline micro-batch counts to search (a layout's ``microbatches``); empty: p, 2p, 4p, 8p."""
+    schedule_choices: tuple[str, ...] = ()
+    """Pipeline schedules to search (a layout's ``schedule``); empty: all of them."""
+    virtual_choices: tuple[int, ...] = ()
+    """Virtual stages per device the interleaved schedule may use; empty: 2 and 4."""
+    checkpoint_every: bool = False
+    """Recompute every repeated layer (a layout's ``recompute="full"``)."""
     micro_batches: int = 1
     """Price one micro-batch of ``batch / micro_batches`` (pipeline stages; see ``Micro``): ops that
     depend on the user inputs run at the micro-batch size with their kernel floor and collective
@@ -280,13 +288,51 @@ def _signature(node, kind) -> tuple:
     return (node.op, str(node.target), kind, sig(node.args), sig(node.kwargs), outs, len(node.users) > 0)
 
 
+_VIEWS = {"t", "transpose", "permute", "view", "reshape", "_unsafe_view", "expand", "unsqueeze", "squeeze",
+          "_to_copy", "to", "alias", "detach", "contiguous", "clone"}
+
+
+def _weight_views(gm, kinds: dict) -> set[str]:
+    """Matrix parameters (two or more dims of size > 1) and the view-like ops of one that read
+    nothing else: what Megatron tensor parallelism reads as stored."""
+    out = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and kinds.get(node.name) == "param":
+            v = node.meta.get("val")
+            if isinstance(v, torch.Tensor) and sum(1 for n in v.shape if n > 1) >= 2:
+                out.add(node.name)
+        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
+                node.target.__name__.split(".")[0] in _VIEWS and node.all_input_nodes and \
+                all(a.name in out for a in node.all_input_nodes):
+            out.add(node.name)
+    return out
+
+
+def _no_weight_gather(allowed: list, node, weights: set[str], tp_axes: tuple[int, ...]) -> list:
+    """The strategies of ``node`` that read every matrix weight (or view of one) sharded on the
+    tensor-parallel axes, when some do: the weight is used as stored, so the op's compute is
+    column- or row-parallel there (Megatron), never a gathered weight times a split batch. A
+    weight no strategy keeps sharded (its dims do not divide) leaves the choice as it was."""
+    slots = [j for j, a in enumerate(node.all_input_nodes) if a.name in weights]
+    if not slots:
+        return allowed
+    kept = [s for s in allowed if all(s.inputs[j] is not None and isinstance(s.inputs[j][a], Shard)
+                                      for j in slots for a in tp_axes)]
+    return kept or allowed
+
+
 def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dict[str, Option], list[str]]:
     """Strategies and prices of every node (placeholders and ops), in graph order; with ``micro``,
     at the micro-batch size (strategies that do not divide a micro-batch are left out)."""
     from autopar.planner.families import predicate
 
+    from autopar.planner.families import dp_axes_of, tp_axes_of
+
     kinds = _kinds(gp.captured)
     pred = predicate(cfg.family, cfg.mesh.shape) if cfg.family else None
+    tp_axes = tuple(a for a in tp_axes_of(cfg.family, cfg.mesh.ndim) if cfg.mesh.shape[a] > 1)
+    dp_axes = tuple(a for a in dp_axes_of(cfg.family) if cfg.mesh.shape[a] > 1)
+    weights = _weight_views(gm, kinds) if tp_axes else set()
     # Saved bytes in the plan's precision: the mixed replay's own sizes (what the per-rank memory
     # replay, which decides a plan's peak, counts too), where halving the fp32 run's figure
     # under-counted Llama-2-7B's saved activations by 26% (28.6 GiB a layer against 21.3).
@@ -324,6 +370,12 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
         scale = 1.0 if micro is None else micro.scale(node.name)
         if micro is not None:
             allowed = micro.valid(allowed, node)
+        if tp_axes and node.op == "call_function":
+            allowed = _no_weight_gather(allowed, node, weights, tp_axes)
+        if dp_axes and node.op == "call_function":
+            # A layout's data-parallel axes split every op's work where the op allows it.
+            split = [s for s in allowed if all(s.per_axis and s.per_axis[a] != "R" for a in dp_axes)]
+            allowed = split or allowed
         if cfg.family in ("dp", "zero3") and node.op == "call_function":
             # Data parallelism splits every op's work over the whole mesh where the op allows it.
             full = [s for s in allowed if s.divisor == cfg.mesh.size]
@@ -680,8 +732,42 @@ def _segments(gm, gp, options, leader, follow, mesh_shape) -> tuple:
     return tuple(segs)
 
 
+#: Seconds added to a Megatron plan's choice that would reshard a weight on a tensor-parallel axis
+#: (a choice the plan family rules out; the ILP needs finite costs).
+FORBIDDEN = 1e4
+
+
+def _forbid_weight_reshards(gm, gp, options, leader, follow, acc, inner, tp_axes) -> None:
+    """Megatron tensor parallelism uses every weight as it is stored: the choices where a matrix
+    weight (or a view of one) would be resharded on a tensor-parallel axis between its node and a
+    reader (a column-sharded weight gathered, or turned into a row-sharded one) are priced out."""
+    weights = _weight_views(gm, _kinds(gp.captured))
+    for node in gm.graph.nodes:
+        if node.name not in options or node.op != "call_function":
+            continue
+        for slot, w in enumerate(node.all_input_nodes):
+            if w.name not in weights or w.name not in options:
+                continue
+            src, dst = leader[w.name], leader[node.name]
+            w_pl = [tuple(options[w.name].strategies[k].outputs[0][a] for a in tp_axes) if
+                    options[w.name].strategies[k].outputs else None for k in follow[w.name]]
+            x_pl = [None if options[node.name].strategies[k].inputs[slot] is None else
+                    tuple(options[node.name].strategies[k].inputs[slot][a] for a in tp_axes)
+                    for k in follow[node.name]]
+            if src == dst:  # one group: the leader's choice fixes both
+                bad = np.array([a is not None and b is not None and a != b for a, b in zip(w_pl, x_pl)], dtype=float)
+                inner[src] = inner[src] + FORBIDDEN * bad
+                continue
+            bad = np.array([[a is not None and b is not None and a != b for b in x_pl] for a in w_pl], dtype=float)
+            if not bad.any():
+                continue
+            acc[(src, dst)] = acc.get((src, dst), 0.0) + FORBIDDEN * bad
+
+
 def build(gp, cfg: Config) -> Built:
     """The whole pass pipeline (see the module docstring for the order and why)."""
+    from autopar.planner.families import tp_axes_of
+
     gm = gp.captured.gm
     from autopar.planner.micro import Micro  # imports this module's helpers
 
@@ -693,6 +779,9 @@ def build(gp, cfg: Config) -> Built:
     itemsizes = gp.output_itemsizes(cfg.dtype) if cfg.dtype == "bf16-mixed" else None
     acc, inner, pricer = edges(gm, options, leader, follow, cfg.mesh, micro, params=gp.captured.params, cfg=cfg,
                                itemsizes=itemsizes)
+    tp_axes = tuple(a for a in tp_axes_of(cfg.family, cfg.mesh.ndim) if cfg.mesh.shape[a] > 1)
+    if tp_axes:
+        _forbid_weight_reshards(gm, gp, options, leader, follow, acc, inner, tp_axes)
     # Once the edge matrices exist, before groups sum them: chunked overlap adds its discount.
     # Pipeline stage problems (priced per micro-batch) are not chunked: the discount is derived
     # from full-batch op figures, and stage modules run their edges whole.

@@ -19,6 +19,18 @@ Family names (``autopar.plan(..., force=NAME)``):
 - ``atp-col-first`` / ``atp-row-first``: ATP 2D tensor parallelism; column-first shards a weight's
   output dim on axis 0 and its input dim on axis 1, row-first the reverse.
 
+Megatron tensor parallelism (the ``megatron*`` and ``tp`` families, and the ``tp`` role of a
+layout) is column/row-parallel compute, not only a storage layout: on a tensor-parallel axis an op
+that reads a matrix parameter (directly or through a view of it) reads it sharded as stored, so no
+weight is gathered there and the matmuls run on their shards (:func:`tp_axes_of`, applied by
+``autopar.planner.build.node_options``); activations are replicated in the TP group between the
+column- and row-parallel matmuls, or split by rows where that pays (Megatron's sequence
+parallelism for the norms and dropouts).
+
+Layouts (``autopar.plan(..., layout={...})``, :mod:`autopar.planner.layout`) use the family
+``"roles:<role>,<role>,..."``, one role per mesh axis: ``dp`` (batch split, parameters
+replicated), ``fsdp`` (batch split, parameters sharded: ZeRO-3), ``tp`` (Megatron TP as above).
+
 In the tensor-parallel families a parameter is a matrix when it has two or more dims of size > 1
 (ViT's ``cls_token`` (1, 1, D) is a vector); a matrix dim that no shard divides on an axis (ViT's
 ``pos_embed`` (1, 197, D) on 2 devices) leaves the parameter replicated on that axis.
@@ -140,9 +152,66 @@ class _Free:
 _FREE = _Free()
 
 
+def roles_of(family: str | None) -> tuple[str, ...] | None:
+    """The per-axis roles of a layout family ``"roles:fsdp,tp"`` (None for any other family)."""
+    if not family or not family.startswith("roles:"):
+        return None
+    roles = tuple(family[len("roles:"):].split(","))
+    bad = [r for r in roles if r not in ROLES]
+    if bad:
+        raise ValueError(f"unknown axis role {bad[0]!r} in {family!r}; roles are {', '.join(ROLES)}")
+    return roles
+
+
+#: The roles a layout gives a sharding axis.
+ROLES = ("dp", "fsdp", "tp")
+
+
+def tp_axes_of(family: str | None, ndim: int) -> tuple[int, ...]:
+    """The axes on which ``family`` runs Megatron tensor parallelism (no weight gathered there)."""
+    roles = roles_of(family)
+    if roles is not None:
+        return tuple(a for a, r in enumerate(roles) if r == "tp")
+    if family in ("megatron", "megatron-axis1"):
+        return (ndim - 1,)
+    if family == "megatron-axis0":
+        return (0,)
+    if family == "tp":
+        return tuple(range(ndim))
+    return ()
+
+
+def dp_axes_of(family: str | None) -> tuple[int, ...]:
+    """The axes a layout family splits every op's batch over (``dp`` and ``fsdp`` roles)."""
+    roles = roles_of(family)
+    return () if roles is None else tuple(a for a, r in enumerate(roles) if r in ("dp", "fsdp"))
+
+
+def _roles_predicate(roles: tuple[str, ...], mesh_shape: tuple) -> Predicate:
+    if len(roles) != len(mesh_shape):
+        raise ValueError(f"{len(roles)} axis roles {roles} for a {len(mesh_shape)}-D mesh")
+    tp = _tp_weight({a: None for a, r in enumerate(roles) if r == "tp"}, mesh_shape)
+
+    def param(a, p, shape):
+        role = roles[a]
+        if role == "tp":
+            return tp(a, p, shape)
+        if _is(p, Partial):
+            return False
+        if role == "fsdp":  # sharded where some dim divides, as ZeRO-3 (a flat padded buffer in FSDP)
+            return _is(p, Shard) or not any(n % mesh_shape[a] == 0 for n in shape)
+        return _is(p, Replicate)
+
+    dp_axes = tuple(a for a, r in enumerate(roles) if r in ("dp", "fsdp"))
+    return _all(_batch_split_on(dp_axes), _params(param))
+
+
 def _predicate(family: str, mesh_shape: tuple) -> Predicate:
     ndim = len(mesh_shape)
     every = tuple(range(ndim))
+    roles = roles_of(family)
+    if roles is not None:
+        return _roles_predicate(roles, mesh_shape)
     if family == "replicate":
         return lambda kind, pls, shape: all(_is(p, Replicate) for p in pls)
     if family == "dp":

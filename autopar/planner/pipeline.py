@@ -35,6 +35,7 @@ from autopar import placement as pl
 from autopar.costs.collectives import collective_time
 from autopar.plan import Pipeline
 from autopar.planner.build import Config, _vals, choices
+from autopar.planner.families import roles_of
 from autopar.planner.micro import batch_size, microbatch_counts
 
 SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved-1f1b")
@@ -183,7 +184,10 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None) -> list
         p = mesh.shape[axis]
         if p < 2 or len(units) < p:
             continue
-        counts = microbatch_counts(batch, (p, 2 * p, 4 * p, 8 * p))
+        if cfg.micro_choices:  # asked for by name (a layout): down to one sample per micro-batch
+            counts = sorted({m for m in cfg.micro_choices if batch and batch % m == 0})
+        else:
+            counts = microbatch_counts(batch, (p, 2 * p, 4 * p, 8 * p))
         if not counts:
             errors[ci] = ValueError(f"no pipeline over axis {axis} of {tuple(mesh.shape)}: a batch of {batch} does "
                                     f"not cut into {p} or more equal micro-batches of at least 2 samples; use a "
@@ -193,7 +197,8 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None) -> list
         free_cfg = dataclasses.replace(c_cfg, memory_budget=None)
         other, sub = _sub_mesh(mesh, axis)
         for m in counts:
-            sub_cfg = dataclasses.replace(cfg, mesh=sub, memory_budget=None, family=None, micro_batches=m)
+            sub_cfg = dataclasses.replace(cfg, mesh=sub, memory_budget=None, micro_batches=m,
+                                          family=cfg.family if roles_of(cfg.family) else None)
             try:
                 built = build_cached(gp, sub_cfg)
             except ValueError as e:  # some op has no strategy that divides this micro-batch
@@ -201,6 +206,10 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None) -> list
                                                  f"micro-batches: {e}"))
                 continue
             sol = solver.solve(built.problem)
+            if cfg.checkpoint_every:
+                from autopar.planner import _checkpoint_every
+
+                sol = _checkpoint_every(built.problem, sol)
             bound = _best_schedule(gp, free_cfg, built, sol, units, axis, m)
             if bound is not None:
                 entries.append((_estimate(bound, cfg.memory_budget), bound["step"], ci, m, c_cfg, built, sol,
@@ -223,7 +232,7 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None) -> list
             found = free
         else:
             found = _best_schedule(gp, c_cfg, built, sol, units, axis, m)
-            if found is None and cfg.checkpoint and built.problem.segments:
+            if found is None and cfg.checkpoint and not cfg.checkpoint_every and built.problem.segments:
                 found, sol = _recompute_to_fit(gp, c_cfg, built, units, axis, m)
         if found is None:
             continue
@@ -273,6 +282,9 @@ def _finish(gp, cfg: Config, units, axis: int, best: dict):
                    step_time=best["step"], peak_bytes=best["peak"], family=f"pp({p})")
     plan.mesh = cfg.mesh.to_dict()
     plan.memory_budget = cfg.memory_budget
+    batch = batch_size(gp)
+    if batch:
+        plan.options["microbatch_size"] = batch // m
     # The label names what the other axis does in this plan (dp, tp, replicated...), read off
     # the chosen placements.
     roles = axis_roles(gp.captured, plan.nodes, plan.params, len(other))
@@ -392,8 +404,9 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int, peaks:
     p = cfg.mesh.shape[axis]
     shared = _shared_params(gp, built, sol, units, _sub_mesh(cfg.mesh, axis)[1].shape)
     found = []
-    for sched in SCHEDULE_CHOICES:
-        vs = [1] if sched != "interleaved-1f1b" else [v for v in (2, 4) if p * v <= len(units)]
+    for sched in cfg.schedule_choices or SCHEDULE_CHOICES:
+        vs = [1] if sched != "interleaved-1f1b" else [v for v in (cfg.virtual_choices or (2, 4))
+                                                      if p * v <= len(units)]
         for v in vs:
             flight = solver.pipeline.in_flight(sched, p, m, v)
             part = None

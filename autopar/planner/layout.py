@@ -1,0 +1,150 @@
+"""Hand-written layouts: ``autopar.plan(..., layout={"pp": 2, "dp": 32, "tp": 8, ...})``.
+
+A layout names the parallelism a person would write down for a run (Megatron-LM's and
+torchtitan's configuration files), and the planner returns that plan, priced by the same cost
+model as its own. Keys left out are searched.
+
+=================  ==================================================================================
+``pp``             pipeline stages (a mesh axis of that size, outermost)
+``dp``             data-parallel degree (the batch split; parameters replicated unless ``zero`` is 3)
+``tp``             Megatron tensor parallelism: column/row-parallel linears, activations replicated in
+                   the TP group between them (or split by rows where that pays: sequence parallelism)
+``zero``           0 (DDP), or 3 (parameters, gradients and optimizer state sharded over ``dp``:
+                   FSDP/ZeRO-3); 1 and 2 are refused until the planner prices them (HSDP, sharded
+                   inside a node and replicated across, is not a layout yet)
+``recompute``      ``"full"`` (every layer), ``"none"``, or left out (the search chooses per layer)
+``microbatches``   micro-batches per step of a pipeline (``pp > 1``)
+``schedule``       ``"1f1b"``, ``"gpipe"`` or ``"interleaved-1f1b"`` (``pp > 1``)
+``virtual_stages`` stages per device of the interleaved schedule
+=================  ==================================================================================
+
+The layout's degrees multiply to the mesh's device count. The logical mesh is
+``(pp, dp, tp)`` in row-major order (tensor parallelism innermost, so on 8-GPU nodes ``tp <= 8``
+stays inside a node), axes of size 1 left out, with the links of the cluster preset by the
+row-major rule of :class:`autopar.mesh.Mesh`. Missing degrees: every completion whose product is
+the device count is planned and the fastest returned (``tp`` only up to the GPUs of a node).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+KEYS = ("pp", "dp", "tp", "zero", "recompute", "microbatches", "schedule", "virtual_stages")
+RECOMPUTE = ("full", "none")
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A parsed layout (None: searched)."""
+
+    pp: int | None = None
+    dp: int | None = None
+    tp: int | None = None
+    zero: int | None = None
+    recompute: str | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def parse(layout: Any) -> Layout:
+    """``layout`` as a :class:`Layout`; a clear ``ValueError`` for an unknown key or a bad value."""
+    if isinstance(layout, Layout):
+        return layout
+    if not isinstance(layout, dict):
+        raise TypeError(f"layout must be a dict such as {{'pp': 2, 'dp': 32, 'tp': 8}}, got {type(layout).__name__}")
+    unknown = [k for k in layout if k not in KEYS]
+    if unknown:
+        extra = (" (context and expert parallelism are not searched yet)"
+                 if any(k in ("cp", "ep") for k in unknown) else "")
+        raise ValueError(f"unknown layout key {unknown[0]!r}{extra}; valid keys: {', '.join(KEYS)}")
+    for k in ("pp", "dp", "tp", "microbatches", "virtual_stages"):
+        v = layout.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"layout[{k!r}] must be a positive int, got {v!r}")
+    zero = layout.get("zero")
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise ValueError(f"layout['zero'] must be 0, 1, 2 or 3, got {zero!r}")
+    if zero in (1, 2):
+        raise ValueError(f"layout['zero'] = {zero}: ZeRO-1/2 (sharded optimizer state{', gradients' if zero == 2 else ''}"
+                         f" with replicated parameters) is not priced yet; use 0 (DDP) or 3 (FSDP)")
+    rc = layout.get("recompute")
+    if rc is not None and rc not in RECOMPUTE:
+        raise ValueError(f"layout['recompute'] must be one of {', '.join(RECOMPUTE)} (or left out: searched), "
+                         f"got {rc!r}")
+    sched = layout.get("schedule")
+    if sched is not None and sched not in SCHEDULES:
+        raise ValueError(f"layout['schedule'] must be one of {', '.join(SCHEDULES)}, got {sched!r}")
+    out = Layout(**{k: layout.get(k) for k in KEYS})
+    if (out.pp or 1) == 1 and (out.microbatches or out.schedule or out.virtual_stages):
+        if out.pp == 1 or out.pp is None and out.microbatches not in (None, 1):
+            raise ValueError("layout: microbatches, schedule and virtual_stages describe a pipeline; give pp > 1 "
+                             "(gradient accumulation of flat plans is not priced yet)")
+    if out.virtual_stages not in (None, 1) and out.schedule not in (None, "interleaved-1f1b"):
+        raise ValueError("layout: virtual_stages > 1 needs schedule 'interleaved-1f1b'")
+    return out
+
+
+def completions(lay: Layout, size: int, gpus_per_node: int | None) -> list[tuple[int, int, int]]:
+    """Every (pp, dp, tp) with product ``size`` that agrees with the given degrees (tp at most the
+    GPUs of a node when it is searched)."""
+    def choices(v, cap=None):
+        return [v] if v is not None else [d for d in range(1, size + 1) if size % d == 0 and (cap is None or d <= cap)]
+
+    out = []
+    for pp in choices(lay.pp):
+        for tp in choices(lay.tp, gpus_per_node):
+            if size % (pp * tp):
+                continue
+            dp = size // (pp * tp)
+            if lay.dp is not None and dp != lay.dp:
+                continue
+            out.append((pp, dp, tp))
+    if not out:
+        given = {k: v for k, v in (("pp", lay.pp), ("dp", lay.dp), ("tp", lay.tp)) if v is not None}
+        raise ValueError(f"layout {given} does not multiply to the mesh's {size} devices: "
+                         f"pp x dp x tp must equal {size}")
+    return out
+
+
+def logical_mesh(mesh, pp: int, dp: int, tp: int):
+    """The ``(pp, dp, tp)`` mesh of ``mesh``'s devices (size-1 axes left out; at least one axis),
+    and the role of each of its axes."""
+    from autopar.mesh import Mesh
+
+    zero_axes = [(n, name) for n, name in ((pp, "pp"), (dp, "dp"), (tp, "tp")) if n > 1] or [(1, "dp")]
+    shape = tuple(n for n, _ in zero_axes)
+    names = tuple(name for _, name in zero_axes)
+    if tuple(mesh.shape) == shape and tuple(mesh.axis_names) == names:
+        return mesh
+    if len(mesh.shape) == len(shape) and tuple(mesh.shape) == shape:
+        return mesh.replace(axis_names=names)  # the physical axes are the layout's: keep their links
+    logical = Mesh(shape, axis_names=names, cluster=mesh.cluster, gpus_per_node=mesh.gpus_per_node,
+                   device=mesh.device)
+    return logical
+
+
+def family(roles: tuple[str, ...], zero: int | None) -> str:
+    """The ``roles:`` family of the sharding axes (``pp`` left out): dp becomes fsdp under ZeRO-3."""
+    out = [("fsdp" if zero == 3 else "dp") if r == "dp" else r for r in roles if r != "pp"]
+    return "roles:" + ",".join(out)
+
+
+def describe(pp: int, dp: int, tp: int, lay: Layout) -> str:
+    parts = []
+    if pp > 1:
+        parts.append(f"pp({pp})")
+    if dp > 1:
+        parts.append(f"{'fsdp' if lay.zero == 3 else 'dp'}({dp})")
+    if tp > 1:
+        parts.append(f"tp({tp})")
+    return " x ".join(parts) or "one device"
+
+
+def sizes(mesh) -> int:
+    return math.prod(mesh.shape)

@@ -1,0 +1,220 @@
+"""The N-D search: pipelines over factors of a physical axis (PP x DP x TP), stages that
+recompute under a memory budget, hand-written layouts, Megatron TP as column/row-parallel
+compute, and the refusal of what the runtime cannot run yet.
+
+The exhaustive search below evaluates every (logical mesh, pipeline axis, micro-batch count,
+schedule) of the same space fully, with no bound and no pruning; the planner's best-first search
+must find the same step time.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import pytest
+import torch
+
+import profiler
+from autopar import zoo
+from autopar.mesh import Mesh
+from autopar.planner import plan_profile
+from autopar.planner import pipeline as PP
+
+GiB = 2 ** 30
+
+
+@functools.lru_cache(maxsize=None)
+def _gp(name: str, batch: int, layers: int = 4):
+    ex = zoo.build(name, batch=batch, layers=layers)
+    return profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+
+
+def _plan(gp, mesh, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan_profile(gp, mesh, **kw)
+
+
+def _exhaustive(gp, mesh, budget):
+    """The fastest pipelined plan over every whole axis and every factor of an axis, every count
+    and schedule, each checked against the budget and made to recompute when over it."""
+    import dataclasses
+
+    from autopar import precision
+    from autopar.planner import build_cached
+    from autopar.planner.build import Config
+    from autopar.planner.micro import batch_size, microbatch_counts
+
+    cfg = Config(mesh=mesh, dtype=precision.resolve(None, None, mesh.cluster), memory_budget=budget)
+    units = PP._stage_units(gp)
+    cands = [(mesh, a) for a in range(mesh.ndim)] + PP.factorings(mesh, len(units))
+    best = math.inf
+    for m_, axis in cands:
+        p = m_.shape[axis]
+        if p < 2 or len(units) < p:
+            continue
+        c_cfg = dataclasses.replace(cfg, mesh=m_)
+        _, sub = PP._sub_mesh(m_, axis)
+        for m in microbatch_counts(batch_size(gp), (p, 2 * p, 4 * p, 8 * p)):
+            built = build_cached(gp, dataclasses.replace(cfg, mesh=sub, memory_budget=None, micro_batches=m))
+            import solver
+
+            sol = solver.solve(built.problem)
+            found = PP._best_schedule(gp, c_cfg, built, sol, units, axis, m)
+            if found is None and budget is not None:
+                found, _ = PP._recompute_to_fit(gp, c_cfg, built, units, axis, m)
+            if found is not None:
+                best = min(best, found["step"])
+    return best
+
+
+@pytest.mark.parametrize("budget_share", [None, 0.6])
+def test_best_first_search_equals_exhaustive(budget_share):
+    gp = _gp("gpt2", batch=16)
+    mesh = Mesh((2, 4), cluster="a100")
+    free = _plan(gp, mesh, force="pp-tp")
+    budget = None if budget_share is None else free.peak_bytes * budget_share
+    want = _exhaustive(gp, mesh, budget)
+    cands = PP.search(gp, _cfg(mesh, budget), [(mesh, a) for a in range(2)] +
+                      PP.factorings(mesh, len(PP._stage_units(gp))))
+    got = min(c.step_time for c in cands if not isinstance(c, Exception))
+    assert got == pytest.approx(want, rel=1e-9), (got, want)
+
+
+def _cfg(mesh, budget):
+    from autopar import precision
+    from autopar.planner.build import Config
+
+    return Config(mesh=mesh, dtype=precision.resolve(None, None, mesh.cluster), memory_budget=budget)
+
+
+def test_factored_pipelines_are_3d_plans():
+    """On (2, 4) the search also pipelines over a factor of the inner axis: a logical (2, 2, 2)."""
+    gp = _gp("gpt2", batch=16)
+    mesh = Mesh((2, 4), cluster="a100")
+    out = PP.factored_candidates(gp, _cfg(mesh, None))
+    plans = [c for c in out if not isinstance(c, Exception)]
+    assert {tuple(p.mesh["shape"]) for p in plans} == {(2, 2, 2)}
+    p = plans[0]
+    assert p.pipeline.axis == 1 and p.options["physical_mesh"] == [2, 4] and p.sharding_axes == [0, 2]
+    assert Mesh.from_dict(p.mesh).links == (mesh.links[0], mesh.links[1], mesh.links[1])
+
+
+def test_a_budget_that_binds_makes_pipeline_stages_recompute():
+    gp = _gp("gpt2", batch=16, layers=2)
+    mesh = Mesh((2, 2), cluster="cpu")
+    free = _plan(gp, mesh, force="pp-tp")
+    assert not any(n.recompute for n in free.nodes.values())
+    budget = 0.6 * free.peak_bytes
+    tight = _plan(gp, mesh, force="pp-tp", memory_budget=budget)
+    assert tight.pipeline is not None and len(tight.pipeline.stages) == 2
+    assert any(n.recompute for n in tight.nodes.values())
+    assert tight.peak_bytes <= budget
+    assert tight.step_time > free.step_time  # recomputation costs time
+
+
+def test_logical_mesh_with_a_pp_axis_is_pipelined_over_it():
+    gp = _gp("gpt2", batch=16)
+    mesh = Mesh((2, 2, 2), axis_names=("pp", "dp", "tp"), cluster="a100")
+    p = _plan(gp, mesh)
+    # 2 devices on the pp axis (interleaved schedules hold several stages each)
+    assert p.pipeline is not None and p.pipeline.axis == 0 and len(p.pipeline.stages) % 2 == 0
+    assert p.sharding_axes == [1, 2] and tuple(p.mesh["shape"]) == (2, 2, 2)
+    with pytest.raises(ValueError, match="pipeline"):
+        _plan(gp, mesh, pipeline=False)
+
+
+# ---------------------------------------------------------------------- layouts
+def _weight_reads(gp, plan, axis: int):
+    """(stored placement, read placement) on ``axis`` of every direct read of a matrix weight."""
+    from autopar import placement as pl
+    from autopar.planner.build import _kinds, _weight_views
+
+    cap = gp.captured
+    weights = _weight_views(cap.gm, _kinds(cap))
+    out = []
+    for node in cap.gm.graph.nodes:
+        np_ = plan.nodes.get(node.name)
+        if np_ is None or node.op != "call_function":
+            continue
+        for j, a in enumerate(node.all_input_nodes):
+            if a.name in weights and a.op == "placeholder" and j < len(np_.inputs) and np_.inputs[j]:
+                stored = pl.parse(plan.nodes[a.name].outputs[0])[axis]
+                out.append((stored, pl.parse(np_.inputs[j])[axis]))
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_megatron_tp_reads_every_weight_as_stored(name):
+    """Megatron TP: on the tp axis every matrix weight is sharded and read as stored, so the
+    linears are column- or row-parallel (no weight is gathered), and the batch is not split."""
+    from torch.distributed.tensor import Shard
+
+    gp = _gp(name, batch=8, layers=2)
+    plan = _plan(gp, Mesh((2, 4), cluster="a100"), layout={"dp": 2, "tp": 4})
+    assert plan.mesh["axis_names"] == ["dp", "tp"] and plan.options["family"] == "dp(2) x tp(4)"
+    reads = _weight_reads(gp, plan, axis=1)
+    assert reads and all(isinstance(s, Shard) and s == r for s, r in reads), reads
+    for n, np_ in plan.nodes.items():
+        if n.startswith(("linear", "addmm")):
+            assert np_.strategy.split(" x ")[1] in ("colwise", "rowwise"), (n, np_.strategy)
+    # the same under force="megatron" (the family of the plan-quality baselines)
+    forced = _plan(gp, Mesh((2, 4), cluster="a100"), force="megatron", pipeline=False)
+    reads = _weight_reads(gp, forced, axis=1)
+    assert reads and all(isinstance(s, Shard) and s == r for s, r in reads), reads
+
+
+def test_layouts_reproduce_the_published_shapes():
+    """Megatron TP x DP, Megatron 3D and FSDP layouts give plans of those shapes."""
+    gp = _gp("gpt2", batch=32)
+    phys = Mesh((4, 8), cluster="a100")
+    tpdp = _plan(gp, phys, layout={"pp": 1, "dp": 8, "tp": 4, "recompute": "full"})
+    assert tpdp.mesh["shape"] == [8, 4] and tpdp.mesh["axis_names"] == ["dp", "tp"] and tpdp.pipeline is None
+    assert all(n.recompute for n in tpdp.nodes.values() if n.segment)
+    three = _plan(gp, phys, layout={"pp": 2, "dp": 4, "tp": 4, "microbatches": 4, "schedule": "1f1b"})
+    assert three.mesh["shape"] == [2, 4, 4] and three.mesh["axis_names"] == ["pp", "dp", "tp"]
+    assert three.pipeline.axis == 0 and three.pipeline.microbatches == 4 and three.pipeline.schedule == "1f1b"
+    assert three.options["layout"] == {"pp": 2, "dp": 4, "tp": 4, "microbatches": 4, "schedule": "1f1b"}
+    fsdp = _plan(gp, phys, layout={"dp": 32, "zero": 3})
+    assert fsdp.mesh["shape"] == [32] and fsdp.options["family"] == "fsdp(32)"
+    sharded = [p for p in fsdp.params.values() if "S(" in p]
+    assert len(sharded) > len(fsdp.params) // 2  # the matrices and the divisible vectors
+    searched = _plan(gp, phys, layout={"tp": 8})  # pp and dp searched
+    assert searched.options["layout"]["tp"] == 8 and math.prod(searched.mesh["shape"]) == 32
+
+
+@pytest.mark.parametrize("layout,match", [
+    ({"tp": 3}, "multiply to the mesh"),
+    ({"cp": 2}, "unknown layout key 'cp'"),
+    ({"zero": 1}, "ZeRO-1/2"),
+    ({"pp": 1, "microbatches": 4}, "describe a pipeline"),
+    ({"recompute": "some"}, "recompute"),
+    ({"schedule": "zb-v"}, "schedule"),
+    ({"dp": 0}, "positive int"),
+])
+def test_bad_layouts_are_named(layout, match):
+    gp = _gp("gpt2", batch=16)
+    with pytest.raises(ValueError, match=match):
+        _plan(gp, Mesh((2, 4), cluster="a100"), layout=layout)
+
+
+def test_the_runtime_refuses_what_it_cannot_run_yet():
+    from autopar.validate import check_runnable, runtime_gaps
+
+    gp = _gp("gpt2", batch=16)
+    three = _plan(gp, Mesh((4, 8), cluster="a100"), layout={"pp": 2, "dp": 4, "tp": 4, "microbatches": 4})
+    assert runtime_gaps(three)
+    with pytest.raises(NotImplementedError, match="3-axis mesh"):
+        check_runnable(three)
+    flat = _plan(gp, Mesh((2, 4), cluster="a100"), layout={"dp": 2, "tp": 4})
+    check_runnable(flat)  # a 2-D plan on the job's mesh runs
+
+
+def test_ndim_meshes_parse_and_plan_flat():
+    from autopar.units import parse_mesh
+
+    assert parse_mesh("2x2x2") == (2, 2, 2)
+    gp = _gp("mlp", batch=8, layers=2)
+    p = _plan(gp, Mesh((2, 2, 2), cluster="cpu"), pipeline=False)
+    assert len(p.mesh["shape"]) == 3 and p.step_time > 0
