@@ -96,6 +96,10 @@ class Plan:
     """Training precision: ``"float32"`` or ``"bf16-mixed"`` (see :mod:`autopar.precision`)."""
     grad_reduce: str = "fp32"
     """Under bf16-mixed, the dtype gradient reductions run in: ``"fp32"`` or ``"bf16"``."""
+    zero: int = 0
+    """ZeRO stage of the parameters stored replicated: 0 (none), 1 (their optimizer state split
+    over the ranks that replicate them, ``options["zero_axes"]``), 2 (and their reduced
+    gradients). Sharded storage (ZeRO-3/FSDP) is in the placements."""
     pipeline: Pipeline | None = None
     """Pipeline stages, or ``None`` for a single stage."""
     step_time: float = 0.0
@@ -317,6 +321,9 @@ def _validate(data: Any) -> Plan:
     if "grad_reduce" in body:
         _need(body["grad_reduce"] in ("fp32", "bf16"), "grad_reduce", "expected 'fp32' or 'bf16'")
         out["grad_reduce"] = body["grad_reduce"]
+    if "zero" in body:
+        _need(body["zero"] in (0, 1, 2) and not isinstance(body["zero"], bool), "zero", "expected 0, 1 or 2")
+        out["zero"] = int(body["zero"])
     out["pipeline"] = _validate_pipeline(body.get("pipeline"), len(shape), nodes)
     for key in ("step_time", "peak_bytes"):
         if key in body:

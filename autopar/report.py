@@ -45,9 +45,11 @@ def plan_family(plan: "Plan") -> str:
 
 
 def _precision_text(plan) -> str:
+    zero = getattr(plan, "zero", 0)
+    tail = f"   ZeRO-{zero} (optimizer state{' and gradients' if zero == 2 else ''} split)" if zero else ""
     if plan.dtype == "bf16-mixed":
-        return f"bf16-mixed (gradients reduced in {getattr(plan, 'grad_reduce', 'fp32')})"
-    return "fp32"
+        return f"bf16-mixed (gradients reduced in {getattr(plan, 'grad_reduce', 'fp32')}){tail}"
+    return "fp32" + tail
 
 
 def plan_summary(plan: "Plan") -> str:

@@ -185,6 +185,9 @@ def runtime_gaps(plan: Plan) -> list[str]:
                     f"runtime runs meshes of one or two axes")
     if plan.options.get("physical_mesh") and tuple(plan.options["physical_mesh"]) != shape:
         gaps.append(f"a logical mesh {shape} over the physical mesh {tuple(plan.options['physical_mesh'])}")
+    if getattr(plan, "zero", 0) in (1, 2):
+        gaps.append(f"ZeRO-{plan.zero} (optimizer state{' and gradients' if plan.zero == 2 else ''} split over "
+                    f"replicas, parameters all-gathered after the step)")
     pipe = plan.pipeline
     if pipe is not None and len(pipe.stages) > 1:
         from autopar.planner.micro import MIN_MICRO_BATCH

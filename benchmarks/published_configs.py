@@ -131,12 +131,15 @@ def main():
     ap.add_argument("--rows", nargs="+", choices=[r["name"] for r in ROWS])
     ap.add_argument("--quick", action="store_true", help="the 1.7B and 8B rows only, no scale row")
     ap.add_argument("--no-scale", action="store_true", help="skip the 1,024-GPU planning-time row")
+    ap.add_argument("--scale-only", action="store_true", help="the 1,024-GPU planning-time row alone")
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     rows = [r for r in ROWS if (args.rows is None or r["name"] in args.rows)]
     if args.quick:
         rows = [r for r in rows if r["name"] in ("megatron-1.7b", "torchtitan-llama3-8b")]
+    if args.scale_only:
+        rows = []
     print(f"{'row':22} {'layout':34} {'unit':13} {'published':>9} {'predicted':>9} {'RATIO':>6} "
           f"{'plan s':>6} | {'autopar plan':34} {'step s':>8} {'OWN':>6} {'plan s':>6}")
     results = []

@@ -83,6 +83,12 @@ class Placeholder:
     """Element size when floating point, else 0."""
     kind: str
     """``"param"`` (trainable), ``"frozen"``, ``"buffer"`` or ``"input"``."""
+    state_share: float = 1.0
+    """Share of this parameter's optimizer state the device holds (ZeRO-1/2: one over the ranks
+    that replicate the parameter and split its optimizer state)."""
+    grad_share: float = 1.0
+    """Share of its gradient the device keeps once the gradient is reduced (ZeRO-2: the
+    reduce-scatter leaves one shard of each gradient bucket)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -175,7 +181,8 @@ def _static_bytes(placeholders: dict[str, Placeholder], size: _Sizer, optimizer:
         else:
             out["inputs"] += ph.nbytes
         if ph.kind == "param":
-            out["optimizer"] += OPTIMIZER_STATES[optimizer] * size.weight(ph.nbytes, ph.float_size)
+            out["optimizer"] += int(OPTIMIZER_STATES[optimizer] * size.weight(ph.nbytes, ph.float_size)
+                                    * ph.state_share)
     return out
 
 
@@ -335,6 +342,9 @@ class _ParamGrads:
                     self.uses_left[a] += 1
         self.done: set[str] = set()
         self.buckets_done: set[int] = set()
+        self.bucket_left: dict[int, int] = defaultdict(int)  # parameters still to arrive per bucket
+        for a, (b, _) in bucket_of.items():
+            self.bucket_left[b] += 1
 
     def arrive(self, a: str) -> tuple[int, int]:
         """A backward contributes to parameter ``a``'s gradient: (bytes allocated now, bytes
@@ -354,7 +364,11 @@ class _ParamGrads:
         if b not in self.buckets_done:  # the bucket's buffer comes with the first copy into it
             self.buckets_done.add(b)
             add += bucket
-        return add, own  # copied into its slot: the separate gradient is freed
+        free = own  # copied into its slot: the separate gradient is freed
+        self.bucket_left[b] -= 1
+        if self.bucket_left[b] == 0 and ph.grad_share < 1:
+            free += int(bucket * (1 - ph.grad_share))  # ZeRO-2: reduce-scattered, one shard kept
+        return add, free
 
 
 def _node_backward(n: StepNode, placeholders, size: _Sizer, state: _State, grad_of: dict[str, int], grad_bytes,
@@ -388,7 +402,8 @@ def _node_backward(n: StepNode, placeholders, size: _Sizer, state: _State, grad_
 def _optimizer_transient(placeholders, size: _Sizer, optimizer: str, foreach: bool) -> int:
     if optimizer not in ("adam", "adamw"):
         return 0  # SGD updates in place (momentum buffers are state)
-    sizes = [size.weight(p.nbytes, p.float_size) for p in placeholders.values() if p.kind == "param"]
+    sizes = [int(size.weight(p.nbytes, p.float_size) * p.state_share) for p in placeholders.values()
+             if p.kind == "param"]
     if not sizes:
         return 0
     # foreach: exp_avg_sq.sqrt() for every parameter at once; single-tensor: sqrt(v) and sqrt(v)/c

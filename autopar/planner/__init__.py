@@ -57,7 +57,7 @@ def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, t
          memory_budget=None, optimizer: str = "adamw", precision: str | None = None, dtype: str | None = None,
          grad_reduce: str = "fp32", force: str | None = None,
          checkpoint: bool = True, pipeline: bool | str = "auto", time_limit: float = 60.0,
-         layout: dict | None = None, **options: Any) -> Plan:
+         layout: dict | None = None, zero: str | int = "auto", **options: Any) -> Plan:
     """Plan ``model`` for ``mesh`` (see the module docstring). ``force`` restricts the search to a
     plan family (``autopar.planner.FAMILIES``); ``memory_budget`` is bytes or a size string;
     ``checkpoint``: offer activation checkpointing of repeated layers (True), not (False), or
@@ -86,7 +86,7 @@ def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, t
     gp = profiler.profile(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, target=target)
     t_prof = time.perf_counter() - t0
     p = plan_profile(gp, mesh, memory_budget=memory_budget, optimizer=optimizer, precision=precision, dtype=dtype,
-                     grad_reduce=grad_reduce, force=force, layout=layout,
+                     grad_reduce=grad_reduce, force=force, layout=layout, zero=zero,
                      checkpoint=checkpoint, pipeline=pipeline, time_limit=time_limit, **options)
     p.timings["profile_seconds"] = t_prof
     p.model = type(model).__name__
@@ -95,8 +95,11 @@ def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, t
 
 def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", precision=None, dtype=None,
                  grad_reduce="fp32", force=None,
-                 checkpoint=True, pipeline="auto", time_limit=60.0, pin=None, layout=None, **options) -> Plan:
-    """Plan from an existing ``profiler.GraphProfile`` (the planner's steps 2-5)."""
+                 checkpoint=True, pipeline="auto", time_limit=60.0, pin=None, layout=None, zero="auto",
+                 **options) -> Plan:
+    """Plan from an existing ``profiler.GraphProfile`` (the planner's steps 2-5). ``zero``:
+    ``"auto"`` (ZeRO-2 for replicated parameters is tried too when the budget binds), or the
+    stage, 0, 1 or 2, of every plan."""
     from autopar.options import EXTRA_PLAN_OPTIONS, keyword_names, refuse_unknown
 
     t_start = time.perf_counter()
@@ -118,18 +121,53 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", precision=N
         best = _plan_layout(gp, cfg, layout)
         best.timings["plan_seconds"] = time.perf_counter() - t_start
         return best
-    pipes = []
     named_pp = [a for a, name in enumerate(mesh.axis_names) if name == "pp" and mesh.shape[a] > 1]
     if named_pp and (not pipeline or force not in (None, "pp-tp")):
         raise ValueError(f"mesh {_shape(mesh)} names axis {named_pp[0]} 'pp': that axis is a pipeline's, so "
                          f"pipeline={pipeline!r} / force={force!r} cannot plan it; pass pipeline=True (and no "
                          f"force other than 'pp-tp'), or give the axis another name")
+    if zero not in ("auto", 0, 1, 2):
+        raise ValueError(f"zero must be 'auto', 0, 1 or 2 (ZeRO-3 is a placement: force='zero3' or "
+                         f"layout={{'zero': 3}}), got {zero!r}")
+    cfg.zero = 0 if zero == "auto" else int(zero)
+    candidates = _candidates(gp, cfg, force, pipeline, every, named_pp)
+    if zero == "auto" and budget is not None and _memory_binds(candidates):
+        # The budget binds (nothing fits, or the best plan recomputes): split the optimizer state
+        # and gradients of the replicated parameters too (ZeRO-2; same seconds in the cost model,
+        # less memory), and keep whichever plan is faster.
+        candidates += _candidates(gp, dataclasses.replace(cfg, zero=2), force, pipeline, every, named_pp)
+    if (force == "pp-tp" or named_pp) and not any(isinstance(c, Plan) for c in candidates):
+        why = "; ".join(str(c) for c in candidates if isinstance(c, Exception))
+        if candidates and all(isinstance(c, InfeasibleBudget) for c in candidates):
+            raise InfeasibleBudget(f"no pipeline plan fits the memory budget: {why}. Raise the budget, use more "
+                                   f"devices, or a smaller batch")
+        raise ValueError("no pipeline plan is possible: the mesh has no axis of size >= 2 that the model's "
+                         "repeated layers can be cut along" + (f" ({why})" if why else ""))
+    ok = [c for c in candidates if not isinstance(c, Exception)]
+    if not ok:
+        err = candidates[0]
+        raise err
+    ok.sort(key=lambda p: (p.step_time, p.zero, p.peak_bytes))  # a tie goes to the plan with less ZeRO
+    best = ok[0]
+    best.alternatives = _runner_ups(best, ok[1:])
+    best.options.update({k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))})
+    if pin:
+        best.options["pin"] = dict(pin)
+    best.timings["plan_seconds"] = time.perf_counter() - t_start  # every candidate, build + solve
+    return best
+
+
+def _candidates(gp, cfg: Config, force, pipeline, every: bool, named_pp: list) -> list:
+    """Every candidate plan (or the error that stopped it): the whole-axis pipelines, the flat
+    plan, then the pipelines over factors of an axis."""
+    mesh = cfg.mesh
+    pipes = []
     if (pipeline and force in (None, "pp-tp")) and mesh.ndim >= 2:
         from autopar.planner.pipeline import pipeline_candidates
 
         # A logical mesh that names an axis "pp" is pipelined over that axis (its other axes carry
         # the sharding); a physical one over any axis, or over a factor of one (PP x DP x TP).
-        pipes = pipeline_candidates(gp, cfg, required=force == "pp-tp" and mesh.ndim < 2, axes=named_pp or None)
+        pipes = pipeline_candidates(gp, cfg, axes=named_pp or None)
     # The whole-axis pipelines first: the flat plan's budget loop need not look for a faster flat
     # plan that fits once the ILP's bound says no flat plan beats the best pipeline. Then the
     # pipelines over factors of an axis, pruned by the best plan so far.
@@ -142,26 +180,16 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", precision=N
 
         best = min((c.step_time for c in candidates + pipes if not isinstance(c, Exception)), default=None)
         pipes += factored_candidates(gp, cfg, beat=best)
-    if (force == "pp-tp" or named_pp) and not any(not isinstance(c, Exception) for c in pipes):
-        why = "; ".join(str(c) for c in pipes if isinstance(c, Exception))
-        if pipes and all(isinstance(c, InfeasibleBudget) for c in pipes):
-            raise InfeasibleBudget(f"no pipeline plan fits the memory budget: {why}. Raise the budget, use more "
-                                   f"devices, or a smaller batch")
-        raise ValueError("no pipeline plan is possible: the mesh has no axis of size >= 2 that the model's "
-                         "repeated layers can be cut along" + (f" ({why})" if why else ""))
-    candidates += pipes
-    ok = [c for c in candidates if not isinstance(c, Exception)]
+    return candidates + pipes
+
+
+def _memory_binds(candidates: list) -> bool:
+    """No candidate fits, or the fastest one recomputes activations."""
+    ok = [c for c in candidates if isinstance(c, Plan)]
     if not ok:
-        err = candidates[0]
-        raise err
-    ok.sort(key=lambda p: (p.step_time, p.peak_bytes))
-    best = ok[0]
-    best.alternatives = _runner_ups(best, ok[1:])
-    best.options.update({k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))})
-    if pin:
-        best.options["pin"] = dict(pin)
-    best.timings["plan_seconds"] = time.perf_counter() - t_start  # every candidate, build + solve
-    return best
+        return any(isinstance(c, InfeasibleBudget) for c in candidates)
+    best = min(ok, key=lambda p: (p.step_time, p.peak_bytes))
+    return any(np_.recompute for np_ in best.nodes.values())
 
 
 def _plan_layout(gp, cfg: Config, layout) -> Plan:
@@ -181,6 +209,7 @@ def _plan_layout(gp, cfg: Config, layout) -> Plan:
             continue
         mesh = L.logical_mesh(cfg.mesh, pp, dp, tp)
         c = dataclasses.replace(cfg, mesh=mesh, family=L.family(mesh.axis_names, lay.zero),
+                                zero=lay.zero if lay.zero in (1, 2) else 0,
                                 checkpoint=lay.recompute != "none", checkpoint_every=lay.recompute == "full",
                                 micro_choices=(lay.microbatches,) if lay.microbatches else (),
                                 schedule_choices=(lay.schedule,) if lay.schedule else (),
@@ -198,6 +227,10 @@ def _plan_layout(gp, cfg: Config, layout) -> Plan:
             continue
         got.options["family"] = L.describe(pp, dp, tp, lay)
         got.options["layout"] = dict(lay.to_dict(), pp=pp, dp=dp, tp=tp)
+        if c.zero:  # the sharding mesh's data-parallel axes (the roles leave the pipeline axis out)
+            from autopar.planner.families import dp_axes_of
+
+            got.options["zero_axes"] = list(dp_axes_of(c.family))
         if cfg.mesh.shape != mesh.shape:
             got.options["physical_mesh"] = list(cfg.mesh.shape)
         found.append(got)
@@ -443,7 +476,7 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
     bd.update({k if k.startswith("peak_") else f"mem_{k}": float(v) for k, v in mem.items()})
     p = Plan(graph_hash=_graph_hash(cap), model=type(gp.captured).__name__, mesh=cfg.mesh.to_dict(),
              sharding_axes=list(sharding_axes), nodes=nodes, params=params, memory_budget=cfg.memory_budget,
-             optimizer=cfg.optimizer, dtype=cfg.dtype, grad_reduce=cfg.grad_reduce, pipeline=pipeline,
+             optimizer=cfg.optimizer, dtype=cfg.dtype, grad_reduce=cfg.grad_reduce, zero=cfg.zero, pipeline=pipeline,
              step_time=float(sol.objective if step_time is None else step_time),
              peak_bytes=float(sol.peak_bytes if peak_bytes is None else peak_bytes), breakdown=bd,
              solver={"status": str(sol.status), "gap": float(sol.gap), "variables": int(sol.num_variables),
@@ -542,9 +575,11 @@ def simulated_peak(gp, cfg: Config, built: Built, pick, recompute, chunks=None):
     ``chunks`` (name -> k) chosen (``autopar.planner.memory.rank_peak``)."""
     from autopar.planner.memory import rank_peak
 
+    from autopar.planner.build import zero_spec
+
     strategy_of = {n: built.options[n].strategies[pick[n]] for n in built.order}
     return rank_peak(gp, strategy_of, cfg.mesh, recompute=recompute, optimizer=cfg.optimizer, dtype=cfg.dtype,
-                     chunks=chunks)
+                     chunks=chunks, zero=zero_spec(cfg))
 
 
 def _memory_split(built: Built, pick, gp, est=None, ilp_peak: float = 0.0) -> dict[str, float]:

@@ -87,6 +87,8 @@ class Config:
     """Virtual stages per device the interleaved schedule may use; empty: 2 and 4."""
     checkpoint_every: bool = False
     """Recompute every repeated layer (a layout's ``recompute="full"``)."""
+    zero: int = 0
+    """ZeRO-1/2 for parameters stored replicated (see ``Plan.zero``), over :func:`zero_axes`."""
     micro_batches: int = 1
     """Price one micro-batch of ``batch / micro_batches`` (pipeline stages; see ``Micro``): ops that
     depend on the user inputs run at the micro-batch size with their kernel floor and collective
@@ -194,8 +196,15 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: fl
         t = outs[0]
         local = _local_bytes(t, strat.outputs[0], shape)
         if kind == "param":
-            # parameter + gradient + optimizer state, all sharded as stored.
-            mem = local * (2 + OPTIMIZER_STATES[cfg.optimizer])  # the name is checked by plan_profile
+            # parameter + gradient + optimizer state, all sharded as stored; under ZeRO-1/2 the
+            # optimizer state (and for 2 the reduced gradient) split over the replicas.
+            states, grads = OPTIMIZER_STATES[cfg.optimizer], 1.0  # the name is checked by plan_profile
+            if cfg.zero:
+                from autopar.planner.memory import zero_replicas
+
+                n = zero_replicas(strat.outputs[0], shape, zero_axes(cfg))
+                states, grads = states / n, (1.0 / n if cfg.zero >= 2 else 1.0)
+            mem = local * (1 + grads + states)
             if cfg.dtype == "bf16-mixed":
                 mem += local / 2  # bf16 compute copy of the weight
             # Storing a parameter sharded adds a gather/scatter pair around its use: when that is
@@ -735,6 +744,21 @@ def _segments(gm, gp, options, leader, follow, mesh_shape) -> tuple:
 #: Seconds added to a Megatron plan's choice that would reshard a weight on a tensor-parallel axis
 #: (a choice the plan family rules out; the ILP needs finite costs).
 FORBIDDEN = 1e4
+
+
+def zero_axes(cfg: Config) -> tuple[int, ...]:
+    """The axes ZeRO-1/2 splits state over: a layout's data-parallel axes, else every axis (the
+    ranks that replicate a parameter)."""
+    from autopar.planner.families import dp_axes_of, roles_of
+
+    if roles_of(cfg.family) is not None:
+        return dp_axes_of(cfg.family)
+    return tuple(range(cfg.mesh.ndim))
+
+
+def zero_spec(cfg: Config):
+    """``(stage, axes)`` for the memory replay, or None without ZeRO-1/2."""
+    return (cfg.zero, zero_axes(cfg)) if cfg.zero in (1, 2) else None
 
 
 def _forbid_weight_reshards(gm, gp, options, leader, follow, acc, inner, tp_axes) -> None:

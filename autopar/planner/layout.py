@@ -9,9 +9,10 @@ model as its own. Keys left out are searched.
 ``dp``             data-parallel degree (the batch split; parameters replicated unless ``zero`` is 3)
 ``tp``             Megatron tensor parallelism: column/row-parallel linears, activations replicated in
                    the TP group between them (or split by rows where that pays: sequence parallelism)
-``zero``           0 (DDP), or 3 (parameters, gradients and optimizer state sharded over ``dp``:
-                   FSDP/ZeRO-3); 1 and 2 are refused until the planner prices them (HSDP, sharded
-                   inside a node and replicated across, is not a layout yet)
+``zero``           0 (DDP); 1 (optimizer state split over ``dp``: ZeRO-1, Megatron's distributed
+                   optimizer); 2 (and the reduced gradients); 3 (parameters, gradients and
+                   optimizer state sharded over ``dp``: FSDP/ZeRO-3). (HSDP, sharded inside a node
+                   and replicated across, is not a layout yet.)
 ``recompute``      ``"full"`` (every layer), ``"none"``, or left out (the search chooses per layer)
 ``microbatches``   micro-batches per step of a pipeline (``pp > 1``)
 ``schedule``       ``"1f1b"``, ``"gpipe"`` or ``"interleaved-1f1b"`` (``pp > 1``)
@@ -70,9 +71,6 @@ def parse(layout: Any) -> Layout:
     zero = layout.get("zero")
     if zero is not None and zero not in (0, 1, 2, 3):
         raise ValueError(f"layout['zero'] must be 0, 1, 2 or 3, got {zero!r}")
-    if zero in (1, 2):
-        raise ValueError(f"layout['zero'] = {zero}: ZeRO-1/2 (sharded optimizer state{', gradients' if zero == 2 else ''}"
-                         f" with replicated parameters) is not priced yet; use 0 (DDP) or 3 (FSDP)")
     rc = layout.get("recompute")
     if rc is not None and rc not in RECOMPUTE:
         raise ValueError(f"layout['recompute'] must be one of {', '.join(RECOMPUTE)} (or left out: searched), "
@@ -140,7 +138,7 @@ def describe(pp: int, dp: int, tp: int, lay: Layout) -> str:
     if pp > 1:
         parts.append(f"pp({pp})")
     if dp > 1:
-        parts.append(f"{'fsdp' if lay.zero == 3 else 'dp'}({dp})")
+        parts.append(f"{'fsdp' if lay.zero == 3 else 'dp'}({dp})" + (f" zero-{lay.zero}" if lay.zero in (1, 2) else ""))
     if tp > 1:
         parts.append(f"tp({tp})")
     return " x ".join(parts) or "one device"

@@ -65,8 +65,9 @@ def _vals(node) -> list:
 class _Ctx:
     """The solved choice as the simulation needs it."""
 
-    def __init__(self, gp, strategy_of: dict, mesh):
+    def __init__(self, gp, strategy_of: dict, mesh, zero=None):
         self.gp, self.mesh, self.shape = gp, mesh, tuple(mesh.shape)
+        self.zero = zero  # (stage, axes) of ZeRO-1/2 over the replicas, or None
         self.nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
         self.strategy_of = strategy_of
 
@@ -256,9 +257,26 @@ def _placeholders(ctx: _Ctx, placeholders) -> dict:
     for name, ph in placeholders.items():
         node = ctx.nodes.get(name)
         v = _vals(node) if node is not None else []
-        nbytes = _local(v[0], ctx.out_pl(name, 0), ctx.shape) if v else ph.nbytes
+        stored = ctx.out_pl(name, 0)
+        nbytes = _local(v[0], stored, ctx.shape) if v else ph.nbytes
         out[name] = dataclasses.replace(ph, nbytes=nbytes)
+        if ctx.zero and ph.kind == "param" and stored is not None:
+            share = 1.0 / zero_replicas(stored, ctx.shape, ctx.zero[1])
+            out[name] = dataclasses.replace(out[name], state_share=share,
+                                            grad_share=share if ctx.zero[0] >= 2 else 1.0)
     return out
+
+
+def zero_replicas(stored, shape, axes) -> int:
+    """The ranks among ``axes`` that replicate a parameter stored as ``stored``: ZeRO-1/2 splits
+    its optimizer state (and, for 2, its reduced gradient) over them."""
+    from torch.distributed.tensor import Replicate
+
+    n = 1
+    for a in axes:
+        if a < len(stored) and isinstance(stored[a], Replicate):
+            n *= int(shape[a])
+    return n
 
 
 def _buckets(ctx: _Ctx, placeholders, bucket_bytes: int) -> list[list[str]]:
@@ -323,14 +341,14 @@ def _regions(steps, copies: dict[str, str], recompute) -> list[list[str]]:
 
 def rank_peak(gp, strategy_of: dict, mesh, *, recompute=frozenset(), optimizer: str = "adamw",
               dtype: str = "float32", foreach: bool | None = None, bucket_bytes: int = BUCKET_BYTES,
-              chunks: dict | None = None):
+              chunks: dict | None = None, zero=None):
     """The ``profiler.memory.MemoryEstimate`` of one rank's training step under the choice
     ``strategy_of`` (fx node name -> ``autopar.strategies.Strategy``) with the nodes in
     ``recompute`` checkpointed and the matmuls in ``chunks`` (name -> k) run in k overlap chunks.
     ``foreach``: AdamW updates all parameters at once (default: on GPUs, as ``torch.optim`` does)."""
     from profiler.memory import simulate
 
-    ctx = _Ctx(gp, strategy_of, mesh)
+    ctx = _Ctx(gp, strategy_of, mesh, zero)
     precision = "bf16-mixed" if dtype == "bf16-mixed" else "fp32"
     base = gp._step_nodes(precision)  # the measured graph's step nodes (fp32 run or mixed replay)
     chunks = chunks or {}
@@ -390,7 +408,17 @@ def plan_peak(plan, gp, *, foreach: bool | None = None, bucket_bytes: int = BUCK
         from autopar.planner.stage_memory import pipeline_peaks
 
         peaks = pipeline_peaks(gp, strategy_of, mesh, plan.pipeline, recompute=recompute, optimizer=plan.optimizer,
-                               dtype=plan.dtype, foreach=foreach, bucket_bytes=bucket_bytes, chunks=chunks)
+                               dtype=plan.dtype, foreach=foreach, bucket_bytes=bucket_bytes, chunks=chunks,
+                               zero=plan_zero(plan, mesh))
         return max(e.peak for e in peaks)
     return rank_peak(gp, strategy_of, mesh, recompute=recompute, optimizer=plan.optimizer, dtype=plan.dtype,
-                     foreach=foreach, bucket_bytes=bucket_bytes, chunks=chunks).peak
+                     foreach=foreach, bucket_bytes=bucket_bytes, chunks=chunks, zero=plan_zero(plan, mesh)).peak
+
+
+def plan_zero(plan, mesh):
+    """(stage, axes) of a plan's ZeRO-1/2 (the sharding mesh's axes its optimizer state is split
+    over), or None."""
+    stage = int(getattr(plan, "zero", 0) or 0)
+    if stage not in (1, 2):
+        return None
+    return stage, tuple(plan.options.get("zero_axes", range(len(mesh.shape))))

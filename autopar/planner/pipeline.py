@@ -129,7 +129,7 @@ def factored_candidates(gp, cfg: Config, beat: float | None = None) -> list:
 
 #: Seconds the budget checks of :func:`search` may take once a plan is found: the (candidate,
 #: count) pairs left are skipped (the plan says how many). Bounds are computed for all of them.
-SEARCH_SECONDS = 30.0
+SEARCH_SECONDS = 15.0
 
 
 def _estimate(free: dict, budget: float | None) -> float:
@@ -474,7 +474,9 @@ def _replayed_peak(gp, cfg: Config, built, sol, units, bounds, sched: str, m: in
     pipe = Pipeline(axis=axis, stages=stages, microbatches=m, schedule=sched, virtual_stages=v)
     strategy_of = {n: built.options[n].strategies[pick[n]] for n in built.order}
     # Under a budget the replay stops at the first rank above it: the candidate is out then.
-    peaks = pipeline_peaks(gp, strategy_of, _sub_mesh(cfg.mesh, axis)[1], pipe, recompute=recompute,
+    from autopar.planner.build import zero_spec
+
+    peaks = pipeline_peaks(gp, strategy_of, _sub_mesh(cfg.mesh, axis)[1], pipe, recompute=recompute, zero=zero_spec(cfg),
                            optimizer=cfg.optimizer, dtype=cfg.dtype, chunks=chunk_counts(built.overlap, pick),
                            stop_above=cfg.memory_budget)
     split = [{"params": float(e.params + e.buffers + e.grads + e.optimizer_state),

@@ -85,7 +85,7 @@ def _received(steps: list, stage_of: dict, placeholders, n_stages: int) -> list[
 
 def pipeline_peaks(gp, strategy_of: dict, mesh, pipeline, *, recompute=frozenset(), optimizer: str = "adamw",
                    dtype: str = "float32", foreach: bool | None = None, bucket_bytes: int = BUCKET_BYTES,
-                   chunks: dict | None = None, stop_above: float | None = None) -> list:
+                   chunks: dict | None = None, stop_above: float | None = None, zero=None) -> list:
     """Per rank of the pipeline axis, the ``profiler.memory.MemoryEstimate`` of one pipelined
     step (``pipeline``: an ``autopar.plan.Pipeline``; ``mesh``: the sharding sub-mesh the
     placements of ``strategy_of`` refer to; ``recompute`` and ``chunks`` as for ``rank_peak``).
@@ -93,7 +93,7 @@ def pipeline_peaks(gp, strategy_of: dict, mesh, pipeline, *, recompute=frozenset
     whose peak exceeds it (a budget check needs no more; the list is then shorter)."""
     from autopar.planner.micro import depends_on_inputs
 
-    ctx = _Ctx(gp, strategy_of, mesh)
+    ctx = _Ctx(gp, strategy_of, mesh, zero)
     m, cap = int(pipeline.microbatches), gp.captured
     scaled = depends_on_inputs(cap.gm, set(cap.user_inputs))
     base = gp._step_nodes("bf16-mixed" if dtype == "bf16-mixed" else "fp32")

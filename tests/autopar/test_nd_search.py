@@ -187,7 +187,7 @@ def test_layouts_reproduce_the_published_shapes():
 @pytest.mark.parametrize("layout,match", [
     ({"tp": 3}, "multiply to the mesh"),
     ({"cp": 2}, "unknown layout key 'cp'"),
-    ({"zero": 1}, "ZeRO-1/2"),
+    ({"zero": 4}, "0, 1, 2 or 3"),
     ({"pp": 1, "microbatches": 4}, "describe a pipeline"),
     ({"recompute": "some"}, "recompute"),
     ({"schedule": "zb-v"}, "schedule"),
@@ -209,6 +209,48 @@ def test_the_runtime_refuses_what_it_cannot_run_yet():
         check_runnable(three)
     flat = _plan(gp, Mesh((2, 4), cluster="a100"), layout={"dp": 2, "tp": 4})
     check_runnable(flat)  # a 2-D plan on the job's mesh runs
+
+
+# ---------------------------------------------------------------------- ZeRO-1/2
+def test_zero_1_and_2_split_the_state_the_replay_counts():
+    """ZeRO-1 splits the optimizer state of replicated parameters over dp, ZeRO-2 the reduced
+    gradients too: the ILP's memory and the per-rank replay (the plan's peak) both drop, by the
+    state the replay no longer holds; the step time is the same (reduce-scatter + all-gather move
+    what the all-reduce moved)."""
+    from autopar.planner.memory import plan_peak
+
+    gp = _gp("gpt2", batch=32)
+    mesh = Mesh((2, 4), cluster="a100")
+    plans = {z: _plan(gp, mesh, layout={"dp": 8, "zero": z}) for z in (0, 1, 2)}
+    assert [plans[z].zero for z in (0, 1, 2)] == [0, 1, 2]
+    assert plans[1].step_time == pytest.approx(plans[0].step_time)
+    state0 = _state_bytes(plans[0], gp)
+    assert plans[0].peak_bytes - plans[1].peak_bytes == pytest.approx(state0 * 7 / 8, rel=0.02)
+    assert plans[2].peak_bytes <= plans[1].peak_bytes < plans[0].peak_bytes
+    for z, p in plans.items():
+        assert plan_peak(p, gp) == p.peak_bytes  # the plan file's zero is what the replay reads
+    from autopar.plan import Plan
+
+    assert Plan.from_json(plans[2].to_json()).zero == 2 and "ZeRO-2" in plans[2].summary()
+
+
+def _state_bytes(plan, gp) -> float:
+    """AdamW state of every parameter, replicated (two fp32 copies per parameter)."""
+    return 2 * sum(ph.nbytes for ph in gp._placeholders.values() if ph.kind == "param")
+
+
+def test_free_search_turns_zero_on_when_the_budget_binds():
+    gp = _gp("gpt2", batch=32)
+    mesh = Mesh((1, 8), cluster="a100")
+    free = _plan(gp, mesh, pipeline=False, force="dp")
+    assert free.zero == 0
+    zero1 = _plan(gp, mesh, layout={"dp": 8, "zero": 2})
+    budget = (free.peak_bytes + zero1.peak_bytes) / 2  # DDP no longer fits; ZeRO-2 does
+    tight = _plan(gp, mesh, pipeline=False, force="dp", memory_budget=budget)
+    assert tight.peak_bytes <= budget and tight.zero == 2
+    assert not _plan(gp, mesh, pipeline=False, force="dp", memory_budget=budget * 4).zero
+    with pytest.raises(ValueError, match="zero must be"):
+        _plan(gp, mesh, zero=3)
 
 
 def test_ndim_meshes_parse_and_plan_flat():
