@@ -87,6 +87,27 @@ def _check_plan_options(a) -> None:
         raise UserError(f"unknown --precision {a.precision!r}: use one of {', '.join(PRECISIONS)}")
     if a.grad_reduce not in GRAD_REDUCE:
         raise UserError(f"unknown --grad-reduce {a.grad_reduce!r}: use one of {', '.join(GRAD_REDUCE)}")
+    if getattr(a, "layout", None) is not None:
+        a.layout = parse_layout_flag(a.layout)
+        if a.force is not None:
+            raise UserError("give either --force (a plan family) or --layout (a hand-written layout), not both")
+
+
+def parse_layout_flag(text: str) -> dict:
+    """``"pp=2,dp=32,tp=8,zero=1,recompute=full"`` -> the layout dict (checked by the planner)."""
+    from autopar.planner import layout as L
+
+    out: dict = {}
+    for part in [p for p in text.split(",") if p.strip()]:
+        key, eq, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not key or not value:
+            raise UserError(f"cannot read --layout {text!r}: use key=value pairs, e.g. pp=2,dp=32,tp=8,recompute=full")
+        out[key] = int(value) if value.isdigit() else value
+    try:
+        return L.parse(out).to_dict()
+    except (TypeError, ValueError) as err:
+        raise UserError(f"--layout: {err}") from None
 
 
 def _check_sizes(a) -> None:
@@ -141,7 +162,7 @@ def cmd_plan(a) -> int:
     try:
         p = autopar.plan(ex.model, mesh, ex.args, example_kwargs=ex.kwargs, loss_fn=ex.loss_fn, target=ex.target,
                          memory_budget=budget, force=a.force, optimizer=a.optimizer, time_limit=a.time_limit,
-                         precision=a.precision, grad_reduce=a.grad_reduce)
+                         precision=a.precision, grad_reduce=a.grad_reduce, layout=a.layout)
     except autopar.InfeasibleBudget as err:
         raise UserError(str(err)) from None
     p.options["spec"] = a.spec
@@ -198,7 +219,8 @@ def _parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("plan", help="plan a model for a mesh (no GPU or process group needed)")
     spec_args(sp)
-    sp.add_argument("--mesh", default="2x4", help="mesh shape, e.g. 2x4 or 8 (default: %(default)s)")
+    sp.add_argument("--mesh", default="2x4", help="mesh shape, e.g. 2x4, 8 or 64x8 (nodes x GPUs per node), up to "
+                    "4 axes (default: %(default)s)")
     sp.add_argument("--cluster", default="h100", help="cluster preset: a100, h100, h200, pcie, cpu (default: %(default)s)")
     sp.add_argument("--memory", help="per-device memory budget, e.g. 80GiB")
     sp.add_argument("--force", help="restrict to a plan family: dp, zero3, megatron, tp, atp-col-first, "
@@ -209,6 +231,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--precision", help="fp32 or bf16-mixed (default: bf16-mixed on GPU clusters, fp32 on cpu)")
     sp.add_argument("--grad-reduce", default="fp32", help="dtype of gradient reductions under bf16-mixed: fp32 or "
                                                           "bf16 (default: %(default)s)")
+    sp.add_argument("--layout", help="price a hand-written layout instead of searching, e.g. "
+                    "pp=2,dp=32,tp=8,zero=1,recompute=full,microbatches=48,schedule=1f1b (keys left out are searched)")
     sp.add_argument("-o", "--output", help="write the plan JSON here")
     sp.set_defaults(fn=cmd_plan)
 

@@ -7,19 +7,21 @@ For GPT-2 124M (``gpt2-small``), GPT-2 1.5B (``gpt2-xl``), Llama-2-7B and ViT-L/
 device): the predicted step time of autopar's free plan (sharding + checkpointing + pipeline
 search) against the best plan of each hand-written family, all priced by the same cost model.
 
-Baselines (``autopar.plan(..., force=FAMILY)``; a forced family pins where parameters live and how
-the batch is split, and the ILP still picks every other op and resharding, so each baseline is the
-best plan of its family):
+Baselines are the textbook layouts, each priced as ``autopar.plan(..., layout=...)`` (keys left
+out, such as which layers recompute, are searched, so each is the best plan of its layout):
 
-- ``dp``: DDP; ``zero3``: FSDP/ZeRO-3; ``megatron``: Megatron TP on the inner axis x DP outer;
-  ``atp-col``/``atp-row``: ATP 2D tensor parallelism (column-first / row-first);
-  ``pp-tp``: pipeline stages on one axis x TP on the other. The pp-tp figure is the best pipeline
-  candidate of the free search itself, which is exactly what ``force="pp-tp"`` solves (the same
-  candidates), read from ``Plan.alternatives`` instead of solving them twice.
-- Megatron with sequence parallelism is not a separate family: families constrain only the
-  placeholders (parameters and inputs), and Megatron-SP has Megatron's parameter placement, so
-  the ``megatron`` baseline's search already contains it (activations sharded on the sequence dim
-  between the tensor-parallel regions); the ``SP`` column says whether its optimum uses that.
+- ``ddp``: ``{"dp": N}``, DDP; ``zero1``: ``{"dp": N, "zero": 1}``, ZeRO-1 data parallelism
+  (optimizer state split; Megatron's distributed optimizer); ``fsdp``: ``{"dp": N, "zero": 3}``;
+- ``megatron``: Megatron TP x DP, ``{"pp": 1, "tp": T, "dp": N / T}`` with T the inner axis
+  (at most 8): column/row-parallel linears on the tp axis, weights read as stored;
+- ``meg-3d``: Megatron 3D, ``{"tp": T}`` with pp and dp searched (pipelines over a factor of the
+  outer axis included);
+- ``atp-col``/``atp-row``: ATP 2D tensor parallelism (``force="atp-col-first"`` / ``"atp-row-first"``);
+- ``pp-tp``: the best pipeline candidate of the free search itself, read from ``Plan.alternatives``.
+
+Megatron's sequence parallelism is not a separate baseline: the ``megatron`` layout's search may
+split the norms' and dropouts' rows between the TP regions, and the ``SP`` column says whether its
+optimum does. HSDP is not a layout yet.
 
 The figure a row is judged by is RATIO = best baseline / autopar (>= 1: the search is at least as
 good as every hand-written family). Where a pipeline wins, RATIO only says that the pipeline
@@ -64,9 +66,19 @@ MODELS = {
 }
 MESHES = [(2, 4), (4, 8), (8, 8)]
 CLUSTERS = {"a100": "80GiB", "h100": "80GiB", "pcie": "40GiB"}
-FLAT = {"dp": "dp", "zero3": "zero3", "megatron": "megatron", "atp-col": "atp-col-first",
-        "atp-row": "atp-row-first"}
-BASELINES = [*FLAT, "pp-tp"]
+FLAT = ("ddp", "zero1", "fsdp", "megatron", "atp-col", "atp-row")
+BASELINES = [*FLAT, "meg-3d", "pp-tp"]
+
+
+def baseline(name: str, mesh: Mesh) -> dict:
+    """``plan_profile`` keywords of a baseline on ``mesh`` (see the module docstring)."""
+    n, inner = mesh.size, min(mesh.shape[-1], 8)
+    return {"ddp": dict(layout={"dp": n, "zero": 0}), "zero1": dict(layout={"dp": n, "zero": 1}),
+            "fsdp": dict(layout={"dp": n, "zero": 3}),
+            "megatron": dict(layout={"pp": 1, "tp": inner, "dp": n // inner, "zero": 0}),
+            "meg-3d": dict(layout={"tp": inner, "zero": 0}),
+            "atp-col": dict(force="atp-col-first", pipeline=False),
+            "atp-row": dict(force="atp-row-first", pipeline=False)}[name]
 #: The planner's relative MIP gap (``planner.build.Config.mip_gap``): every plan is solved to it.
 MIP_TOLERANCE = 1e-3
 QUICK = {"models": ["gpt2-small", "llama2-7b"], "meshes": [(2, 4), (8, 8)], "clusters": ["a100", "pcie"]}
@@ -79,12 +91,11 @@ def _profile(name: str):
     return profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target), n
 
 
-def _attempt(gp, mesh, budget, dtype, force, time_limit, pipeline="auto"):
+def _attempt(gp, mesh, budget, dtype, time_limit, **kw):
     """{"ms", "peak_gib", ...} of one plan, or {"error": "OOM"/"n/a", "why": ...}."""
     t0 = time.perf_counter()
     try:
-        p = plan_profile(gp, mesh, memory_budget=budget, dtype=dtype, force=force, time_limit=time_limit,
-                         pipeline=pipeline)
+        p = plan_profile(gp, mesh, memory_budget=budget, dtype=dtype, time_limit=time_limit, **kw)
     except InfeasibleBudget as err:
         return {"error": "OOM", "why": str(err), "seconds": time.perf_counter() - t0}
     except ValueError as err:
@@ -167,8 +178,9 @@ def run_row(gp, name, shape, cluster, dtype, time_limit) -> dict:
     mesh = Mesh(shape, cluster=cluster)
     t0 = time.perf_counter()
     row = {"model": name, "mesh": list(shape), "cluster": cluster, "budget": budget, "dtype": dtype}
-    row["autopar"] = _attempt(gp, mesh, budget, dtype, None, time_limit)
-    row["baselines"] = {b: _attempt(gp, mesh, budget, dtype, f, time_limit) for b, f in FLAT.items()}
+    row["autopar"] = _attempt(gp, mesh, budget, dtype, time_limit)
+    row["baselines"] = {b: _attempt(gp, mesh, budget, dtype, time_limit, **baseline(b, mesh))
+                        for b in BASELINES if b != "pp-tp"}
     row["baselines"]["pp-tp"] = _pp_from_free(row["autopar"])
     row["autopar_flat"] = _flat_from_free(row["autopar"])
     ok = {b: r["ms"] for b, r in row["baselines"].items() if "ms" in r}
@@ -181,7 +193,7 @@ def run_row(gp, name, shape, cluster, dtype, time_limit) -> dict:
         row["best_flat"], row["flat_ratio"] = best, flat[best] / row["autopar_flat"]["ms"]
         if row["flat_ratio"] < 1 and "gap" not in row["autopar_flat"]:
             # A loss: solve the flat candidate alone to learn whether it is within the proven gap.
-            again = _attempt(gp, mesh, budget, dtype, None, time_limit, pipeline=False)
+            again = _attempt(gp, mesh, budget, dtype, time_limit, pipeline=False)
             row["autopar_flat"].update({k: again[k] for k in ("status", "gap", "breakdown") if k in again})
     a = row["autopar"]
     if flat and a.get("floor_ms", 0) > a.get("ms", float("inf")):
@@ -288,7 +300,7 @@ def summary(rows: list[dict]) -> None:
                   f"{a['ms']:.1f} ms, floor {a['floor_ms']:.1f} ms; best flat baseline {r['floor_ratio']:.3f} x floor "
                   f"({verdict})")
     ooms = [(r["model"], r["mesh"], r["cluster"], b, _min_budget(x["why"]))
-            for r in rows for b, x in r["baselines"].items() if x.get("error") == "OOM" and b != "pp-tp"]
+            for r in rows for b, x in r["baselines"].items() if x.get("error") == "OOM" and b not in ("pp-tp", "meg-3d")]
     if ooms:
         print("baselines over budget (least budget that would fit):")
         for m, mesh, c, b, need in ooms:

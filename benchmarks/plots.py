@@ -22,8 +22,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-BASELINE_COLORS = {"dp": "#1f77b4", "zero3": "#ff7f0e", "megatron": "#2ca02c", "atp-col": "#d62728",
-                   "atp-row": "#9467bd", "pp-tp": "#8c564b"}
+BASELINE_COLORS = {"ddp": "#1f77b4", "zero1": "#17becf", "fsdp": "#ff7f0e", "megatron": "#2ca02c",
+                   "meg-3d": "#bcbd22", "atp-col": "#d62728", "atp-row": "#9467bd", "pp-tp": "#8c564b"}
 
 
 def plan_quality(rows: list[dict], path: str) -> None:

@@ -317,6 +317,39 @@ def _weight_views(gm, kinds: dict) -> set[str]:
     return out
 
 
+def _global_batch(gp) -> int | None:
+    from autopar.planner.micro import batch_size
+
+    return batch_size(gp)
+
+
+def _no_batch_split(allowed: list, node, tp_axes: tuple[int, ...], batch: int | None) -> list:
+    """The strategies of ``node`` that keep the batch whole on the tensor-parallel axes, when some
+    do: Megatron's activations are replicated in the TP group (or split by sequence rows between
+    the TP regions, sequence parallelism), never split by sample there. The batch dim is dim 0
+    of an activation of three or more dims whose size is the global batch (a flattened
+    (tokens, hidden) activation's dim 0 is tokens: a split there is sequence parallelism)."""
+    if not batch:
+        return allowed
+    vals = _input_vals(node) + _vals(node)
+    if not any(t.dim() >= 3 and int(t.shape[0]) == batch for t in vals):
+        return allowed
+
+    def keeps(s) -> bool:
+        for t, p in zip(_input_vals(node), s.inputs):
+            if p is not None and t.dim() >= 3 and int(t.shape[0]) == batch and \
+                    any(isinstance(p[a], Shard) and p[a].dim % t.dim() == 0 for a in tp_axes):
+                return False
+        for t, p in zip(_vals(node), s.outputs):
+            if t.dim() >= 3 and int(t.shape[0]) == batch and \
+                    any(isinstance(p[a], Shard) and p[a].dim % t.dim() == 0 for a in tp_axes):
+                return False
+        return True
+
+    kept = [s for s in allowed if keeps(s)]
+    return kept or allowed
+
+
 def _no_weight_gather(allowed: list, node, weights: set[str], tp_axes: tuple[int, ...]) -> list:
     """The strategies of ``node`` that read every matrix weight (or view of one) sharded on the
     tensor-parallel axes, when some do: the weight is used as stored, so the op's compute is
@@ -342,6 +375,7 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
     tp_axes = tuple(a for a in tp_axes_of(cfg.family, cfg.mesh.ndim) if cfg.mesh.shape[a] > 1)
     dp_axes = tuple(a for a in dp_axes_of(cfg.family) if cfg.mesh.shape[a] > 1)
     weights = _weight_views(gm, kinds) if tp_axes else set()
+    batch = _global_batch(gp) if tp_axes else None
     # Saved bytes in the plan's precision: the mixed replay's own sizes (what the per-rank memory
     # replay, which decides a plan's peak, counts too), where halving the fp32 run's figure
     # under-counted Llama-2-7B's saved activations by 26% (28.6 GiB a layer against 21.3).
@@ -381,6 +415,7 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
             allowed = micro.valid(allowed, node)
         if tp_axes and node.op == "call_function":
             allowed = _no_weight_gather(allowed, node, weights, tp_axes)
+            allowed = _no_batch_split(allowed, node, tp_axes, batch)
         if dp_axes and node.op == "call_function":
             # A layout's data-parallel axes split every op's work where the op allows it.
             split = [s for s in allowed if all(s.per_axis and s.per_axis[a] != "R" for a in dp_axes)]

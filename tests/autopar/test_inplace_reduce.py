@@ -142,7 +142,8 @@ def test_partial_output_with_two_readers_is_copied(tp_mesh):
 def test_zoo_megatron_reduces_in_place(tp_mesh, name, monkeypatch):
     """GPT-2 (Conv1D: ``addmm -> view -> dropout`` before each block's all-reduce, a vocabulary-
     parallel embedding's partial lookup) and BERT (a sum of embeddings) under Megatron's plan:
-    every all-reduce of a step runs in place, and two AdamW steps equal one device. (On 2 ranks the
+    every all-reduce whose edge alone reads a fresh output runs in place (the others copy), and
+    two AdamW steps equal one device. (On 2 ranks the
     planner may reduce GPT-2's partial sums by reduce-scatter into row shards instead, Megatron's
     sequence parallelism: then no all-reduce is left to copy, which the counts check too.)"""
     import os
@@ -173,10 +174,14 @@ def test_zoo_megatron_reduces_in_place(tp_mesh, name, monkeypatch):
     reduces = [m for m in _edges(pm) if any(s.kind == "all_reduce" for s in m.fwd + m.bwd)]
     scatters = [m for m in _edges(pm) if any(s.kind == "reduce_scatter" for s in m.fwd)]
     assert reduces or scatters, "the plan reduces no partial sum: it is not tensor parallel"
-    assert all(m.owned_fwd or not any(s.kind == "all_reduce" for s in m.fwd) for m in reduces), \
-        [m.what for m in reduces if not m.owned_fwd]
+    # An all-reduce sums in place where its edge alone reads a fresh output; under Megatron TP the
+    # residual stream's partial sums are also read by the residual add, so those copy first.
+    users = {n.name: len(n.users) for n in gp.captured.gm.graph.nodes}
+    copied = [m.what for m in reduces if not m.owned_fwd and any(s.kind == "all_reduce" for s in m.fwd)]
+    assert all(users.get(w.split(" -> ")[0], 0) > 1 for w in copied), copied
+    assert any(m.owned_fwd for m in reduces) or scatters or not reduces
     assert all(m.owned_bwd or not any(s.kind == "all_reduce" for s in m.bwd) for m in reduces)
-    assert calls["all_reduce"] == 0 and (calls["all_reduce_"] > 0 or not reduces), calls
+    assert (calls["all_reduce"] == 0 or copied) and (calls["all_reduce_"] > 0 or not reduces), calls
 
 
 def _counted(fn, calls, name, *args, **kwargs):

@@ -260,3 +260,13 @@ def test_ndim_meshes_parse_and_plan_flat():
     gp = _gp("mlp", batch=8, layers=2)
     p = _plan(gp, Mesh((2, 2, 2), cluster="cpu"), pipeline=False)
     assert len(p.mesh["shape"]) == 3 and p.step_time > 0
+
+
+def test_cli_prices_a_layout(capsys):
+    from autopar.cli import main
+
+    assert main(["plan", "gpt2", "--mesh", "2x4", "--cluster", "a100", "--layout", "dp=2,tp=4,zero=1"]) == 0
+    out = capsys.readouterr().out
+    assert "family: dp(2) zero-1 x tp(4)" in out and "ZeRO-1" in out
+    assert main(["plan", "gpt2", "--mesh", "2x4", "--layout", "dp=2,ep=4"]) == 2
+    assert "unknown layout key 'ep'" in capsys.readouterr().err

@@ -110,7 +110,7 @@ def test_budget_loop_tries_the_ilps_most_frugal_plan(monkeypatch):
 
     monkeypatch.setattr(P, "simulated_peak", replay)
     monkeypatch.setattr(P.solver, "solve", solve)
-    p = plan_profile(gp, mesh, precision="fp32", memory_budget=budget, pipeline=False)
+    p = plan_profile(gp, mesh, precision="fp32", memory_budget=budget, pipeline=False, zero=0)
     assert p.peak_bytes <= budget and p.peak_bytes in replays[1:]
     built = P.build_cached(gp, P.Config(mesh=mesh, memory_budget=1.0))
     with pytest.raises(solver.Infeasible) as floor:
