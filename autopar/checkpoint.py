@@ -85,7 +85,7 @@ def entries(pm) -> dict[str, tuple[str, torch.Tensor, tuple, tuple[int, ...]]]:
         if any(isinstance(p, Partial) for p in s.placements):
             raise CheckpointError(f"{s.kind} {name!r} is stored {pl.fmt(s.placements)} (a partial sum); only "
                                   f"Replicate/Shard storage can be checkpointed")
-        out[name] = (s.kind, pm._get(name), tuple(s.placements), tuple(s.shape))
+        out[name] = (s.kind, pm._get(name), pm.storage_placements(s), tuple(s.shape))
     return out
 
 

@@ -177,7 +177,9 @@ class Plan:
             raise PlanError(
                 f"plan was made for another model or input shapes (graph hash {self.graph_hash[:12]}, "
                 f"this model's is {graph_hash[:12]}); re-plan with `autopar plan` or autopar.plan()")
-        if mesh_dict is not None and tuple(mesh_dict.get("shape", ())) != tuple(self.mesh.get("shape", ())):
+        have = tuple(mesh_dict.get("shape", ())) if mesh_dict is not None else None
+        physical = tuple(self.options.get("physical_mesh") or ())
+        if have is not None and have != tuple(self.mesh.get("shape", ())) and have != physical:
             raise PlanError(f"plan was made for mesh shape {tuple(self.mesh.get('shape', ()))}, "
                             f"but the mesh is {tuple(mesh_dict.get('shape', ()))}; re-plan for this mesh")
 

@@ -180,11 +180,6 @@ def runtime_gaps(plan: Plan) -> list[str]:
     physical axis, micro-batches of one sample), and a plan is never run half-understood."""
     gaps = []
     shape = tuple(plan.mesh.get("shape", ()))
-    if len(shape) > 2:
-        gaps.append(f"a {len(shape)}-axis mesh {shape} ({' x '.join(plan.mesh.get('axis_names', ()))}): the "
-                    f"runtime runs meshes of one or two axes")
-    if plan.options.get("physical_mesh") and tuple(plan.options["physical_mesh"]) != shape:
-        gaps.append(f"a logical mesh {shape} over the physical mesh {tuple(plan.options['physical_mesh'])}")
     if getattr(plan, "zero", 0) in (1, 2):
         gaps.append(f"ZeRO-{plan.zero} (optimizer state{' and gradients' if plan.zero == 2 else ''} split over "
                     f"replicas, parameters all-gathered after the step)")

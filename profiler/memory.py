@@ -183,6 +183,8 @@ def _static_bytes(placeholders: dict[str, Placeholder], size: _Sizer, optimizer:
         if ph.kind == "param":
             out["optimizer"] += int(OPTIMIZER_STATES[optimizer] * size.weight(ph.nbytes, ph.float_size)
                                     * ph.state_share)
+            if ph.state_share < 1:  # ZeRO-1/2: the shard the optimizer steps, beside the compute copy
+                out["params"] += int(size.weight(ph.nbytes, ph.float_size) * ph.state_share)
     return out
 
 

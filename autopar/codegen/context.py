@@ -57,6 +57,28 @@ def _sub_mesh(plan_mesh: Mesh, axes: tuple[int, ...]) -> Mesh:
                              links=tuple(plan_mesh.links[a] for a in axes))
 
 
+def plan_device_mesh(device_mesh: DeviceMesh, plan) -> DeviceMesh:
+    """The torch mesh ``plan`` runs on, from the job's ``device_mesh``: itself, or, for a plan on a
+    logical mesh over it (``options["physical_mesh"]``: a pipeline over a factor of a physical
+    axis, a ``layout=`` of pp x dp x tp), the same ranks in row-major order reshaped to the plan's
+    axes (a factored axis splits into outer and inner sub-axes, as ``planner.pipeline.factor_axis``
+    and ``planner.layout.logical_mesh`` price them). Every rank must call it (new process groups)."""
+    shape = tuple(int(s) for s in plan.mesh["shape"])
+    have = tuple(int(s) for s in device_mesh.mesh.shape)
+    physical = tuple(int(s) for s in (plan.options.get("physical_mesh") or ()))
+    if have == shape or have != physical:
+        return device_mesh  # the plan's own mesh, or a mismatch that mesh_context names
+    names = tuple(plan.mesh["axis_names"])
+    key = (device_mesh.device_type, tuple(device_mesh.mesh.flatten().tolist()), shape, names)
+    if key not in _LOGICAL:
+        _LOGICAL[key] = DeviceMesh(device_mesh.device_type, device_mesh.mesh.reshape(shape), mesh_dim_names=names)
+    return _LOGICAL[key]
+
+
+#: Logical meshes built so far (process groups are made once per job and shape).
+_LOGICAL: dict = {}
+
+
 def mesh_context(device_mesh: DeviceMesh, plan_mesh: dict | Mesh, sharding_axes) -> MeshContext:
     """Check ``device_mesh`` against the plan's mesh and cut out the sharding axes.
 

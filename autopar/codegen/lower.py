@@ -414,6 +414,8 @@ class _Lowering:
     def _placeholder(self, node):
         new = self.graph.placeholder(node.name)
         new.meta["val"] = node.meta.get("val")
+        if _vals(node):  # the placement of the local value (what a pipeline stage passes on)
+            new.meta["autopar_pl"] = self.placeholder_pl(node)
         self.env[node] = new
         kind, name = self.kinds.get(node.name, ("constant", node.name))
         vals = _vals(node)

@@ -180,3 +180,21 @@ def zero_partial(x: torch.Tensor, dm: DeviceMesh, axis: int) -> torch.Tensor:
     """Replicate -> Partial(sum): the value stays on coordinate 0 of ``axis``, zeros elsewhere, so
     the sum over the axis is the value."""
     return _keep_on_first(x, axis_coordinate(dm, axis))
+
+
+_FLATTENED: dict = {}
+
+
+def axes_group(dm: DeviceMesh, axes) -> "dist.ProcessGroup":
+    """The process group of mesh ``axes`` together (one axis: its own; several: the ranks of
+    those axes flattened in row-major order, ``DeviceMesh._flatten``, made once per mesh)."""
+    axes = tuple(axes)
+    if len(axes) == 1:
+        return dm.get_group(axes[0])
+    names = dm.mesh_dim_names
+    if not names:
+        raise ValueError(f"mesh axes {axes} can only be grouped on a DeviceMesh with mesh_dim_names")
+    key = (id(dm), axes)
+    if key not in _FLATTENED:
+        _FLATTENED[key] = dm[tuple(names[a] for a in axes)]._flatten("_".join(names[a] for a in axes)).get_group(0)
+    return _FLATTENED[key]

@@ -18,6 +18,12 @@ need one sum each, as DDP does:
 
 Parameters stored sharded (ZeRO-3) need no work here: their all-gather in forward has a
 reduce-scatter as its backward (``autopar.codegen``), which leaves ``.grad`` as a shard.
+ZeRO-1/2 (:mod:`autopar.zero`): the reduced gradient of a compute copy becomes its optimizer
+shard's ``.grad``. Buckets of ZeRO-2 parameters whose gradient is Partial on all their
+replicating axes are *reduce-scattered* when complete (synchronously, so that only the shard
+outlives the bucket): their flat buffer holds each gradient split along its ZeRO dim, rank-major,
+so that chunk ``r`` of the buffer is every member's slice ``r``. The other ZeRO parameters are
+reduced as usual and sliced in :meth:`GradSync.finish`.
 While :attr:`GradSync.enabled` is False (pipeline micro-batches before the last), hooks do
 nothing and :meth:`GradSync.finish` must be called explicitly.
 """
@@ -32,7 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.runtime.collectives import _collective
+from autopar.runtime.collectives import _chunk, _collective
+from autopar.zero import chunk_index
 
 
 @dataclasses.dataclass(eq=False)
@@ -50,6 +57,9 @@ class _Bucket:
     """The members' ``.grad`` are views of ``flat`` (filled by the hooks)."""
     sent: torch.Tensor | None = None
     """What the all-reduce sums: ``flat``, or its copy in the reduction dtype."""
+    scatter: tuple | None = None
+    """ZeRO-2: (replicating axes, their group, replica count, this rank's chunk index): the bucket
+    is reduce-scattered over them (after an all-reduce over its other Partial axes)."""
 
 
 def partial_axes(placements: Sequence[Placement]) -> tuple[int, ...]:
@@ -65,8 +75,12 @@ class GradSync:
 
     def __init__(self, params: Iterable[tuple[torch.nn.Parameter, Sequence[Placement]]],
                  device_mesh: DeviceMesh, *, bucket_bytes: int = 25 * 2**20,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, zero: dict | None = None):
         self.dm = device_mesh
+        params = list(params)
+        # ZeRO-1/2: id(compute copy) -> (autopar.zero.Layout, optimizer shard, reduce-scattered?)
+        self.zero = dict(zero or {})
+        self._zero_param = {id(p): p for p, _ in params if id(p) in self.zero}
         # The dtype buckets are summed in (None: the gradients' own; bf16 under
         # ``grad_reduce="bf16"``, see autopar.precision).
         self.reduce_dtype = reduce_dtype
@@ -78,26 +92,38 @@ class GradSync:
         self._flat: dict[str, tuple | None] = {}
         self._hooks = []
         by_axes: dict[tuple, list] = {}
+        self._zero_only = []  # ZeRO parameters without a reduction: their hook only marks activity
         for p, pls in params:
             axes = partial_axes(pls)
+            z = self.zero.get(id(p))
+            scatter = z[0].axes if z is not None and z[2] else ()
             if axes and p.requires_grad:
-                by_axes.setdefault(axes, []).append(p)
-        for axes, ps in by_axes.items():
+                by_axes.setdefault((axes, scatter), []).append(p)
+            elif z is not None and p.requires_grad:
+                self._zero_only.append(p)
+        for (axes, scatter), ps in by_axes.items():
             cur, size = [], 0
             for p in reversed(ps):  # backward produces the last layers' gradients first
                 cur.append(p)
                 size += p.numel() * p.element_size()
                 if size >= bucket_bytes:
-                    self._add(axes, cur)
+                    self._add(axes, cur, scatter)
                     cur, size = [], 0
             if cur:
-                self._add(axes, cur)
+                self._add(axes, cur, scatter)
         for b in self.buckets:
             for p in b.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for p in self._zero_only:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
-    def _add(self, axes, params):
+    def _add(self, axes, params, scatter=()):
         b = _Bucket(axes=axes, params=list(params), group=self._flat_group(axes))
+        if scatter:
+            from autopar.runtime.collectives import axes_group
+
+            lay = self.zero[id(params[0])][0]
+            b.scatter = (scatter, axes_group(self.dm, scatter), lay.replicas, None)
         self.buckets.append(b)
         for p in params:
             self._of[id(p)] = b
@@ -138,7 +164,12 @@ class GradSync:
             # Runs once the whole backward pass is done, like DDP's finalisation.
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self._queued = True
-        b = self._of[id(p)]
+        b = self._of.get(id(p))
+        if b is None:  # a ZeRO parameter without a reduction: sliced in finish()
+            return
+        if b.scatter is not None:  # ZeRO-2: the split gradient goes into the rank-major buffer
+            self._scatter_fill(b, p)
+            return
         if not b.ready and p.grad is not None and not b.launched:
             # (sum of the bucket's numels,) allocated with its first gradient
             b.flat = p.grad.new_zeros(sum(q.numel() for q in b.params))
@@ -160,7 +191,92 @@ class GradSync:
             off += q.numel()
         raise KeyError("parameter not in bucket")
 
+    # ------------------------------------------------------------------ ZeRO-2 buckets
+    def _place(self, b: _Bucket, p) -> tuple[int, int]:
+        """(offset, width) of ``p``'s columns in its ZeRO-2 bucket's (replicas, width) buffer."""
+        off = 0
+        for q in b.params:
+            k = q.numel() // b.scatter[2]
+            if q is p:
+                return off, k
+            off += k
+        raise KeyError("parameter not in bucket")
+
+    def _fill(self, b: _Bucket, p) -> None:
+        """Copy ``p``'s gradient into the bucket's (replicas, width) buffer, split along its ZeRO
+        dim (row ``r``: slice ``r``), and drop the separate gradient."""
+        n = b.scatter[2]
+        if b.flat is None:
+            b.flat = p.grad.new_zeros(n, sum(q.numel() // n for q in b.params))
+        off, k = self._place(b, p)
+        b.flat[:, off:off + k].copy_(p.grad.movedim(self.zero[id(p)][0].dim, 0).reshape(n, k))
+        p.grad = None
+        b.members.append(p)
+
+    def _scatter_fill(self, b: _Bucket, p) -> None:
+        if p.grad is not None and id(p) not in b.ready:
+            self._fill(b, p)
+        b.ready.add(id(p))
+        if len(b.ready) == len(b.params) and not b.launched:
+            self._launch(b)
+
+    def _scatter(self, b: _Bucket) -> None:
+        """Sum the bucket over its other Partial axes, then reduce-scatter it over the replicas
+        (synchronously: the full buffer is freed at once) into the members' shard gradients."""
+        axes, pg, n, _ = b.scatter
+        for p in b.params:  # filled without hooks (pipeline micro-batches): split now
+            if p.grad is not None and p not in b.members:
+                self._fill(b, p)
+        if b.flat is None:
+            return
+        flat = b.flat
+        for axis in (a for a in b.axes if a not in axes):
+            where = f"the ZeRO-2 gradient bucket of {len(b.members)} parameters summed over mesh axis {axis}"
+            _collective("all_reduce", flat, self.dm, axis, where,
+                        lambda: (dist.all_reduce(flat, group=self.dm.get_group(axis)), flat)[1])
+        cast = self.reduce_dtype is not None and flat.dtype != self.reduce_dtype
+        send = flat.to(self.reduce_dtype) if cast else flat
+        out = send.new_empty(send.shape[1])
+        where = f"the ZeRO-2 gradient bucket of {len(b.members)} parameters reduce-scattered over mesh axes {axes}"
+        _collective("reduce_scatter", out, self.dm, axes[0], where,
+                    lambda: (dist.reduce_scatter_tensor(out, send.reshape(-1), group=pg), out)[1])
+        b.flat = flat = send = None
+        out = out.to(self.zero[id(b.params[0])][1].dtype)
+        for p in b.members:
+            off, k = self._place(b, p)
+            self._to_shard(p, out[off:off + k])
+
+    def _to_shard(self, p, piece: torch.Tensor) -> None:
+        """``piece`` (this rank's slice of ``p``'s reduced gradient, split along the ZeRO dim and
+        flattened) into the optimizer shard's ``.grad`` (a tensor of its own)."""
+        lay, shard, _ = self.zero[id(p)]
+        dims = list(p.shape)
+        moved = [dims[lay.dim] // lay.replicas] + dims[:lay.dim] + dims[lay.dim + 1:]
+        g = piece.reshape(moved).movedim(0, lay.dim)
+        if shard.grad is None:
+            shard.grad = g.clone(memory_format=torch.contiguous_format)
+        else:
+            shard.grad.add_(g)
+
+    def _slice_zero(self) -> None:
+        """ZeRO parameters reduced whole (ZeRO-1, or a gradient already whole on a replicating
+        axis): each rank keeps its slice as the shard's ``.grad``; the full gradient is dropped."""
+        for key, (lay, shard, scatters) in self.zero.items():
+            p = self._zero_param.get(key)
+            if p is None or p.grad is None:
+                continue
+            idx = chunk_index(self.dm, lay)
+            n = lay.replicas
+            width = p.numel() // n
+            rows = p.grad.movedim(lay.dim, 0).reshape(n, width)
+            self._to_shard(p, _chunk(rows, 0, n, idx).reshape(-1))
+            p.grad = None
+
     def _launch(self, b: _Bucket) -> None:
+        if b.scatter is not None:
+            b.launched = True
+            self._scatter(b)
+            return
         b.members = [p for p in b.params if p.grad is not None]
         b.launched = True
         if not b.members:
@@ -186,6 +302,10 @@ class GradSync:
             if not b.launched:
                 self._launch(b)
         for b in self.buckets:
+            if b.scatter is not None:
+                b.flat, b.members, b.launched, b.viewed = None, [], False, False
+                b.ready.clear()
+                continue
             if b.flat is None:
                 b.ready.clear()
                 b.launched = False
@@ -209,4 +329,6 @@ class GradSync:
                     off += n
             b.flat, b.members, b.launched, b.work, b.viewed, b.sent = None, [], False, None, False, None
             b.ready.clear()
+        if self.zero:
+            self._slice_zero()
 

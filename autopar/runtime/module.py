@@ -71,6 +71,9 @@ class ParallelModule(nn.Module):
         super().__init__()
         if backend not in ("eager", "inductor"):
             raise ValueError(f"backend must be 'eager' or 'inductor', got {backend!r}")
+        from autopar.codegen.context import plan_device_mesh
+
+        device_mesh = plan_device_mesh(device_mesh, plan)  # a logical mesh over the job's
         pipelined = plan.pipeline is not None and len(plan.pipeline.stages) > 1
         if pipelined:
             from autopar.runtime.pipeline import microbatch_capture
@@ -89,19 +92,29 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_inputs_sharded", inputs_sharded)
         self._program = gm
         object.__setattr__(self, "_run", torch.compile(gm, backend="inductor") if backend == "inductor" else gm)
+        # ZeRO-1/2 (autopar.zero): name -> compute copy / layout of every parameter split so.
+        object.__setattr__(self, "_zero_full", {})
+        object.__setattr__(self, "_zero_lay", {})
+        object.__setattr__(self, "_zero_seen", None)
         self._install_state(model, graph, sig)
         object.__setattr__(self, "_pipe", None)
         if pipelined:
             self._setup_pipeline(gm, device_mesh, inputs_sharded)
-        pairs, seen = [], set()
+        pairs, seen, zero = [], set(), {}
+        from autopar import zero as Z
+
         for s in sig.slots:
-            p = self.get_parameter(s.name) if s.kind == "param" and self._holds(s.name) else None
+            p = self._compute(s.name) if s.kind == "param" and self._holds(s.name) else None
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 pairs.append((p, sig.param_grads[s.name]))
+                if s.name in self._zero_lay:
+                    lay = self._zero_lay[s.name]
+                    zero[id(p)] = (lay, self._get(s.name), Z.reduce_scatters(lay, plan.zero, sig.param_grads[s.name]))
         object.__setattr__(self, "_grad_sync", GradSync(
             pairs, sig.ctx.device_mesh, bucket_bytes=bucket_bytes,
-            reduce_dtype=precision.reduce_dtype(plan.dtype, getattr(plan, "grad_reduce", "fp32"))))
+            reduce_dtype=precision.reduce_dtype(plan.dtype, getattr(plan, "grad_reduce", "fp32")), zero=zero))
+        object.__setattr__(self, "_bucket_bytes", bucket_bytes)
         # Pipelines: gradients are reduced once, after the last micro-batch.
         self._grad_sync.enabled = not pipelined
 
@@ -151,13 +164,17 @@ class ParallelModule(nn.Module):
             empty = nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
             for alias in [n for n, c in canon.items() if c == name] or [name]:
                 self._set(alias, empty)
+                if alias in self._zero_full:
+                    self._zero_full[alias] = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def _input_slots(self):
         return [s for s in self._sig.slots if s.kind == "input"]
 
     def _slot_value(self, i: int):
         s = self._sig.slots[i]
-        if s.kind in ("param", "buffer"):
+        if s.kind == "param":
+            return self._compute(s.name)
+        if s.kind == "buffer":
             return self._get(s.name)
         if s.kind == "none":
             return None
@@ -185,11 +202,86 @@ class ParallelModule(nn.Module):
                 if s.kind == "buffer":
                     self._set(s.name, local, buffer=True)
                     continue
-                p = nn.Parameter(local, requires_grad=t.requires_grad)
+                lay = self._zero_layout(s)
+                if lay is not None:  # ZeRO-1/2: the optimizer steps a shard; the graph reads a copy
+                    p = nn.Parameter(self._shard(t.detach(), lay.shard), requires_grad=t.requires_grad)
+                    local.requires_grad_(t.requires_grad)
+                else:
+                    p = nn.Parameter(local, requires_grad=t.requires_grad)
                 for alias in [n for n, c in canon.items() if c == name] or [name]:
                     self._set(alias, p)  # tied weights: one Parameter under every name
+                    if lay is not None:
+                        self._zero_full[alias], self._zero_lay[alias] = local, lay
             elif s.kind == "constant":
                 self._constants.append(self._shard(_constant(captured, s.name), s.placements))
+
+    def _zero_layout(self, s):
+        """The ZeRO-1/2 split of parameter slot ``s`` (:mod:`autopar.zero`), or None."""
+        from autopar import zero as Z
+
+        if getattr(self.plan, "zero", 0) not in (1, 2):
+            return None
+        ctx = self._sig.ctx
+        return Z.layout(tuple(s.shape), tuple(s.placements), ctx.shape, Z.plan_axes(self.plan, len(ctx.shape)))
+
+    def storage_placements(self, slot) -> tuple:
+        """How this rank's ``nn.Parameter`` (or buffer) of ``slot`` is placed: the plan's stored
+        placements, or under ZeRO-1/2 the optimizer shard's (``Shard(dim)`` on the replicas)."""
+        lay = self._zero_lay.get(slot.name) if slot.kind == "param" else None
+        return tuple(lay.shard) if lay is not None else tuple(slot.placements)
+
+    def _compute(self, name: str) -> torch.Tensor:
+        """What the per-rank program reads for parameter ``name``: the parameter, or under
+        ZeRO-1/2 its compute copy (refreshed from the shards by :meth:`_zero_gather`)."""
+        full = self._zero_full.get(name)
+        return full if full is not None else self._get(name)
+
+    @torch.no_grad()
+    def _zero_gather(self) -> None:
+        """ZeRO-1/2, after the optimizer step: all-gather the shards over their replicas into the
+        compute copies (bucketed as the gradients are), when some shard changed since the last
+        gather (every rank of a group steps alike, so all of them gather or none)."""
+        if not self._zero_lay:
+            return
+        held = {}
+        for s in self._sig.slots:
+            if s.kind == "param" and s.name in self._zero_lay and self._holds(s.name):
+                p = self._get(s.name)
+                held.setdefault(id(p), (s.name, p))
+        seen = {k: p._version for k, (_, p) in held.items()}
+        if seen == self._zero_seen:
+            return
+        from autopar.runtime.collectives import axes_group
+
+        dm = self._sig.ctx.device_mesh
+        by_axes: dict[tuple, list] = {}
+        for name, p in held.values():
+            by_axes.setdefault(self._zero_lay[name].axes, []).append((name, p))
+        for axes, members in by_axes.items():
+            cur, size = [], 0
+            for m in members:
+                cur.append(m)
+                size += m[1].numel() * m[1].element_size()
+                if size >= self._bucket_bytes or m is members[-1]:
+                    self._gather_bucket(cur, axes_group(dm, axes))
+                    cur, size = [], 0
+        object.__setattr__(self, "_zero_seen", {k: p._version for k, (_, p) in held.items()})
+
+    def _gather_bucket(self, members, group) -> None:
+        import torch.distributed as dist
+
+        lays = [self._zero_lay[name] for name, _ in members]
+        n = lays[0].replicas
+        flat = torch.cat([p.detach().movedim(lay.dim, 0).reshape(-1) for (_, p), lay in zip(members, lays)])
+        out = flat.new_empty(n * flat.numel())
+        dist.all_gather_into_tensor(out, flat, group=group)
+        rows, off = out.view(n, flat.numel()), 0
+        for (name, p), lay in zip(members, lays):
+            k = p.numel()
+            full = self._zero_full[name]
+            moved = [full.shape[lay.dim]] + [d for i, d in enumerate(full.shape) if i != lay.dim]
+            full.copy_(rows[:, off:off + k].reshape(moved).movedim(0, lay.dim))
+            off += k
 
     def _shard(self, t: torch.Tensor, placements) -> torch.Tensor:
         """This rank's shard of a full tensor ``t`` (no communication: every rank holds ``t``)."""
@@ -283,7 +375,9 @@ class ParallelModule(nn.Module):
         consts = iter(self._constants)
         out = []
         for s in self._sig.slots:
-            if s.kind in ("param", "buffer"):
+            if s.kind == "param":
+                out.append(self._compute(s.name))
+            elif s.kind == "buffer":
                 out.append(self._get(s.name))
             elif s.kind == "input":
                 out.append(inputs[s.name])
@@ -300,6 +394,7 @@ class ParallelModule(nn.Module):
         stages have no separate forward: use :meth:`train_step`."""
         if self._pipe is not None:
             raise RuntimeError("a pipelined plan runs forward and backward together: call train_step()")
+        self._zero_gather()
         with self.autocast():
             return self._run(*self._graph_args(self._local_inputs(args, kwargs, target)))
 
@@ -323,6 +418,7 @@ class ParallelModule(nn.Module):
 
     def _pipeline_step(self, args, kwargs, target) -> torch.Tensor:
         device = self._sig.ctx.device
+        self._zero_gather()
         flat = dict(zip(self._captured.user_inputs, self._flat_inputs(args, kwargs, target)))
         inputs = [flat[s.name].to(device) for s in self._input_slots()]
         loss = self._pipe.step(inputs)
@@ -390,8 +486,8 @@ class ParallelModule(nn.Module):
                 t = self._from_owner_stage(s, t)
             if t is not None:
                 t = t.detach()
-                steps = plan_reshard(s.placements, _R(len(ctx.shape)), tuple(s.shape), t.element_size(),
-                                     ctx.mesh).steps
+                steps = plan_reshard(self.storage_placements(s), _R(len(ctx.shape)), tuple(s.shape),
+                                     t.element_size(), ctx.mesh).steps
                 out[s.name] = apply_steps(t, steps, ctx.device_mesh)
         for ph, names in (getattr(self._captured, "param_aliases", {}) or {}).items():
             fqn = self._captured.params.get(ph)
@@ -415,7 +511,7 @@ class ParallelModule(nn.Module):
         if not int(has.item()):
             return None
         ref = self._get(slot.name)
-        shape = pl.local_shape(tuple(slot.shape), slot.placements, self._sig.ctx.shape)
+        shape = pl.local_shape(tuple(slot.shape), self.storage_placements(slot), self._sig.ctx.shape)
         mine = t is not None and tuple(t.shape) == tuple(shape)
         buf = t.detach().contiguous() if mine else torch.empty(shape, dtype=ref.dtype, device=ref.device)
         dist.broadcast(buf, src=owner, group=self._pipe.group)
@@ -472,7 +568,7 @@ class ParallelModule(nn.Module):
         dropped = {}
         for s in self._sig.slots:
             p = self._get(s.name) if s.kind == "param" and not self._holds(s.name) else None
-            shape = pl.local_shape(tuple(s.shape), s.placements, self._sig.ctx.shape)
+            shape = pl.local_shape(tuple(s.shape), self.storage_placements(s), self._sig.ctx.shape)
             if p is not None and id(p) not in dropped and p.numel() != math.prod(shape):
                 dropped[id(p)] = p
                 p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
@@ -537,7 +633,7 @@ def global_grad_sq_norm(module: ParallelModule) -> torch.Tensor:
         seen.add(id(p))
         if module._pipe is not None and not _owns(module, s.name):
             continue  # counted by the first stage that uses it
-        axes = tuple(a for a, q in enumerate(s.placements) if isinstance(q, Shard))
+        axes = tuple(a for a, q in enumerate(module.storage_placements(s)) if isinstance(q, Shard))
         sq = p.grad.detach().float().pow(2).sum()
         by_axes[axes] = by_axes[axes] + sq if axes in by_axes else sq
     total = torch.zeros((), device=sig.ctx.device)
