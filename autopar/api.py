@@ -131,10 +131,9 @@ def compile(model, mesh=None, example_inputs=(), *, example_kwargs=None, loss_fn
 
     refuse_unknown("compile", options, keyword_names(compile) + plan_options())
     init_distributed()
-    # Pipeline plans are offered when asked for (pipeline=True / force="pp-tp"): the pipeline
-    # runtime is newer than the rest and not yet covered by the end-to-end family tests.
-    options.setdefault("pipeline", False)
-    options.setdefault("zero", 0)  # ZeRO-1/2 are priced, not run yet (autopar.validate.runtime_gaps)
+    # compile searches what plan() searches: pipelines (also over a factor of a mesh axis) and
+    # ZeRO-1/2 included; ParallelModule runs all of it (autopar.validate.runtime_gaps is empty
+    # for every plan the search makes).
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     amesh, dm = _resolve_mesh(mesh, quiet)

@@ -176,13 +176,9 @@ def validate_plan_for(captured, plan: Plan, *, graph_hash: bool = True) -> None:
 
 def runtime_gaps(plan: Plan) -> list[str]:
     """What ``ParallelModule`` cannot run yet of ``plan`` (empty: it runs): the planner searches
-    more than the runtime executes (meshes of three or more axes, pipelines over a factor of a
-    physical axis, micro-batches of one sample), and a plan is never run half-understood."""
+    more than the runtime executes (micro-batches of one sample), and a plan is never run
+    half-understood."""
     gaps = []
-    shape = tuple(plan.mesh.get("shape", ()))
-    if getattr(plan, "zero", 0) in (1, 2):
-        gaps.append(f"ZeRO-{plan.zero} (optimizer state{' and gradients' if plan.zero == 2 else ''} split over "
-                    f"replicas, parameters all-gathered after the step)")
     pipe = plan.pipeline
     if pipe is not None and len(pipe.stages) > 1:
         from autopar.planner.micro import MIN_MICRO_BATCH

@@ -198,19 +198,25 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: fl
         if kind == "param":
             # parameter + gradient + optimizer state, all sharded as stored; under ZeRO-1/2 the
             # optimizer state (and for 2 the reduced gradient) split over the replicas.
-            states, grads = OPTIMIZER_STATES[cfg.optimizer], 1.0  # the name is checked by plan_profile
+            states, grads, shard, gather = OPTIMIZER_STATES[cfg.optimizer], 1.0, 0.0, 0.0  # name checked by plan_profile
+            lay = None
             if cfg.zero:
-                from autopar.planner.memory import zero_replicas
+                from autopar import zero as Z
 
-                n = zero_replicas(strat.outputs[0], shape, zero_axes(cfg))
-                states, grads = states / n, (1.0 / n if cfg.zero >= 2 else 1.0)
-            mem = local * (1 + grads + states)
+                lay = Z.layout(tuple(t.shape), strat.outputs[0], shape, zero_axes(cfg))
+            if lay is not None:  # as ParallelModule splits it (autopar.zero)
+                n = lay.replicas
+                # ZeRO-2's gradient is taken as Partial on the replicas (data parallelism splits
+                # every use); the optimizer's shard lives beside the compute copy.
+                states, grads, shard = states / n, (1.0 / n if cfg.zero >= 2 else 1.0), 1.0 / n
+                gather = comms.zero_gather_seconds(local, mesh, lay.axes)
+            mem = local * (1 + grads + states + shard)
             if cfg.dtype == "bf16-mixed":
                 mem += local / 2  # bf16 compute copy of the weight
             # Storing a parameter sharded adds a gather/scatter pair around its use: when that is
             # all it changes (no time saved), keep it replicated, as a person would.
             sharded_axes = sum(1 for p in strat.outputs[0] if not isinstance(p, Replicate))
-            return SHARD_TIE_BREAK * sharded_axes, 0.0, mem, 0.0, 0.0, 0.0
+            return SHARD_TIE_BREAK * sharded_axes + gather, gather, mem, 0.0, 0.0, 0.0
         return 0.0, 0.0, local, 0.0, 0.0, 0.0
     div = max(1, strat.divisor)
     dt = "bf16" if cfg.dtype == "bf16-mixed" else (outs[0].dtype if outs else "fp32")
@@ -523,6 +529,8 @@ class _EdgePricer:
         self.mesh = mesh
         self.bucket_bytes = bucket_bytes
         """Bytes of a gradient bucket for amortising its latency (``comms.bucket_seconds``)."""
+        self.zero = None
+        """``(stage, axes)`` of ZeRO-1/2 (``zero_spec``): ZeRO-2 buckets are reduce-scattered."""
         self.cache: dict[Any, np.ndarray] = {}
         self.pair: dict[Any, float] = {}
         self.text: dict[int, str | None] = {}
@@ -591,7 +599,7 @@ class _EdgePricer:
         use's share of the bucketed reduction after backward (``comms.bucket_seconds``)."""
         try:
             target = comms.param_grad_target(stored, grad)
-            bucket = comms.bucket_seconds(stored, grad, shape, itemsize, self.mesh, self.bucket_bytes)
+            bucket = comms.bucket_seconds(stored, grad, shape, itemsize, self.mesh, self.bucket_bytes, self.zero)
         except ValueError:
             return FORBIDDEN
         return self.one(grad, target, shape, itemsize) + bucket / uses
@@ -634,6 +642,7 @@ def edges(gm, options, leader, follow, mesh: Mesh, micro: "Micro | None" = None,
     dtypes it runs in."""
     uses = comms.param_uses(gm, options, params)
     pricer = _EdgePricer(mesh, comms.effective_bucket_bytes(gm, params))
+    pricer.zero = zero_spec(cfg) if cfg is not None else None
     edge_memo: dict[tuple, np.ndarray] = {}
     acc: dict[tuple[str, str], np.ndarray] = {}
     inner: dict[str, np.ndarray] = defaultdict(lambda: 0.0)

@@ -79,7 +79,7 @@ def bucket_axes(stored: str, grad: str) -> tuple[int, ...]:
 
 
 def bucket_seconds(stored: str, grad: str, shape: Sequence[int], itemsize: int, mesh: Mesh,
-                   bucket_bytes: float) -> float:
+                   bucket_bytes: float, zero=None) -> float:
     """Seconds one parameter adds to the bucketed reduction of its gradient (one all-reduce over
     all the summed axes): the bandwidth term of an all-reduce of its local bytes, plus the
     collective's latency term times
@@ -88,9 +88,44 @@ def bucket_seconds(stored: str, grad: str, shape: Sequence[int], itemsize: int, 
     axes = bucket_axes(stored, grad)
     if not axes:
         return 0.0
+    scattered = zero_scatter_seconds(stored, grad, shape, itemsize, mesh, bucket_bytes, zero)
+    if scattered is not None:
+        return scattered
     local = float(_local_bytes(shape, stored, mesh, itemsize))
     latency = collective_time("all_reduce", 0.0, mesh, axes)
     return collective_time("all_reduce", local, mesh, axes) - latency + latency * local / bucket_bytes
+
+
+def zero_gather_seconds(local_bytes: float, mesh: Mesh, axes, bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:
+    """ZeRO-1/2: seconds one parameter adds to the bucketed all-gather of the optimizer shards
+    into the compute copies after the step (``local_bytes``: the compute copy's), latency shared
+    by a bucket as :func:`bucket_seconds` shares it."""
+    latency = collective_time("all_gather", 0.0, mesh, tuple(axes))
+    return collective_time("all_gather", float(local_bytes), mesh, tuple(axes)) - latency \
+        + latency * float(local_bytes) / bucket_bytes
+
+
+def zero_scatter_seconds(stored: str, grad: str, shape, itemsize: int, mesh: Mesh, bucket_bytes: float,
+                         zero) -> float | None:
+    """ZeRO-2: the seconds of :func:`bucket_seconds` when the parameter's bucket is reduce-scattered
+    over its replicas (an all-reduce over its other summed axes first), or None when it is summed
+    whole (no ZeRO-2 split, or its gradient already whole on a replicating axis)."""
+    if not zero or zero[0] < 2:
+        return None
+    from autopar import zero as Z
+
+    target = pl.parse(param_grad_target(stored, grad))
+    lay = Z.layout(tuple(shape), pl.parse(stored), mesh.shape, zero[1])
+    if not Z.reduce_scatters(lay, zero[0], target):
+        return None
+    local = float(_local_bytes(shape, stored, mesh, itemsize))
+    out = 0.0
+    other = tuple(a for a in bucket_axes(stored, grad) if a not in lay.axes)
+    for kind, axes in (("all_reduce", other), ("reduce_scatter", lay.axes)):
+        if axes:
+            latency = collective_time(kind, 0.0, mesh, axes)
+            out += collective_time(kind, local, mesh, axes) - latency + latency * local / bucket_bytes
+    return out
 
 
 def param_uses(gm, options, params) -> dict[str, int]:
@@ -386,6 +421,9 @@ def plan_collectives(captured, plan, *, bucket_bytes: int = GRAD_BUCKET_BYTES,
     if getattr(plan, "pipeline", None) is not None and len(plan.pipeline.stages) > 1:
         raise ValueError("plan_collectives lists single-stage plans; this plan has "
                          f"{len(plan.pipeline.stages)} pipeline stages (plan with pipeline=False)")
+    if getattr(plan, "zero", 0) in (1, 2):
+        raise ValueError("plan_collectives does not list ZeRO-1/2's reduce-scatters and after-step gathers yet; "
+                         "plan with zero=0")
     if any(np_.chunks > 1 for np_ in plan.nodes.values()):
         raise ValueError("plan_collectives does not list chunked (overlapped) nodes; plan without chunking")
     mesh = Mesh.from_dict(plan.mesh)

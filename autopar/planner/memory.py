@@ -260,23 +260,33 @@ def _placeholders(ctx: _Ctx, placeholders) -> dict:
         stored = ctx.out_pl(name, 0)
         nbytes = _local(v[0], stored, ctx.shape) if v else ph.nbytes
         out[name] = dataclasses.replace(ph, nbytes=nbytes)
-        if ctx.zero and ph.kind == "param" and stored is not None:
-            share = 1.0 / zero_replicas(stored, ctx.shape, ctx.zero[1])
-            out[name] = dataclasses.replace(out[name], state_share=share,
-                                            grad_share=share if ctx.zero[0] >= 2 else 1.0)
+        if ctx.zero and ph.kind == "param" and stored is not None and v:
+            from autopar import zero as Z
+
+            lay = Z.layout(tuple(v[0].shape), stored, ctx.shape, ctx.zero[1])
+            if lay is not None:  # as ParallelModule splits it (autopar.zero)
+                grad = tuple(Partial() if a in _partial_axes(ctx, node, stored) else p for a, p in enumerate(stored))
+                share = 1.0 / lay.replicas
+                out[name] = dataclasses.replace(out[name], state_share=share,
+                                                grad_share=share if Z.reduce_scatters(lay, ctx.zero[0], grad) else 1.0)
     return out
 
 
-def zero_replicas(stored, shape, axes) -> int:
-    """The ranks among ``axes`` that replicate a parameter stored as ``stored``: ZeRO-1/2 splits
-    its optimizer state (and, for 2, its reduced gradient) over them."""
-    from torch.distributed.tensor import Replicate
-
-    n = 1
-    for a in axes:
-        if a < len(stored) and isinstance(stored[a], Replicate):
-            n *= int(shape[a])
-    return n
+def _partial_axes(ctx: _Ctx, node, stored) -> set[int]:
+    """Axes on which a parameter's gradient is Partial after backward: stored Replicate there and
+    some use split it (what ``GradSync`` sums)."""
+    axes = set()
+    for user in node.users if node is not None else ():
+        s = ctx.strategy_of.get(user.name)
+        if s is None:
+            continue
+        j = user.all_input_nodes.index(node)
+        g = s.input_grads[j] if j < len(s.input_grads) and s.input_grads[j] is not None else None
+        g = g if g is not None else (s.inputs[j] if j < len(s.inputs) else None)
+        for a, p in enumerate(g or ()):
+            if isinstance(p, Partial) and isinstance(stored[a], Replicate) and ctx.shape[a] > 1:
+                axes.add(a)
+    return axes
 
 
 def _buckets(ctx: _Ctx, placeholders, bucket_bytes: int) -> list[list[str]]:
@@ -288,19 +298,10 @@ def _buckets(ctx: _Ctx, placeholders, bucket_bytes: int) -> list[list[str]]:
         stored = ctx.out_pl(name, 0)
         if ph.kind != "param" or node is None or stored is None:
             continue
-        axes = set()
-        for user in node.users:
-            s = ctx.strategy_of.get(user.name)
-            if s is None:
-                continue
-            j = user.all_input_nodes.index(node)
-            g = s.input_grads[j] if j < len(s.input_grads) and s.input_grads[j] is not None else None
-            g = g if g is not None else (s.inputs[j] if j < len(s.inputs) else None)
-            for a, p in enumerate(g or ()):
-                if isinstance(p, Partial) and isinstance(stored[a], Replicate) and ctx.shape[a] > 1:
-                    axes.add(a)
-        if axes:
-            by_axes.setdefault(tuple(sorted(axes)), []).append(name)
+        axes = _partial_axes(ctx, node, stored)
+        if axes:  # ZeRO-2's reduce-scattered parameters bucket apart (GradSync)
+            scatter = ph.grad_share < 1
+            by_axes.setdefault((tuple(sorted(axes)), scatter), []).append(name)
     out = []
     for names in by_axes.values():
         cur, size = [], 0

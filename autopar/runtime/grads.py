@@ -225,7 +225,7 @@ class GradSync:
         (synchronously: the full buffer is freed at once) into the members' shard gradients."""
         axes, pg, n, _ = b.scatter
         for p in b.params:  # filled without hooks (pipeline micro-batches): split now
-            if p.grad is not None and p not in b.members:
+            if p.grad is not None and all(q is not p for q in b.members):
                 self._fill(b, p)
         if b.flat is None:
             return

@@ -184,11 +184,14 @@ def measure_step(pm, opt, args=(), kwargs=None, target=None, *, world: int = 1, 
 
 
 def resident_tensors(pm) -> list:
-    """What a ParallelModule holds from one step to the next: its parameters and buffers and,
+    """What a ParallelModule holds from one step to the next: its parameters and buffers (under
+    ZeRO-1/2 also the compute copies of the split parameters) and,
     under a pipeline, ``PipelineStage``'s receive buffers (one set per micro-batch: the
     activations received from the stage before, the gradients received for those sent on), which
     the schedule allocates at its first step and reuses."""
     out = [*pm.parameters(), *pm.buffers()]
+    # ZeRO-1/2: the compute copies the optimizer shards are gathered into (not parameters).
+    out += list({id(t): t for t in getattr(pm, "_zero_full", {}).values() if t.numel()}.values())
     pipe = getattr(pm, "_pipe", None)
     for stage in getattr(pipe, "stages", ()):
         for infos in [*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()]:

@@ -423,7 +423,8 @@ class ParallelModule(nn.Module):
         inputs = [flat[s.name].to(device) for s in self._input_slots()]
         loss = self._pipe.step(inputs)
         with torch.no_grad():
-            params = list(dict.fromkeys(self.parameters()))
+            # the parameters and ZeRO compute copies the schedule accumulated into
+            params = list({id(t): t for t in [*self.parameters(), *self._zero_full.values()]}.values())
             for p in params:  # the schedule summed the micro-batches' gradients of a mean loss
                 if p.grad is not None:
                     p.grad.div_(self._pipe.m)
