@@ -331,10 +331,15 @@ class _Walk:
             self.edge(loss, out, src, rep, rep, False)
 
     def buckets(self, bucket_bytes: int) -> None:
-        """Rule 2, as ``GradSync`` forms its buckets."""
+        """Rule 2, as ``GradSync`` forms its buckets; under ZeRO-1/2 also the reduce-scatters of
+        ZeRO-2 buckets and the after-step all-gathers of the shards (``autopar.zero``), as
+        ``ParallelModule`` issues them."""
+        from autopar import zero as Z
         from autopar.codegen.lower import canonical_fqns
 
-        canon, seen, by_axes = canonical_fqns(self.cap), set(), {}
+        stage = int(getattr(self.plan, "zero", 0) or 0)
+        zero_axes = Z.plan_axes(self.plan, self.mesh.ndim) if stage in (1, 2) else ()
+        canon, seen, by_axes, gathers = canonical_fqns(self.cap), set(), {}, {}
         for node in self.cap.gm.graph.nodes:
             if node.name not in self.pgrads:
                 continue
@@ -346,20 +351,45 @@ class _Walk:
             target = self.pgrads[node.name]
             axes = tuple(a for a, p in enumerate(pl.parse(target)) if _is(p, "P"))
             t = _vals(node)[0]
+            stored = self.outputs(node)[0]
+            local = _local_bytes(tuple(t.shape), stored, self.mesh, t.element_size())
+            lay = Z.layout(tuple(t.shape), pl.parse(stored), self.mesh.shape, zero_axes) if zero_axes else None
+            scatter = lay.axes if Z.reduce_scatters(lay, stage, pl.parse(target)) else ()
             if axes:
-                by_axes.setdefault(axes, []).append(_local_bytes(tuple(t.shape), self.outputs(node)[0], self.mesh,
-                                                                 t.element_size()))
-        for axes, sizes in by_axes.items():
+                by_axes.setdefault((axes, scatter), []).append(local)
+            if lay is not None:
+                gathers.setdefault(lay.axes, []).append(local)
+        for (axes, scatter), sizes in by_axes.items():
             filled, k = 0, 0
             for size in reversed(sizes):
                 filled += size
                 if filled >= bucket_bytes:
-                    self.bucket(axes, filled, k)
+                    self.bucket(axes, filled, k, scatter)
                     filled, k = 0, k + 1
             if filled:
-                self.bucket(axes, filled, k)
+                self.bucket(axes, filled, k, scatter)
+        for axes, sizes in gathers.items():  # in registration order, as ParallelModule._zero_gather
+            filled, k = 0, 0
+            for i, size in enumerate(sizes):
+                filled += size
+                if filled >= bucket_bytes or i == len(sizes) - 1:
+                    self.out.append(Collective(kind="all_gather", axes=tuple(axes), nbytes=float(filled),
+                                               phase="zero_gather",
+                                               seconds=collective_time("all_gather", filled, self.mesh, axes),
+                                               where=f"ZeRO shards gathered after the step, bucket {k} over axes {axes}"))
+                    filled, k = 0, k + 1
 
-    def bucket(self, axes, nbytes: float, k: int) -> None:
+    def bucket(self, axes, nbytes: float, k: int, scatter=()) -> None:
+        if scatter:  # ZeRO-2: the other Partial axes one by one, then one reduce-scatter
+            for a in (a for a in axes if a not in scatter):
+                self.out.append(Collective(kind="all_reduce", axes=(a,), nbytes=float(nbytes), phase="grad_bucket",
+                                           seconds=collective_time("all_reduce", nbytes, self.mesh, (a,)),
+                                           where=f"ZeRO-2 gradient bucket {k} over axis {a}"))
+            self.out.append(Collective(kind="reduce_scatter", axes=tuple(scatter), nbytes=float(nbytes),
+                                       phase="grad_bucket",
+                                       seconds=collective_time("reduce_scatter", nbytes, self.mesh, scatter),
+                                       where=f"ZeRO-2 gradient bucket {k} reduce-scattered over axes {scatter}"))
+            return
         # One all-reduce over all the axes (GradSync flattens them into one group).
         self.out.append(Collective(kind="all_reduce", axes=tuple(axes), nbytes=float(nbytes), phase="grad_bucket",
                                    seconds=collective_time("all_reduce", nbytes, self.mesh, axes),
@@ -421,9 +451,6 @@ def plan_collectives(captured, plan, *, bucket_bytes: int = GRAD_BUCKET_BYTES,
     if getattr(plan, "pipeline", None) is not None and len(plan.pipeline.stages) > 1:
         raise ValueError("plan_collectives lists single-stage plans; this plan has "
                          f"{len(plan.pipeline.stages)} pipeline stages (plan with pipeline=False)")
-    if getattr(plan, "zero", 0) in (1, 2):
-        raise ValueError("plan_collectives does not list ZeRO-1/2's reduce-scatters and after-step gathers yet; "
-                         "plan with zero=0")
     if any(np_.chunks > 1 for np_ in plan.nodes.values()):
         raise ValueError("plan_collectives does not list chunked (overlapped) nodes; plan without chunking")
     mesh = Mesh.from_dict(plan.mesh)

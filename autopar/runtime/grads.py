@@ -239,7 +239,7 @@ class GradSync:
         out = send.new_empty(send.shape[1])
         where = f"the ZeRO-2 gradient bucket of {len(b.members)} parameters reduce-scattered over mesh axes {axes}"
         _collective("reduce_scatter", out, self.dm, axes[0], where,
-                    lambda: (dist.reduce_scatter_tensor(out, send.reshape(-1), group=pg), out)[1])
+                    lambda: (dist.reduce_scatter_single(out, send.reshape(-1), group=pg), out)[1])
         b.flat = flat = send = None
         out = out.to(self.zero[id(b.params[0])][1].dtype)
         for p in b.members:

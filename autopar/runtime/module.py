@@ -100,6 +100,8 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_pipe", None)
         if pipelined:
             self._setup_pipeline(gm, device_mesh, inputs_sharded)
+        # The compute copies start equal to their shards: the first gather is after a step.
+        object.__setattr__(self, "_zero_seen", self._zero_versions())
         pairs, seen, zero = [], set(), {}
         from autopar import zero as Z
 
@@ -243,13 +245,8 @@ class ParallelModule(nn.Module):
         gather (every rank of a group steps alike, so all of them gather or none)."""
         if not self._zero_lay:
             return
-        held = {}
-        for s in self._sig.slots:
-            if s.kind == "param" and s.name in self._zero_lay and self._holds(s.name):
-                p = self._get(s.name)
-                held.setdefault(id(p), (s.name, p))
-        seen = {k: p._version for k, (_, p) in held.items()}
-        if seen == self._zero_seen:
+        held = self._zero_held()
+        if {k: p._version for k, (_, p) in held.items()} == self._zero_seen:
             return
         from autopar.runtime.collectives import axes_group
 
@@ -261,11 +258,24 @@ class ParallelModule(nn.Module):
             cur, size = [], 0
             for m in members:
                 cur.append(m)
-                size += m[1].numel() * m[1].element_size()
+                full = self._zero_full[m[0]]
+                size += full.numel() * full.element_size()  # buckets of compute-copy bytes, as GradSync's
                 if size >= self._bucket_bytes or m is members[-1]:
                     self._gather_bucket(cur, axes_group(dm, axes))
                     cur, size = [], 0
         object.__setattr__(self, "_zero_seen", {k: p._version for k, (_, p) in held.items()})
+
+    def _zero_held(self) -> dict:
+        """id -> (name, shard) of the ZeRO-split parameters this rank holds, in slot order."""
+        held = {}
+        for s in self._sig.slots:
+            if s.kind == "param" and s.name in self._zero_lay and self._holds(s.name):
+                p = self._get(s.name)
+                held.setdefault(id(p), (s.name, p))
+        return held
+
+    def _zero_versions(self) -> dict | None:
+        return {k: p._version for k, (_, p) in self._zero_held().items()} if self._zero_lay else None
 
     def _gather_bucket(self, members, group) -> None:
         import torch.distributed as dist
@@ -274,7 +284,7 @@ class ParallelModule(nn.Module):
         n = lays[0].replicas
         flat = torch.cat([p.detach().movedim(lay.dim, 0).reshape(-1) for (_, p), lay in zip(members, lays)])
         out = flat.new_empty(n * flat.numel())
-        dist.all_gather_into_tensor(out, flat, group=group)
+        dist.all_gather_single(out, flat, group=group)
         rows, off = out.view(n, flat.numel()), 0
         for (name, p), lay in zip(members, lays):
             k = p.numel()

@@ -44,6 +44,8 @@ def _plan(family: str):
     ex, cap, gp = _model()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if family in ("zero1", "zero2"):  # data parallel over both axes with ZeRO-1/2
+            return plan_profile(gp, MESH, force="dp", pipeline=False, zero=int(family[-1]))
         if family == "free@0.6":  # a budget under the free plan's peak: layers are checkpointed
             peak = plan_profile(gp, MESH, pipeline=False).peak_bytes
             return plan_profile(gp, MESH, pipeline=False, memory_budget=0.6 * peak)
@@ -78,13 +80,18 @@ def _issued(plan, device_mesh) -> collections.Counter:
     ex, cap, _ = _model()
     with LocalTensorMode(WORLD):
         pm = ParallelModule(ex.model, cap, plan, device_mesh)
+        pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+        with torch.no_grad():  # an optimizer step: under ZeRO-1/2 the next step gathers the shards
+            for p in pm.parameters():
+                p.mul_(1.0)
+                p.grad = None
         count = _Count()
-        with count:
+        with count:  # a steady-state step
             pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
     return count.kinds
 
 
-@pytest.mark.parametrize("family", ["dp", "zero3", "megatron", "atp-col-first", "free", "free@0.6"])
+@pytest.mark.parametrize("family", ["dp", "zero3", "megatron", "atp-col-first", "free", "free@0.6", "zero1", "zero2"])
 def test_priced_collectives_are_issued(device_mesh, family):
     plan = _plan(family)
     priced = comms.plan_collectives(_model()[1], plan)
@@ -94,6 +101,9 @@ def test_priced_collectives_are_issued(device_mesh, family):
         assert plan.solver["checkpointed"], "the budget should make the solver checkpoint a layer"
     if family == "dp":
         assert any(c.phase == "grad_bucket" for c in priced)
+    if family in ("zero1", "zero2"):
+        assert plan.zero == int(family[-1]) and any(c.phase == "zero_gather" for c in priced)
+        assert any(c.kind == "reduce_scatter" and c.phase == "grad_bucket" for c in priced) == (family == "zero2")
 
 
 def test_listed_seconds_are_the_priced_seconds(device_mesh):

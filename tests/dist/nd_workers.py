@@ -20,25 +20,70 @@ def physical_shape(plan) -> tuple[int, ...]:
     return tuple(plan.options.get("physical_mesh") or plan.mesh["shape"])
 
 
-def train_nd(name: str, plan_json: str) -> dict:
-    """``workers.train_case`` of ``name`` at batch 8 on the job's (physical) mesh: a torch
-    DeviceMesh named like the plan's when the plan is for it, generic names when the plan lays a
-    logical mesh over it (``ParallelModule`` reshapes it)."""
+def job_mesh(plan):
+    """The torch DeviceMesh the job would be launched with for ``plan`` (see :func:`train_nd`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.plan import Plan
-
-    ex, cap = example(name)
-    plan = Plan.from_json(plan_json)
     shape = physical_shape(plan)
     names = tuple(plan.mesh["axis_names"]) if shape == tuple(plan.mesh["shape"]) else \
         tuple(f"m{i}" for i in range(len(shape)))
     key = ("mesh", shape, names)
     if key not in workers._CACHE:
         workers._CACHE[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return workers._CACHE[key]
+
+
+def resume_nd(name: str, plan_a: str, plans_b: list[str], root: str, steps: int) -> dict:
+    """``steps`` AdamW steps under plan A, a DCP checkpoint (model and optimizer), then for each
+    plan B a fresh module and optimizer load it and run ``steps`` more: the losses of every leg."""
+    import os
+
+    import torch
+
+    from autopar import checkpoint as ckpt
+    from autopar.plan import Plan
+    from autopar.runtime.module import ParallelModule
+
+    ex, cap = example(name)
+
+    def run(plan_json, opt_lr):
+        plan = Plan.from_json(plan_json)
+        pm = ParallelModule(ex.model, cap, plan, job_mesh(plan), loss_fn=ex.loss_fn)
+        return pm, torch.optim.AdamW(pm.parameters(), lr=opt_lr, eps=cases.EPS)
+
+    def steps_of(pm, opt):
+        out = []
+        for _ in range(steps):
+            loss = pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    pm, opt = run(plan_a, cases.LR)
+    first = steps_of(pm, opt)
+    path = os.path.join(root, f"{name}_nd")
+    ckpt.save(path, pm, opt)
+    resumed = []
+    for plan_b in plans_b:
+        pm2, opt2 = run(plan_b, 0.5)  # the wrong lr: the checkpoint's comes back
+        ckpt.load(path, pm2, opt2)
+        resumed.append(steps_of(pm2, opt2))
+    return {"first": first, "resumed": resumed}
+
+
+def train_nd(name: str, plan_json: str) -> dict:
+    """``workers.train_case`` of ``name`` at batch 8 on the job's (physical) mesh: a torch
+    DeviceMesh named like the plan's when the plan is for it, generic names when the plan lays a
+    logical mesh over it (``ParallelModule`` reshapes it)."""
+    from autopar.plan import Plan
+
+    ex, cap = example(name)
+    plan = Plan.from_json(plan_json)
+    dm = job_mesh(plan)
     workers._CACHE[name] = (ex, cap)
     saved = workers.mesh
-    workers.mesh = lambda _shape, _names=None: workers._CACHE[key]
+    workers.mesh = lambda _shape, _names=None: dm
     try:
         return workers.train_case(name, plan_json, options={"loss_fn": ex.loss_fn})
     finally:

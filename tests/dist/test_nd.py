@@ -98,3 +98,30 @@ def test_nd_plan_trains_like_one_device(pool8, label):
         ratio = r["peak"] / want
         assert 0.9 <= ratio <= 1.1, f"{label} rank {rank}: measured peak {r['peak']} B is {ratio:.3f}x the " \
                                     f"predicted {want:.0f} B (bound: within 10%)"
+
+
+def test_checkpoints_move_between_3d_zero_and_flat_plans(pool8, tmp_path):
+    """A DCP checkpoint (model and optimizer state) saved under pp x dp x tp with ZeRO-1 resumes
+    under dp x tp with ZeRO-2 over (8,) and under the 3D plan itself, with the losses of an
+    uninterrupted single-device run."""
+    steps = 2
+    plan_a = _plan("llama pp2 x dp2 x tp2 zero-1 over (2, 4)")
+    flat = _flat_llama()
+    res = pool8.run("nd_workers:resume_nd", "llama", plan_a.to_json(), [flat.to_json(), plan_a.to_json()],
+                    str(tmp_path), steps)
+    ref = cases.reference(_example("llama"), steps=2 * steps)["losses"]
+    r0 = res[0]
+    assert cases.loss_err(r0["first"], ref[:steps]) < TOL
+    for k, losses in enumerate(r0["resumed"]):
+        assert cases.loss_err(losses, ref[steps:]) < TOL, f"plan B #{k}: {losses} vs {ref[steps:]}"
+
+
+def _flat_llama():
+    import autopar
+    from autopar.mesh import Mesh
+
+    ex = _example("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.plan(ex.model, Mesh((8,), cluster="cpu"), ex.args, example_kwargs=ex.kwargs,
+                            layout={"dp": 4, "tp": 2, "zero": 2})
