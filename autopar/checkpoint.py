@@ -248,6 +248,8 @@ def _template(pm, optimizer, layout: dict) -> tuple[dict[str, torch.Tensor], dic
                               f"hold; build the optimizer over pm.parameters()")
     tensors, install = {}, {}
     for fqn, keys in layout["state"].items():
+        if not _held(pm, fqn):
+            continue  # another stage's: its ranks load it
         _, local, pls, shape = own[fqn]
         slots = {}
         for key, info in keys.items():
@@ -282,6 +284,35 @@ def _load_groups(pm, optimizer, groups: list[dict]) -> None:
 
 
 # ---------------------------------------------------------------------- save and load
+def _held(pm, name: str) -> bool:
+    """Whether this rank holds ``name``'s shard (under a pipeline: its stages' tensors only; the
+    ranks of the first stage that reads a tensor write and read it, as ``ParallelModule`` keeps
+    it current there)."""
+    pipe = getattr(pm, "_pipe", None)
+    if pipe is None:
+        return True
+    from autopar.runtime.module import _owns
+
+    return name not in pm._stage_uses or _owns(pm, name)
+
+
+def _gather_json(obj) -> list:
+    """``obj`` (plain JSON data) of every rank, as UTF-8 bytes in tensors (no pickle)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    data = json.dumps(obj, sort_keys=True).encode()
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    n = torch.tensor([len(data)], dtype=torch.long, device=dev)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
+    top = max(int(x.item()) for x in sizes)
+    buf = torch.zeros(top, dtype=torch.uint8, device=dev)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if data else buf[:0]
+    bufs = [torch.zeros_like(buf) for _ in sizes]
+    dist.all_gather(bufs, buf)
+    return [json.loads(bytes(b[:int(k.item())].cpu().tolist()).decode()) for b, k in zip(bufs, sizes)]
+
+
 def save(path: str, pm, optimizer: torch.optim.Optimizer | None = None, *, extra: dict | None = None) -> None:
     """Save ``pm`` (and ``optimizer``) to the directory ``path``; call on every rank.
 
@@ -291,14 +322,21 @@ def save(path: str, pm, optimizer: torch.optim.Optimizer | None = None, *, extra
     import torch.distributed.checkpoint as dcp
 
     own = entries(pm)
-    state: dict[str, Any] = {_MODEL: sharded_state_dict(pm)}
+    state: dict[str, Any] = {_MODEL: {k: v for k, v in sharded_state_dict(pm).items() if _held(pm, k)}}
     side = {"format": FORMAT, "version": VERSION, "plan_digest": pm.plan.digest(), "mesh": list(pm.plan.mesh["shape"]),
             "graph_hash": pm.plan.graph_hash,
             "tensors": {n: {"kind": k, "shape": list(shape), "dtype": str(t.dtype).removeprefix("torch.")}
                         for n, (k, t, _, shape) in own.items()},
             "optimizer": None, "extra": extra}
     if optimizer is not None:
-        state[_OPTIM], side["optimizer"] = optimizer_state_dict(pm, optimizer)
+        tensors, layout = optimizer_state_dict(pm, optimizer)
+        state[_OPTIM] = {k: v for k, v in tensors.items() if _held(pm, k.rsplit(".", 1)[0])}
+        if getattr(pm, "_pipe", None) is not None:  # each stage's ranks know their own state
+            merged = {}
+            for other in _gather_json({k: v for k, v in layout["state"].items() if _held(pm, k)}):
+                merged.update(other)
+            layout["state"] = merged
+        side["optimizer"] = layout
     _clear_sidecar(path)
     dcp.save(state, checkpoint_id=path)
     # DCP's final step gathers every rank's write results before rank 0 writes .metadata, so all
@@ -336,7 +374,7 @@ def load(path: str, pm, optimizer: torch.optim.Optimizer | None = None, *, stric
     side = read_sidecar(path)
     own = entries(pm)
     _check_tensors(side["tensors"], own, strict)
-    model = {k: v for k, v in sharded_state_dict(pm).items() if k in side["tensors"]}
+    model = {k: v for k, v in sharded_state_dict(pm).items() if k in side["tensors"] and _held(pm, k)}
     state: dict[str, Any] = {_MODEL: model}
     install = None
     if optimizer is not None:

@@ -130,6 +130,12 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", precision=N
         raise ValueError(f"zero must be 'auto', 0, 1 or 2 (ZeRO-3 is a placement: force='zero3' or "
                          f"layout={{'zero': 3}}), got {zero!r}")
     cfg.zero = 0 if zero == "auto" else int(zero)
+    from autopar.microbatch import training_batch_norms
+
+    if pipeline == "auto" and not named_pp and training_batch_norms(gp.captured.gm):
+        # Micro-batches would normalise with their own statistics (autopar.microbatch): pipelines
+        # only when asked for.
+        pipeline = False
     candidates = _candidates(gp, cfg, force, pipeline, every, named_pp)
     if zero == "auto" and budget is not None and _memory_binds(candidates):
         # The budget binds (nothing fits, or the best plan recomputes): split the optimizer state

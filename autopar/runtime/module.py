@@ -141,6 +141,19 @@ class ParallelModule(nn.Module):
                 uses.setdefault(s.name, uses[canon.get(s.name, s.name)])
         object.__setattr__(self, "_stage_uses", uses)
         object.__setattr__(self, "_pipe", PipelineRunner(self, stages, self.plan, device_mesh))
+        from autopar.microbatch import target_counter, training_batch_norms
+
+        # Micro-batches must give the full batch's numbers (autopar.microbatch): counted targets
+        # are checked every step; batch norm per micro-batch is the one documented difference.
+        object.__setattr__(self, "_targets", target_counter(self._captured))
+        norms = training_batch_norms(self._captured.gm)
+        if norms:
+            import warnings
+
+            warnings.warn(f"this pipelined plan normalises each of its {self.plan.pipeline.microbatches} micro-batches "
+                          f"with its own batch statistics ({len(norms)} batch norms in training, as gradient "
+                          f"accumulation does): the numbers differ from the full batch's; plan with pipeline=False "
+                          f"for those", stacklevel=3)
         self._drop_other_stages(canon)
 
     def _holds(self, name: str) -> bool:
@@ -430,6 +443,8 @@ class ParallelModule(nn.Module):
         device = self._sig.ctx.device
         self._zero_gather()
         flat = dict(zip(self._captured.user_inputs, self._flat_inputs(args, kwargs, target)))
+        if self._targets is not None:
+            self._targets.check(flat, self._pipe.m)  # every micro-batch's mean has as many targets
         inputs = [flat[s.name].to(device) for s in self._input_slots()]
         loss = self._pipe.step(inputs)
         with torch.no_grad():

@@ -89,3 +89,22 @@ def train_nd(name: str, plan_json: str) -> dict:
     finally:
         workers.mesh = saved
         workers._CACHE.pop(name, None)
+
+
+def padded_case(name: str, plan_json: str) -> str:
+    """One train_step of a pipelined plan on labels whose second micro-batch is half padding:
+    the error message (it must stop, not train on the mean of unequal means)."""
+    from autopar.plan import Plan
+    from autopar.runtime.module import ParallelModule
+
+    ex, cap = example(name)
+    plan = Plan.from_json(plan_json)
+    pm = ParallelModule(ex.model, cap, plan, job_mesh(plan), loss_fn=ex.loss_fn)
+    ids = ex.args[0]
+    labels = ids.clone()
+    labels[ids.shape[0] // 2:, ids.shape[1] // 2:] = -100
+    try:
+        pm.train_step(ids, labels=labels)
+    except ValueError as err:
+        return str(err)
+    return "trained"
