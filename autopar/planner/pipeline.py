@@ -120,7 +120,8 @@ def factored_candidates(gp, cfg: Config, beat: float | None = None) -> list:
     units = _stage_units(gp)
     if units is None:
         return []
-    out = search(gp, cfg, factorings(cfg.mesh, len(units)), beat=beat)
+    # Two counts per factoring (p and 2p micro-batches): there are many factorings.
+    out = search(gp, cfg, factorings(cfg.mesh, len(units)), beat=beat, per_stage=(1, 2))
     for c in out:
         if not isinstance(c, Exception):
             c.options["physical_mesh"] = list(cfg.mesh.shape)
@@ -154,7 +155,7 @@ def _stage_units(gp):
     return None if units is None else _placeholders_to_first_user(gp, units)
 
 
-def search(gp, cfg: Config, candidates: list, beat: float | None = None) -> list:
+def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_stage=(1, 2, 4, 8)) -> list:
     """The best pipelined plan of each ``(mesh, axis)`` candidate worth finishing, and the errors
     of those that have none: a best-first search over (candidate, micro-batch count).
 
@@ -168,7 +169,9 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None) -> list
        than the best plan found, so the expensive solves run only where they can win.
 
     Without a budget, step 2 is step 1's answer. ``beat``: the step time of a plan found
-    elsewhere (the flat plan), which prunes like a pipeline found here. The result has one plan
+    elsewhere (the flat plan), which prunes like a pipeline found here; with it, each step stops
+    after ``SEARCH_SECONDS`` (the plan says how many pairs were left). ``per_stage``: micro-batch
+    counts tried, as multiples of the stage count. The result has one plan
     per candidate that got one (its best count and schedule), in candidate order."""
     from autopar.planner import InfeasibleBudget, build_cached
     from autopar.report import human_bytes
@@ -179,7 +182,7 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None) -> list
             return [ValueError("pipeline parallelism needs repeated layers to cut into stages; this model has none")]
         return []
     batch = batch_size(gp)
-    errors, entries = {}, []
+    errors, entries, pairs = {}, [], []
     for ci, (mesh, axis) in enumerate(candidates):
         p = mesh.shape[axis]
         if p < 2 or len(units) < p:
@@ -187,39 +190,50 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None) -> list
         if cfg.micro_choices:  # asked for by name (a layout): down to one sample per micro-batch
             counts = sorted({m for m in cfg.micro_choices if batch and batch % m == 0})
         else:
-            counts = microbatch_counts(batch, (p, 2 * p, 4 * p, 8 * p))
+            counts = microbatch_counts(batch, tuple(k * p for k in per_stage))
         if not counts:
             errors[ci] = ValueError(f"no pipeline over axis {axis} of {tuple(mesh.shape)}: a batch of {batch} does "
                                     f"not cut into {p} or more equal micro-batches of at least 2 samples; use a "
                                     f"larger batch")
             continue
+        pairs += [(k, -p, ci, m) for k, m in enumerate(counts)]
+    # Bounds in rounds (every candidate's fewest micro-batches first, the deepest pipelines first
+    # within a round: a model that needs a factored pipeline needs its stages' memory); once a
+    # plan exists elsewhere (``beat``), the rounds stop after SEARCH_SECONDS.
+    pairs.sort()
+    start = time.perf_counter()
+    unbounded = 0
+    for _, _, ci, m in pairs:
+        if beat is not None and time.perf_counter() - start > SEARCH_SECONDS:
+            unbounded += 1
+            continue
+        mesh, axis = candidates[ci]
         c_cfg = dataclasses.replace(cfg, mesh=mesh)
         free_cfg = dataclasses.replace(c_cfg, memory_budget=None)
         other, sub = _sub_mesh(mesh, axis)
-        for m in counts:
-            sub_cfg = dataclasses.replace(cfg, mesh=sub, memory_budget=None, micro_batches=m,
-                                          family=cfg.family if roles_of(cfg.family) else None)
-            try:
-                built = build_cached(gp, sub_cfg)
-            except ValueError as e:  # some op has no strategy that divides this micro-batch
-                errors.setdefault(ci, ValueError(f"no pipeline over axis {axis} of {tuple(mesh.shape)} with {m} "
-                                                 f"micro-batches: {e}"))
-                continue
-            sol = solver.solve(built.problem)
-            if cfg.checkpoint_every:
-                from autopar.planner import _checkpoint_every
+        sub_cfg = dataclasses.replace(cfg, mesh=sub, memory_budget=None, micro_batches=m,
+                                      family=cfg.family if roles_of(cfg.family) else None)
+        try:
+            built = build_cached(gp, sub_cfg)
+        except ValueError as e:  # some op has no strategy that divides this micro-batch
+            errors.setdefault(ci, ValueError(f"no pipeline over axis {axis} of {tuple(mesh.shape)} with {m} "
+                                             f"micro-batches: {e}"))
+            continue
+        sol = solver.solve(built.problem)
+        if cfg.checkpoint_every:
+            from autopar.planner import _checkpoint_every
 
-                sol = _checkpoint_every(built.problem, sol)
-            bound = _best_schedule(gp, free_cfg, built, sol, units, axis, m)
-            if bound is not None:
-                entries.append((_estimate(bound, cfg.memory_budget), bound["step"], ci, m, c_cfg, built, sol,
-                                sub_cfg, bound))
+            sol = _checkpoint_every(built.problem, sol)
+        bound = _best_schedule(gp, free_cfg, built, sol, units, axis, m)
+        if bound is not None:
+            entries.append((_estimate(bound, cfg.memory_budget), bound["step"], ci, m, c_cfg, built, sol,
+                            sub_cfg, bound))
     entries.sort(key=lambda e: (e[0], e[1], e[2], e[3]))
     best: dict[int, dict] = {}
     tried: set[int] = set()
     top = float("inf") if beat is None else float(beat)
     deadline = time.perf_counter() + SEARCH_SECONDS
-    skipped = 0
+    skipped = unbounded
     for _, bound, ci, m, c_cfg, built, sol, sub_cfg, free in entries:
         if cfg.memory_budget is not None and bound >= top:
             continue  # slower than a plan that fits, whatever the budget adds
