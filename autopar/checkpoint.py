@@ -296,12 +296,12 @@ def _held(pm, name: str) -> bool:
     return name not in pm._stage_uses or _owns(pm, name)
 
 
-def _gather_json(obj) -> list:
-    """``obj`` (plain JSON data) of every rank, as UTF-8 bytes in tensors (no pickle)."""
+def _gather_json(obj, dev: torch.device) -> list:
+    """``obj`` (plain JSON data) of every rank, as UTF-8 bytes in tensors on ``dev`` (the rank's
+    device; no pickle)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     data = json.dumps(obj, sort_keys=True).encode()
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     n = torch.tensor([len(data)], dtype=torch.long, device=dev)
     sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, n)
@@ -310,7 +310,7 @@ def _gather_json(obj) -> list:
     buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if data else buf[:0]
     bufs = [torch.zeros_like(buf) for _ in sizes]
     dist.all_gather(bufs, buf)
-    return [json.loads(bytes(b[:int(k.item())].cpu().tolist()).decode()) for b, k in zip(bufs, sizes)]
+    return [json.loads(bytes(b[:int(k.item())].tolist()).decode()) for b, k in zip(bufs, sizes)]
 
 
 def save(path: str, pm, optimizer: torch.optim.Optimizer | None = None, *, extra: dict | None = None) -> None:
@@ -333,7 +333,8 @@ def save(path: str, pm, optimizer: torch.optim.Optimizer | None = None, *, extra
         state[_OPTIM] = {k: v for k, v in tensors.items() if _held(pm, k.rsplit(".", 1)[0])}
         if getattr(pm, "_pipe", None) is not None:  # each stage's ranks know their own state
             merged = {}
-            for other in _gather_json({k: v for k, v in layout["state"].items() if _held(pm, k)}):
+            for other in _gather_json({k: v for k, v in layout["state"].items() if _held(pm, k)},
+                                      _signature(pm).ctx.device):
                 merged.update(other)
             layout["state"] = merged
         side["optimizer"] = layout
