@@ -15,16 +15,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar import zoo
-
-
-def batches(vocab: int, batch: int, seq: int, seed: int = 0):
-    """Synthetic text with structure to learn: each sequence counts up from a random start by a
-    random stride (1-4), modulo the vocabulary. Every rank draws the same global batches."""
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        start = torch.randint(0, vocab, (batch, 1), generator=g)
-        stride = torch.randint(1, 5, (batch, 1), generator=g)
-        yield (start + stride * torch.arange(seq)) % vocab
+from train_gpt2 import batches  # the same synthetic text (this script's folder is on sys.path)
 
 
 def main():
