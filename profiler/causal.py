@@ -38,8 +38,9 @@ does (no causal row is fully masked: column 0 is always visible), so forward and
 the masked call's. Step 1 makes the check a property of the graph, not of one example input.
 
 Sharding: ``is_causal`` attention splits on batch and heads (every rank sees the whole
-triangle); a query-sequence split would need a rank-offset triangle and is not offered
-(:mod:`autopar.strategies.attention`), so no plan can make a rank's call see the wrong rows.
+triangle), and by query rows (``cp``, context parallelism), whose local implementation gives each
+rank the triangle shifted to its rows (:mod:`autopar.strategies.attention`), checked against the
+whole call by the rule validator.
 """
 from __future__ import annotations
 

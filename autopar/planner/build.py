@@ -222,6 +222,11 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: fl
     dt = "bf16" if cfg.dtype == "bf16-mixed" else (outs[0].dtype if outs else "fp32")
     # One micro-batch: a share ``scale`` of the FLOPs, bytes and collective bytes; every kernel
     # still costs at least its floor and every collective its full latency.
+    # The busiest rank's share: ``strat.load`` above 1 for work split unevenly (causal rows).
+    if strat.load != 1.0:
+        from autopar.strategies.attention import causal_load
+
+        div = div / causal_load(strat.load, dt in ("bf16", "fp16", torch.bfloat16, torch.float16))
     fwd = compute_time(prof.fwd_flops * scale / div, prof.fwd_bytes * scale / div, mesh, dt)
     bwd = (compute_time(prof.bwd_flops * scale / div, prof.bwd_bytes * scale / div, mesh, dt)
            if prof.bwd_flops or prof.bwd_bytes else 0.0)
@@ -237,6 +242,10 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: fl
         loc += _local_bytes(t, p, shape)
     frac = loc / glob if glob else 1.0
     act = (prof.saved_bytes * act_scale if saved is None else saved) * frac * scale
+    if strat.load != 1.0 and not (cfg.dtype == "bf16-mixed" and cfg.mesh.cluster != "cpu") and outs:
+        # causal rows split without the flash kernel: the busiest rank's saved mask (rows x keys)
+        rows = pl.local_shape(tuple(outs[0].shape), strat.outputs[0], shape)[-2]
+        act += rows * _input_vals(node)[1].shape[-2] * outs[0].element_size() * act_scale * scale
     work = sum(_local_bytes(t, p, shape) for t, p in zip(outs, strat.outputs)) * act_scale * scale
     return fwd + bwd + comm, comm, 0.0, act, work, fwd
 
@@ -329,6 +338,9 @@ def _global_batch(gp) -> int | None:
     return batch_size(gp)
 
 
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
 def _no_batch_split(allowed: list, node, tp_axes: tuple[int, ...], batch: int | None) -> list:
     """The strategies of ``node`` that keep the batch whole on the tensor-parallel axes, when some
     do: Megatron's activations are replicated in the TP group (or split by sequence rows between
@@ -374,14 +386,15 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
     at the micro-batch size (strategies that do not divide a micro-batch are left out)."""
     from autopar.planner.families import predicate
 
-    from autopar.planner.families import dp_axes_of, tp_axes_of
+    from autopar.planner.families import cp_axes_of, dp_axes_of, tp_axes_of
 
     kinds = _kinds(gp.captured)
     pred = predicate(cfg.family, cfg.mesh.shape) if cfg.family else None
     tp_axes = tuple(a for a in tp_axes_of(cfg.family, cfg.mesh.ndim) if cfg.mesh.shape[a] > 1)
-    dp_axes = tuple(a for a in dp_axes_of(cfg.family) if cfg.mesh.shape[a] > 1)
+    cp_axes = tuple(a for a in cp_axes_of(cfg.family) if cfg.mesh.shape[a] > 1)
+    dp_axes = tuple(a for a in dp_axes_of(cfg.family) if cfg.mesh.shape[a] > 1) + cp_axes
     weights = _weight_views(gm, kinds) if tp_axes else set()
-    batch = _global_batch(gp) if tp_axes else None
+    batch = _global_batch(gp) if tp_axes or cp_axes else None
     # Saved bytes in the plan's precision: the mixed replay's own sizes (what the per-rank memory
     # replay, which decides a plan's peak, counts too), where halving the fp32 run's figure
     # under-counted Llama-2-7B's saved activations by 26% (28.6 GiB a layer against 21.3).
@@ -422,8 +435,14 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
         if tp_axes and node.op == "call_function":
             allowed = _no_weight_gather(allowed, node, weights, tp_axes)
             allowed = _no_batch_split(allowed, node, tp_axes, batch)
+        if cp_axes and node.op == "call_function":
+            # Context parallelism splits the sequence, never the samples, on its axes.
+            allowed = _no_batch_split(allowed, node, cp_axes, batch)
+            if node.target is _SDPA:  # attention keeps its query rows split there (not its heads)
+                allowed = [s for s in allowed if s.per_axis and all(
+                    s.per_axis[a] in ("cp", "seq") for a in cp_axes)] or allowed
         if dp_axes and node.op == "call_function":
-            # A layout's data-parallel axes split every op's work where the op allows it.
+            # A layout's data- and context-parallel axes split every op's work where the op allows it.
             split = [s for s in allowed if all(s.per_axis and s.per_axis[a] != "R" for a in dp_axes)]
             allowed = split or allowed
         if cfg.family in ("dp", "zero3") and node.op == "call_function":

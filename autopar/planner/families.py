@@ -29,7 +29,10 @@ parallelism for the norms and dropouts).
 
 Layouts (``autopar.plan(..., layout={...})``, :mod:`autopar.planner.layout`) use the family
 ``"roles:<role>,<role>,..."``, one role per mesh axis: ``dp`` (batch split, parameters
-replicated), ``fsdp`` (batch split, parameters sharded: ZeRO-3), ``tp`` (Megatron TP as above).
+replicated), ``fsdp`` (batch split, parameters sharded: ZeRO-3), ``cp`` (context parallelism: the
+sequence, dim 1 of every user input of two or more dims, split; parameters replicated; every op
+splits its work there where it can, so the sequence stays split through the layers), ``tp``
+(Megatron TP as above).
 
 In the tensor-parallel families a parameter is a matrix when it has two or more dims of size > 1
 (ViT's ``cls_token`` (1, 1, D) is a vector); a matrix dim that no shard divides on an axis (ViT's
@@ -56,17 +59,18 @@ def _is(p, kind) -> bool:
     return isinstance(p, (kind, _Free)) if kind is not Partial else isinstance(p, Partial)
 
 
-def _batch_split_on(axes: Sequence[int]) -> Predicate:
-    """User inputs: the batch (dim 0) split on ``axes``, Replicate elsewhere (0-d inputs stay
-    replicated). A batch that does not divide leaves no strategy: the planner then says so."""
+def _batch_split_on(axes: Sequence[int], seq_axes: Sequence[int] = ()) -> Predicate:
+    """User inputs: the batch (dim 0) split on ``axes``, the sequence (dim 1 of inputs of two or
+    more dims) on ``seq_axes``, Replicate elsewhere (0-d inputs stay replicated). A batch or
+    sequence that does not divide leaves no strategy: the planner then says so."""
     def ok(kind, pls, shape):
         if kind != "input":
             return True
         for a, p in enumerate(pls):
-            want_shard = a in axes and len(shape) > 0
-            if want_shard and not (isinstance(p, _Free) or (_is(p, Shard) and p.dim == 0)):
+            dim = 0 if a in axes and len(shape) > 0 else 1 if a in seq_axes and len(shape) > 1 else None
+            if dim is not None and not (isinstance(p, _Free) or (_is(p, Shard) and p.dim == dim)):
                 return False
-            if not want_shard and not _is(p, Replicate):
+            if dim is None and not _is(p, Replicate):
                 return False
         return True
     return ok
@@ -164,7 +168,7 @@ def roles_of(family: str | None) -> tuple[str, ...] | None:
 
 
 #: The roles a layout gives a sharding axis.
-ROLES = ("dp", "fsdp", "tp")
+ROLES = ("dp", "fsdp", "cp", "tp")
 
 
 def tp_axes_of(family: str | None, ndim: int) -> tuple[int, ...]:
@@ -187,6 +191,12 @@ def dp_axes_of(family: str | None) -> tuple[int, ...]:
     return () if roles is None else tuple(a for a, r in enumerate(roles) if r in ("dp", "fsdp"))
 
 
+def cp_axes_of(family: str | None) -> tuple[int, ...]:
+    """The axes a layout family splits the sequence over (``cp`` roles)."""
+    roles = roles_of(family)
+    return () if roles is None else tuple(a for a, r in enumerate(roles) if r == "cp")
+
+
 def _roles_predicate(roles: tuple[str, ...], mesh_shape: tuple) -> Predicate:
     if len(roles) != len(mesh_shape):
         raise ValueError(f"{len(roles)} axis roles {roles} for a {len(mesh_shape)}-D mesh")
@@ -203,7 +213,8 @@ def _roles_predicate(roles: tuple[str, ...], mesh_shape: tuple) -> Predicate:
         return _is(p, Replicate)
 
     dp_axes = tuple(a for a, r in enumerate(roles) if r in ("dp", "fsdp"))
-    return _all(_batch_split_on(dp_axes), _params(param))
+    cp_axes = tuple(a for a, r in enumerate(roles) if r == "cp")
+    return _all(_batch_split_on(dp_axes, cp_axes), _params(param))
 
 
 def _predicate(family: str, mesh_shape: tuple) -> Predicate:

@@ -65,8 +65,11 @@ def _vals(node) -> list:
 class _Ctx:
     """The solved choice as the simulation needs it."""
 
-    def __init__(self, gp, strategy_of: dict, mesh, zero=None):
+    def __init__(self, gp, strategy_of: dict, mesh, zero=None, dtype: str = "float32"):
         self.gp, self.mesh, self.shape = gp, mesh, tuple(mesh.shape)
+        # Causal attention split by query rows runs the flash kernel only on GPUs in half
+        # precision; elsewhere an explicit mask is made and saved (autopar.strategies.attention).
+        self.flash = dtype == "bf16-mixed" and getattr(mesh, "cluster", "cpu") != "cpu"
         self.zero = zero  # (stage, axes) of ZeRO-1/2 over the replicas, or None
         self.nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
         self.strategy_of = strategy_of
@@ -111,10 +114,20 @@ def _scaled_node(ctx: _Ctx, n):
     out_glob = sum(_nbytes(t.shape, t) for t in vals)
     out_loc = sum(_local(t, ctx.out_pl(n.name, i), ctx.shape) for i, t in enumerate(vals))
     of = out_loc / out_glob if out_glob else f
+    s = ctx.strategy_of.get(n.name)
+    saved = list(n.saved)
+    if s is not None and "cp" in s.name.split(" x ") and not ctx.flash and vals:
+        # The rank's mask, its rows over every key in the attention's dtype, saved.
+        rows = pl.local_shape(tuple(vals[0].shape), s.outputs[0], ctx.shape)[-2]
+        key = (n.name, len(vals))
+        keys = _vals(ctx.nodes[n.name].all_input_nodes[1])[0].shape[-2]
+        storages[key] = int(rows * keys * vals[0].element_size())
+        saved.append(key)
+        n = dataclasses.replace(n, float_size={**n.float_size, key: vals[0].element_size()})
     return dataclasses.replace(n, storages=storages, fwd_alloc=int(n.fwd_alloc * f), bwd_alloc=int(n.bwd_alloc * f),
                                fwd_max_op=int(n.fwd_max_op * f), bwd_max_op=int(n.bwd_max_op * f),
                                grad_bytes=int(n.grad_bytes * of), inputs=list(n.inputs), users=list(n.users),
-                               saved=list(n.saved))
+                               saved=saved)
 
 
 def _chunked(ctx: _Ctx, n, k: int, recomputed: bool):
@@ -349,7 +362,7 @@ def rank_peak(gp, strategy_of: dict, mesh, *, recompute=frozenset(), optimizer: 
     ``foreach``: AdamW updates all parameters at once (default: on GPUs, as ``torch.optim`` does)."""
     from profiler.memory import simulate
 
-    ctx = _Ctx(gp, strategy_of, mesh, zero)
+    ctx = _Ctx(gp, strategy_of, mesh, zero, dtype)
     precision = "bf16-mixed" if dtype == "bf16-mixed" else "fp32"
     base = gp._step_nodes(precision)  # the measured graph's step nodes (fp32 run or mixed replay)
     chunks = chunks or {}

@@ -93,7 +93,7 @@ def pipeline_peaks(gp, strategy_of: dict, mesh, pipeline, *, recompute=frozenset
     whose peak exceeds it (a budget check needs no more; the list is then shorter)."""
     from autopar.planner.micro import depends_on_inputs
 
-    ctx = _Ctx(gp, strategy_of, mesh, zero)
+    ctx = _Ctx(gp, strategy_of, mesh, zero, dtype)
     m, cap = int(pipeline.microbatches), gp.captured
     scaled = depends_on_inputs(cap.gm, set(cap.user_inputs))
     base = gp._step_nodes("bf16-mixed" if dtype == "bf16-mixed" else "fp32")

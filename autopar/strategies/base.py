@@ -73,6 +73,9 @@ class Strategy:
     """Collectives inside the op (rare; most strategies have none)."""
     per_axis: tuple[str, ...] = ()
     """The single-axis entry chosen on each mesh axis (``("dp", "colwise")``)."""
+    load: float = 1.0
+    """The busiest rank's work over an even share (``1/divisor``) of it: above 1 where the split
+    is uneven by construction (causal attention split by query rows: the last rows see every key)."""
 
     def __str__(self) -> str:
         ins = ", ".join("-" if p is None else pl.fmt(p) for p in self.inputs)
@@ -113,6 +116,9 @@ class Entry:
     """Whether the op's work is split on this axis; None: when any argument or output is Shard."""
     comm: tuple[CommSpec, ...] = ()
     """Collectives the local implementation runs on this axis."""
+    causal_rows: bool = False
+    """The op is causal attention split by contiguous query rows on this axis: with ``N`` such
+    ranks in all, the one holding the last rows does ``(2N - 1) / N`` of an even share."""
 
     def is_replicate(self) -> bool:
         return all(p is None or isinstance(p, Replicate) for p in self.inputs + self.outputs)

@@ -110,8 +110,11 @@ def finish(info: OpInfo, combo: Sequence[Entry]) -> Strategy | None:
         for c in e.comm:
             nbytes = c.nbytes // other if c.scales else c.nbytes
             comms.append(Comm(c.kind, (a,), int(nbytes), c.backward))
+    rows = math.prod(n for n, e in zip(mesh, combo) if e.causal_rows)
+    load = (2 * rows - 1) / rows
     return Strategy(name=_name(combo), inputs=tuple(ins), outputs=outs, input_grads=tuple(grads),
-                    divisor=int(divisor), comm=tuple(comms), per_axis=tuple(e.name for e in combo))
+                    divisor=int(divisor), comm=tuple(comms), per_axis=tuple(e.name for e in combo),
+                    load=load)
 
 
 def product(info: OpInfo, entries: Iterable[Entry]) -> list[list[Entry]]:

@@ -261,17 +261,22 @@ def test_profile_prices_the_causal_kernel():
     assert rewritten.fwd_flops < masked.fwd_flops and rewritten.saved_bytes < masked.saved_bytes
 
 
-def test_query_split_is_not_offered_for_is_causal():
+def test_query_split_of_is_causal_is_context_parallel():
     """A rank holding query rows [o, o + l) needs the triangle shifted by o: ``is_causal`` attention
-    is split on batch and heads only; the masked graph keeps its query-sequence split."""
+    splits by query rows only as ``cp`` (whose local implementation shifts it, priced at the
+    busiest rank's share), never as the masked graph's plain ``seq`` split."""
     from autopar.strategies import strategies_for
 
-    names = lambda cap: {s.name for n in _sdpa(cap.gm) for s in strategies_for(n, (2, 2))}  # noqa: E731
+    def by_name(cap):
+        return {s.name: s for n in _sdpa(cap.gm) for s in strategies_for(n, (2, 2))}
     from profiler.capture import capture
 
     model, args, kwargs = _example("llama")
-    assert "dp x seq" in names(_capture("llama"))
-    assert not any("seq" in s for s in names(capture(model, args, kwargs)))
+    masked, causal = by_name(_capture("llama")), by_name(capture(model, args, kwargs))
+    assert "dp x seq" in masked and not any("cp" in s for s in masked)
+    assert not any("seq" in s for s in causal) and "dp x cp" in causal and "cp x cp" in causal
+    assert causal["dp x cp"].load == 1.5 and causal["cp x cp"].load == 1.75  # (2N - 1) / N
+    assert all(s.load == 1.0 for n, s in causal.items() if "cp" not in n)
 
 
 # ---------------------------------------------------------------------- the emitted program
@@ -322,10 +327,11 @@ def _with_attention(plan, cap, name: str):
     return plan
 
 
-@pytest.mark.parametrize("strategy,causal_capture", [("dp x heads", True), ("dp x seq", False)])
+@pytest.mark.parametrize("strategy,causal_capture", [("dp x heads", True), ("dp x seq", False), ("dp x cp", True)])
 def test_llama_split_attention(mesh, strategy, causal_capture):
     """Heads split: each rank's call sees the whole triangle and runs is_causal. Query sequence
-    split (offered on the masked graph only): each rank's mask rows follow its query rows."""
+    split of the masked graph: each rank's mask rows follow its query rows; of the causal graph
+    (``cp``): each rank's triangle is shifted to its rows."""
     ex, cap, plan, ref = _llama_setup(None, causal_capture)
     plan = _with_attention(plan, cap, strategy)
     pm, losses, grads, state = cases.train_local(ex, cap, plan, mesh, world=4, steps=2)

@@ -186,7 +186,8 @@ def test_layouts_reproduce_the_published_shapes():
 
 @pytest.mark.parametrize("layout,match", [
     ({"tp": 3}, "multiply to the mesh"),
-    ({"cp": 2}, "unknown layout key 'cp'"),
+    ({"ep": 2}, "unknown layout key 'ep'"),
+    ({"cp": 3}, "multiply to the mesh"),
     ({"zero": 4}, "0, 1, 2 or 3"),
     ({"pp": 1, "microbatches": 4}, "describe a pipeline"),
     ({"recompute": "some"}, "recompute"),

@@ -7,10 +7,21 @@ import workers
 BATCH = 8  # two micro-batches of 4, split over dp = 2, or 8 over dp = 4
 
 
+def config(name: str) -> tuple[str, dict]:
+    """``"llama@seq=1024,batch=2"`` -> ("llama", {"seq": 1024, "batch": 2}); batch 8 unless given."""
+    model, _, extra = name.partition("@")
+    over = {"batch": BATCH}
+    for part in filter(None, extra.split(",")):
+        k, _, v = part.partition("=")
+        over[k] = int(v)
+    return model, over
+
+
 def example(name: str):
     key = ("nd", name)
     if key not in workers._CACHE:
-        ex = cases.example(name, batch=BATCH)
+        model, over = config(name)
+        ex = cases.example(model, **over)
         workers._CACHE[key] = (ex, cases.capture(ex))
     return workers._CACHE[key]
 

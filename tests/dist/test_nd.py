@@ -22,12 +22,16 @@ import harness
 import nd_workers
 
 TOL = 1e-5
+LONG = "llama@seq=1024,batch=4"
 CASES = {
     # name: (model, physical mesh, its axis names, layout)
     "gpt2 pp2 x dp2 x tp2": ("gpt2", (2, 2, 2), ("pp", "dp", "tp"), {"pp": 2, "dp": 2, "tp": 2}),
     "llama pp2 x dp2 x tp2 zero-1 over (2, 4)": ("llama", (2, 4), None, {"pp": 2, "dp": 2, "tp": 2, "zero": 1}),
     "gpt2 dp4 zero-2 x tp2 over (8,)": ("gpt2", (8,), None, {"dp": 4, "tp": 2, "zero": 2}),
     "bert pp2 x dp2 zero-2 x tp2": ("bert", (2, 2, 2), ("pp", "dp", "tp"), {"pp": 2, "dp": 2, "tp": 2, "zero": 2}),
+    # Context parallelism: Llama at sequence 1024, the sequence split over 2 and over 4 ranks.
+    "llama seq 1024 dp4 x cp2": (LONG, (8,), None, {"dp": 4, "cp": 2}),
+    "llama seq 1024 cp4 x tp2": (LONG, (4, 2), ("cp", "tp"), {"cp": 4, "tp": 2}),
 }
 
 
@@ -40,7 +44,8 @@ def pool8():
 
 @functools.lru_cache(maxsize=None)
 def _example(name):
-    return cases.example(name, batch=nd_workers.BATCH)
+    model, over = nd_workers.config(name)
+    return cases.example(model, **over)
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,6 +89,10 @@ def test_nd_plan_trains_like_one_device(pool8, label):
     name = CASES[label][0]
     plan = _plan(label)
     assert len(plan.mesh["shape"]) >= 2 and plan.zero == CASES[label][3].get("zero", 0)
+    if "cp" in CASES[label][3]:  # the sequence stays split through attention: context parallelism
+        sdpa = [n for n in plan.nodes if n.startswith("scaled_dot_product_attention")]
+        assert sdpa and all("cp" in plan.nodes[n].strategy.split(" x ") for n in sdpa), \
+            {n: plan.nodes[n].strategy for n in sdpa}
     res = pool8.run("nd_workers:train_nd", name, plan.to_json())
     ref = cases.reference(_example(name))
     r0 = res[0]
