@@ -149,16 +149,46 @@ def gpt2(*, batch=2, seq=16, layers=2, hidden=64, heads=4, vocab=256, device=Non
     return Example(name="gpt2", model=model, args=(ids,), kwargs={"labels": ids})
 
 
+CAUSAL_SDPA = "autopar-causal-sdpa"
+
+
+def _register_causal_sdpa() -> str:
+    """Register :data:`CAUSAL_SDPA` with transformers: SDPA with ``is_causal=True`` and no mask
+    tensor, for unpadded causal LM batches (what flash-attention training runs, torchtitan's
+    Llama included). Traced, transformers materialises a (batch, 1, L, L) mask, and a mask of a
+    long sequence is too large to prove causal (``profiler.causal.MAX_BYTES``); this declares
+    it instead. A padding mask is refused, never dropped."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def forward(module, query, key, value, attention_mask, **kwargs):
+        if attention_mask is not None:
+            raise ValueError(f"attention {CAUSAL_SDPA!r} is for unpadded causal batches: it got an attention "
+                             f"mask; build the model with attn='sdpa' to pass padding")
+        kwargs.pop("is_causal", None)
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+    AttentionInterface.register(CAUSAL_SDPA, forward)
+    # no padding mask given: no mask made (the padding case is refused above)
+    AttentionMaskInterface.register(CAUSAL_SDPA, AttentionMaskInterface._global_mapping["flash_attention_2"])
+    return CAUSAL_SDPA
+
+
 def llama(*, batch=2, seq=16, layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2,
-          vocab=256, device=None, seed=0) -> Example:
-    """HF ``LlamaForCausalLM`` with grouped-query attention (``kv_heads < heads``)."""
+          vocab=256, device=None, seed=0, attn: str = "sdpa") -> Example:
+    """HF ``LlamaForCausalLM`` with grouped-query attention (``kv_heads < heads``). ``attn="causal"``:
+    attention declared causal and unpadded (:func:`_register_causal_sdpa`), for long sequences."""
     ensure_torchvision_importable()
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if attn not in ("sdpa", "causal"):
+        raise ValueError(f"attn must be 'sdpa' or 'causal', got {attn!r}")
+    impl = _register_causal_sdpa() if attn == "causal" else "sdpa"
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                       max_position_embeddings=max(seq, 64), use_cache=False, attention_dropout=0.0,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation=impl)
     torch.manual_seed(seed)
     model = _on(device, lambda: LlamaForCausalLM(cfg))
     ids = _ids(batch, seq, vocab, device, seed)

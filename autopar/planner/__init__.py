@@ -207,13 +207,13 @@ def _plan_layout(gp, cfg: Config, layout) -> Plan:
 
     lay = L.parse(layout)
     found, errors = [], []
-    for pp, dp, cp, tp in L.completions(lay, cfg.mesh.size, cfg.mesh.gpus_per_node):
+    for pp, dp, ep, cp, tp in L.completions(lay, cfg.mesh.size, cfg.mesh.gpus_per_node):
         if pp == 1 and (lay.microbatches not in (None, 1) or lay.schedule or lay.virtual_stages not in (None, 1)):
             if lay.pp == 1:
                 raise ValueError("layout: microbatches, schedule and virtual_stages describe a pipeline; give "
                                  "pp > 1 (gradient accumulation of flat plans is not priced yet)")
             continue
-        mesh = L.logical_mesh(cfg.mesh, pp, dp, cp, tp)
+        mesh = L.logical_mesh(cfg.mesh, pp, dp, ep, cp, tp)
         c = dataclasses.replace(cfg, mesh=mesh, family=L.family(mesh.axis_names, lay.zero),
                                 zero=lay.zero if lay.zero in (1, 2) else 0,
                                 checkpoint=lay.recompute != "none", checkpoint_every=lay.recompute == "full",
@@ -229,10 +229,10 @@ def _plan_layout(gp, cfg: Config, layout) -> Plan:
         except ValueError as err:  # a degree no tensor divides (a batch of 64 over dp 128)
             got = err
         if isinstance(got, Exception):
-            errors.append((f"{L.describe(pp, dp, cp, tp, lay)}: {got}", got))
+            errors.append((f"{L.describe(pp, dp, ep, cp, tp, lay)}: {got}", got))
             continue
-        got.options["family"] = L.describe(pp, dp, cp, tp, lay)
-        got.options["layout"] = dict(lay.to_dict(), pp=pp, dp=dp, tp=tp, **({"cp": cp} if cp > 1 else {}))
+        got.options["family"] = L.describe(pp, dp, ep, cp, tp, lay)
+        got.options["layout"] = dict(lay.to_dict(), pp=pp, dp=dp, tp=tp, **{k: v for k, v in (("ep", ep), ("cp", cp)) if v > 1})
         if c.zero:  # the sharding mesh's data-parallel axes (the roles leave the pipeline axis out)
             from autopar.planner.families import dp_axes_of
 

@@ -339,6 +339,53 @@ def _global_batch(gp) -> int | None:
 
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_GROUPED = ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
+
+
+def expert_params(gm, kinds: dict) -> dict[str, set[str]]:
+    """Expert weights: parameters of three or more dims that a grouped matmul (``_grouped_mm``,
+    HF's ``grouped_mm_fallback``) reads as its weight, directly or through views that keep dim
+    0 (the experts). Returns {parameter: the grouped matmuls reading it}."""
+    out: dict[str, set[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or str(node.target) not in _GROUPED or len(node.args) < 2:
+            continue
+        w = node.args[1]
+        e = _vals(w)[0].shape[0] if isinstance(w, torch.fx.Node) and _vals(w) else None
+        while isinstance(w, torch.fx.Node) and w.op == "call_function" and \
+                w.target.__name__.split(".")[0] in _VIEWS and w.all_input_nodes:
+            w = w.all_input_nodes[0]
+        if isinstance(w, torch.fx.Node) and w.op == "placeholder" and kinds.get(w.name) == "param":
+            v = _vals(w)[0]
+            if v.dim() >= 3 and v.shape[0] == e:
+                out.setdefault(w.name, set()).add(node.name)
+    return out
+
+
+def _experts_split(allowed: list, node, kind, experts: dict, ep_axes: tuple[int, ...], ep_sizes=(),
+                   fqn: str = "") -> list:
+    """Expert parallelism on ``ep_axes``: an expert weight is stored split by expert there and
+    every other parameter replicated; a grouped matmul reading an expert weight runs its rank's
+    experts (the ``experts`` entry). An expert count the ep ranks do not divide is refused."""
+    def on_ep(s, want) -> bool:
+        return all(want(s, a) for a in ep_axes)
+
+    if kind == "param":
+        if node.name in experts:
+            keep = [s for s in allowed if on_ep(s, lambda s, a: isinstance(s.outputs[0][a], Shard)
+                                                 and s.outputs[0][a].dim == 0)]
+            if not keep:
+                n = _vals(node)[0].shape[0]
+                raise ValueError(f"expert parallelism over {math.prod(ep_sizes)} ranks cannot split expert "
+                                 f"weight {fqn or node.name} ({n} experts): choose an ep degree that divides {n}")
+        else:
+            keep = [s for s in allowed if on_ep(s, lambda s, a: isinstance(s.outputs[0][a], Replicate))]
+        return keep or allowed
+    if node.op == "call_function" and str(node.target) in _GROUPED and \
+            any(node.name in users for users in experts.values()):
+        keep = [s for s in allowed if s.per_axis and on_ep(s, lambda s, a: s.per_axis[a] == "experts")]
+        return keep or allowed
+    return allowed
 
 
 def _no_batch_split(allowed: list, node, tp_axes: tuple[int, ...], batch: int | None) -> list:
@@ -386,13 +433,15 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
     at the micro-batch size (strategies that do not divide a micro-batch are left out)."""
     from autopar.planner.families import predicate
 
-    from autopar.planner.families import cp_axes_of, dp_axes_of, tp_axes_of
+    from autopar.planner.families import cp_axes_of, dp_axes_of, ep_axes_of, tp_axes_of
 
     kinds = _kinds(gp.captured)
     pred = predicate(cfg.family, cfg.mesh.shape) if cfg.family else None
     tp_axes = tuple(a for a in tp_axes_of(cfg.family, cfg.mesh.ndim) if cfg.mesh.shape[a] > 1)
     cp_axes = tuple(a for a in cp_axes_of(cfg.family) if cfg.mesh.shape[a] > 1)
-    dp_axes = tuple(a for a in dp_axes_of(cfg.family) if cfg.mesh.shape[a] > 1) + cp_axes
+    ep_axes = tuple(a for a in ep_axes_of(cfg.family) if cfg.mesh.shape[a] > 1)
+    dp_axes = tuple(a for a in dp_axes_of(cfg.family) if cfg.mesh.shape[a] > 1) + cp_axes + ep_axes
+    experts = expert_params(gm, kinds) if ep_axes else {}
     weights = _weight_views(gm, kinds) if tp_axes else set()
     batch = _global_batch(gp) if tp_axes or cp_axes else None
     # Saved bytes in the plan's precision: the mixed replay's own sizes (what the per-rank memory
@@ -429,6 +478,9 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
                 _STRATEGY_CACHE[key] = strats
         allowed = _allowed(strats, node, kind, pred)
         allowed = _pinned(allowed, node, kind, gp, cfg.pin)
+        if ep_axes:
+            allowed = _experts_split(allowed, node, kind, experts, ep_axes, [cfg.mesh.shape[a] for a in ep_axes],
+                                     _fqn(gp, node.name))
         scale = 1.0 if micro is None else micro.scale(node.name)
         if micro is not None:
             allowed = micro.valid(allowed, node)

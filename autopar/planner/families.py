@@ -31,8 +31,9 @@ Layouts (``autopar.plan(..., layout={...})``, :mod:`autopar.planner.layout`) use
 ``"roles:<role>,<role>,..."``, one role per mesh axis: ``dp`` (batch split, parameters
 replicated), ``fsdp`` (batch split, parameters sharded: ZeRO-3), ``cp`` (context parallelism: the
 sequence, dim 1 of every user input of two or more dims, split; parameters replicated; every op
-splits its work there where it can, so the sequence stays split through the layers), ``tp``
-(Megatron TP as above).
+splits its work there where it can, so the sequence stays split through the layers), ``ep``
+(expert parallelism: batch split as ``dp``, every expert weight split by expert, the grouped
+matmuls run each rank's experts; :func:`expert_params`), ``tp`` (Megatron TP as above).
 
 In the tensor-parallel families a parameter is a matrix when it has two or more dims of size > 1
 (ViT's ``cls_token`` (1, 1, D) is a vector); a matrix dim that no shard divides on an axis (ViT's
@@ -168,7 +169,7 @@ def roles_of(family: str | None) -> tuple[str, ...] | None:
 
 
 #: The roles a layout gives a sharding axis.
-ROLES = ("dp", "fsdp", "cp", "tp")
+ROLES = ("dp", "fsdp", "ep", "cp", "tp")
 
 
 def tp_axes_of(family: str | None, ndim: int) -> tuple[int, ...]:
@@ -191,6 +192,12 @@ def dp_axes_of(family: str | None) -> tuple[int, ...]:
     return () if roles is None else tuple(a for a, r in enumerate(roles) if r in ("dp", "fsdp"))
 
 
+def ep_axes_of(family: str | None) -> tuple[int, ...]:
+    """The axes a layout family splits the experts over (``ep`` roles)."""
+    roles = roles_of(family)
+    return () if roles is None else tuple(a for a, r in enumerate(roles) if r == "ep")
+
+
 def cp_axes_of(family: str | None) -> tuple[int, ...]:
     """The axes a layout family splits the sequence over (``cp`` roles)."""
     roles = roles_of(family)
@@ -210,9 +217,11 @@ def _roles_predicate(roles: tuple[str, ...], mesh_shape: tuple) -> Predicate:
             return False
         if role == "fsdp":  # sharded where some dim divides, as ZeRO-3 (a flat padded buffer in FSDP)
             return _is(p, Shard) or not any(n % mesh_shape[a] == 0 for n in shape)
+        if role == "ep":  # expert weights by expert (the planner keeps the others replicated)
+            return _is(p, Replicate) or (len(shape) >= 3 and _is(p, Shard) and p.dim % len(shape) == 0)
         return _is(p, Replicate)
 
-    dp_axes = tuple(a for a, r in enumerate(roles) if r in ("dp", "fsdp"))
+    dp_axes = tuple(a for a, r in enumerate(roles) if r in ("dp", "fsdp", "ep"))
     cp_axes = tuple(a for a, r in enumerate(roles) if r == "cp")
     return _all(_batch_split_on(dp_axes, cp_axes), _params(param))
 

@@ -7,6 +7,11 @@ model as its own. Keys left out are searched.
 =================  ==================================================================================
 ``pp``             pipeline stages (a mesh axis of that size, outermost)
 ``dp``             data-parallel degree (the batch split; parameters replicated unless ``zero`` is 3)
+``ep``             expert parallelism: an axis of that size over which the batch is split (as ``dp``)
+                   and every expert weight (a stacked (experts, ...) parameter that grouped matmuls
+                   read) is split by expert; each rank runs its experts on the tokens routed to
+                   them from the whole group (tokens all-gathered, results reduce-scattered:
+                   Megatron's all-gather token dispatcher)
 ``cp``             context parallelism: the sequence (dim 1 of every user input) split over an axis of
                    that size for the whole model; causal attention gathers K/V and each rank's query
                    rows attend to the keys up to its last row (Llama 3's all-gather CP); parameters
@@ -24,7 +29,7 @@ model as its own. Keys left out are searched.
 =================  ==================================================================================
 
 The layout's degrees multiply to the mesh's device count. The logical mesh is
-``(pp, dp, cp, tp)`` in row-major order (torchtitan's order) (tensor parallelism innermost, so on 8-GPU nodes ``tp <= 8``
+``(pp, dp, ep, cp, tp)`` in row-major order (torchtitan's order) (tensor parallelism innermost, so on 8-GPU nodes ``tp <= 8``
 stays inside a node), axes of size 1 left out, with the links of the cluster preset by the
 row-major rule of :class:`autopar.mesh.Mesh`. Missing degrees: every completion whose product is
 the device count is planned and the fastest returned (``tp`` only up to the GPUs of a node).
@@ -35,7 +40,7 @@ import dataclasses
 import math
 from typing import Any
 
-KEYS = ("pp", "dp", "cp", "tp", "zero", "recompute", "microbatches", "schedule", "virtual_stages")
+KEYS = ("pp", "dp", "ep", "cp", "tp", "zero", "recompute", "microbatches", "schedule", "virtual_stages")
 RECOMPUTE = ("full", "none")
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 
@@ -46,6 +51,7 @@ class Layout:
 
     pp: int | None = None
     dp: int | None = None
+    ep: int | None = None
     cp: int | None = None
     tp: int | None = None
     zero: int | None = None
@@ -66,9 +72,9 @@ def parse(layout: Any) -> Layout:
         raise TypeError(f"layout must be a dict such as {{'pp': 2, 'dp': 32, 'tp': 8}}, got {type(layout).__name__}")
     unknown = [k for k in layout if k not in KEYS]
     if unknown:
-        extra = " (expert parallelism is not a layout yet)" if "ep" in unknown else ""
+        extra = ""
         raise ValueError(f"unknown layout key {unknown[0]!r}{extra}; valid keys: {', '.join(KEYS)}")
-    for k in ("pp", "dp", "cp", "tp", "microbatches", "virtual_stages"):
+    for k in ("pp", "dp", "ep", "cp", "tp", "microbatches", "virtual_stages"):
         v = layout.get(k)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"layout[{k!r}] must be a positive int, got {v!r}")
@@ -92,36 +98,38 @@ def parse(layout: Any) -> Layout:
     return out
 
 
-def completions(lay: Layout, size: int, gpus_per_node: int | None) -> list[tuple[int, int, int, int]]:
-    """Every (pp, dp, cp, tp) with product ``size`` that agrees with the given degrees (tp at most
-    the GPUs of a node when it is searched; cp 1 unless given: the search prices context
-    parallelism inside a flat plan's free choices, a layout names it)."""
+def completions(lay: Layout, size: int, gpus_per_node: int | None) -> list[tuple[int, int, int, int, int]]:
+    """Every (pp, dp, ep, cp, tp) with product ``size`` that agrees with the given degrees (tp at
+    most the GPUs of a node when it is searched; ep and cp 1 unless given: the search prices
+    expert and context parallelism inside a flat plan's free choices, a layout names them)."""
     def choices(v, cap=None):
         return [v] if v is not None else [d for d in range(1, size + 1) if size % d == 0 and (cap is None or d <= cap)]
 
     out = []
-    cp = lay.cp or 1
+    cp, ep = lay.cp or 1, lay.ep or 1
     for pp in choices(lay.pp):
         for tp in choices(lay.tp, gpus_per_node):
-            if size % (pp * tp * cp):
+            if size % (pp * tp * cp * ep):
                 continue
-            dp = size // (pp * tp * cp)
+            dp = size // (pp * tp * cp * ep)
             if lay.dp is not None and dp != lay.dp:
                 continue
-            out.append((pp, dp, cp, tp))
+            out.append((pp, dp, ep, cp, tp))
     if not out:
-        given = {k: v for k, v in (("pp", lay.pp), ("dp", lay.dp), ("cp", lay.cp), ("tp", lay.tp)) if v is not None}
+        given = {k: v for k, v in (("pp", lay.pp), ("dp", lay.dp), ("ep", lay.ep), ("cp", lay.cp), ("tp", lay.tp))
+                 if v is not None}
         raise ValueError(f"layout {given} does not multiply to the mesh's {size} devices: "
-                         f"pp x dp x cp x tp must equal {size}")
+                         f"pp x dp x ep x cp x tp must equal {size}")
     return out
 
 
-def logical_mesh(mesh, pp: int, dp: int, cp: int, tp: int):
-    """The ``(pp, dp, cp, tp)`` mesh of ``mesh``'s devices (size-1 axes left out; at least one
+def logical_mesh(mesh, pp: int, dp: int, ep: int, cp: int, tp: int):
+    """The ``(pp, dp, ep, cp, tp)`` mesh of ``mesh``'s devices (size-1 axes left out; at least one
     axis), and the role of each of its axes."""
     from autopar.mesh import Mesh
 
-    zero_axes = [(n, name) for n, name in ((pp, "pp"), (dp, "dp"), (cp, "cp"), (tp, "tp")) if n > 1] or [(1, "dp")]
+    zero_axes = [(n, name) for n, name in ((pp, "pp"), (dp, "dp"), (ep, "ep"), (cp, "cp"), (tp, "tp"))
+                 if n > 1] or [(1, "dp")]
     shape = tuple(n for n, _ in zero_axes)
     names = tuple(name for _, name in zero_axes)
     if tuple(mesh.shape) == shape and tuple(mesh.axis_names) == names:
@@ -139,12 +147,14 @@ def family(roles: tuple[str, ...], zero: int | None) -> str:
     return "roles:" + ",".join(out)
 
 
-def describe(pp: int, dp: int, cp: int, tp: int, lay: Layout) -> str:
+def describe(pp: int, dp: int, ep: int, cp: int, tp: int, lay: Layout) -> str:
     parts = []
     if pp > 1:
         parts.append(f"pp({pp})")
     if dp > 1:
         parts.append(f"{'fsdp' if lay.zero == 3 else 'dp'}({dp})" + (f" zero-{lay.zero}" if lay.zero in (1, 2) else ""))
+    if ep > 1:
+        parts.append(f"ep({ep})")
     if cp > 1:
         parts.append(f"cp({cp})")
     if tp > 1:

@@ -32,6 +32,9 @@ CASES = {
     # Context parallelism: Llama at sequence 1024, the sequence split over 2 and over 4 ranks.
     "llama seq 1024 dp4 x cp2": (LONG, (8,), None, {"dp": 4, "cp": 2}),
     "llama seq 1024 cp4 x tp2": (LONG, (4, 2), ("cp", "tp"), {"cp": 4, "tp": 2}),
+    # Expert parallelism: Mixtral's 4 experts (top-2) split over 2 and over 4 ranks.
+    "mixtral dp2 x ep2 x tp2 over (8,)": ("mixtral", (8,), None, {"dp": 2, "ep": 2, "tp": 2}),
+    "mixtral ep4 x tp2": ("mixtral", (4, 2), ("ep", "tp"), {"ep": 4, "tp": 2}),
 }
 
 
@@ -93,6 +96,11 @@ def test_nd_plan_trains_like_one_device(pool8, label):
         sdpa = [n for n in plan.nodes if n.startswith("scaled_dot_product_attention")]
         assert sdpa and all("cp" in plan.nodes[n].strategy.split(" x ") for n in sdpa), \
             {n: plan.nodes[n].strategy for n in sdpa}
+    if "ep" in CASES[label][3]:  # every grouped expert matmul runs its rank's experts on the ep axis
+        ep = plan.mesh["axis_names"].index("ep")
+        grouped = [n for n in plan.nodes if n.startswith("grouped_mm")]
+        assert grouped and all(plan.nodes[n].strategy.split(" x ")[ep] == "experts" for n in grouped), \
+            {n: plan.nodes[n].strategy for n in grouped}
     res = pool8.run("nd_workers:train_nd", name, plan.to_json())
     ref = cases.reference(_example(name))
     r0 = res[0]
