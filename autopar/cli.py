@@ -165,6 +165,10 @@ def cmd_plan(a) -> int:
                          precision=a.precision, grad_reduce=a.grad_reduce, layout=a.layout)
     except autopar.InfeasibleBudget as err:
         raise UserError(str(err)) from None
+    except ValueError as err:
+        if a.layout is None:
+            raise
+        raise UserError(str(err)) from None  # a layout the model cannot take: named, one line
     p.options["spec"] = a.spec
     print(p.summary())
     if a.output:

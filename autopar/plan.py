@@ -102,6 +102,10 @@ class Plan:
     gradients). Sharded storage (ZeRO-3/FSDP) is in the placements."""
     pipeline: Pipeline | None = None
     """Pipeline stages, or ``None`` for a single stage."""
+    accumulate: int = 1
+    """Micro-batches of a single-stage plan (gradient accumulation): ``train_step`` takes the
+    global batch, runs it in ``accumulate`` equal micro-batches one after the other and reduces
+    the gradients once, after the last (1: the whole batch at once)."""
     step_time: float = 0.0
     """Predicted seconds per training step."""
     peak_bytes: float = 0.0
@@ -327,6 +331,12 @@ def _validate(data: Any) -> Plan:
         _need(body["zero"] in (0, 1, 2) and not isinstance(body["zero"], bool), "zero", "expected 0, 1 or 2")
         out["zero"] = int(body["zero"])
     out["pipeline"] = _validate_pipeline(body.get("pipeline"), len(shape), nodes)
+    if "accumulate" in body:
+        acc = body["accumulate"]
+        _need(isinstance(acc, int) and not isinstance(acc, bool) and acc >= 1, "accumulate", "expected an int >= 1")
+        _need(acc == 1 or out["pipeline"] is None, "accumulate",
+              "a pipelined plan counts its micro-batches in pipeline.microbatches")
+        out["accumulate"] = acc
     for key in ("step_time", "peak_bytes"):
         if key in body:
             out[key] = _number(body[key], key)

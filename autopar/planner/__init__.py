@@ -208,11 +208,8 @@ def _plan_layout(gp, cfg: Config, layout) -> Plan:
     lay = L.parse(layout)
     found, errors = [], []
     for pp, dp, ep, cp, tp in L.completions(lay, cfg.mesh.size, cfg.mesh.gpus_per_node):
-        if pp == 1 and (lay.microbatches not in (None, 1) or lay.schedule or lay.virtual_stages not in (None, 1)):
-            if lay.pp == 1:
-                raise ValueError("layout: microbatches, schedule and virtual_stages describe a pipeline; give "
-                                 "pp > 1 (gradient accumulation of flat plans is not priced yet)")
-            continue
+        if pp == 1 and (lay.schedule or lay.virtual_stages not in (None, 1)):
+            continue  # a schedule names a pipeline
         mesh = L.logical_mesh(cfg.mesh, pp, dp, ep, cp, tp)
         c = dataclasses.replace(cfg, mesh=mesh, family=L.family(mesh.axis_names, lay.zero),
                                 zero=lay.zero if lay.zero in (1, 2) else 0,
@@ -224,6 +221,10 @@ def _plan_layout(gp, cfg: Config, layout) -> Plan:
             if pp > 1:
                 got = search(gp, c, [(mesh, 0)])
                 got = got[0] if got else InfeasibleBudget(f"no pipeline of {pp} stages fits")
+            elif lay.microbatches not in (None, 1):
+                from autopar.planner.accumulate import solve_accumulated
+
+                got = solve_accumulated(gp, c, lay.microbatches)
             else:
                 got = _solve_flat(gp, c, every=lay.recompute == "full")
         except ValueError as err:  # a degree no tensor divides (a batch of 64 over dp 128)

@@ -442,6 +442,9 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
     ep_axes = tuple(a for a in ep_axes_of(cfg.family) if cfg.mesh.shape[a] > 1)
     dp_axes = tuple(a for a in dp_axes_of(cfg.family) if cfg.mesh.shape[a] > 1) + cp_axes + ep_axes
     experts = expert_params(gm, kinds) if ep_axes else {}
+    if ep_axes and not experts:
+        raise ValueError("expert parallelism (ep) needs expert weights, stacked (experts, ...) parameters that grouped "
+                         "matmuls read (HF Mixtral's experts), and this model has none: use dp for that axis")
     weights = _weight_views(gm, kinds) if tp_axes else set()
     batch = _global_batch(gp) if tp_axes or cp_axes else None
     # Saved bytes in the plan's precision: the mixed replay's own sizes (what the per-rank memory

@@ -23,7 +23,8 @@ model as its own. Keys left out are searched.
                    optimizer state sharded over ``dp``: FSDP/ZeRO-3). (HSDP, sharded inside a node
                    and replicated across, is not a layout yet.)
 ``recompute``      ``"full"`` (every layer), ``"none"``, or left out (the search chooses per layer)
-``microbatches``   micro-batches per step of a pipeline (``pp > 1``)
+``microbatches``   micro-batches per step: of the pipeline with ``pp > 1``; with ``pp`` 1, gradient
+                   accumulation (the batch run in that many micro-batches, gradients reduced once)
 ``schedule``       ``"1f1b"``, ``"gpipe"`` or ``"interleaved-1f1b"`` (``pp > 1``)
 ``virtual_stages`` stages per device of the interleaved schedule
 =================  ==================================================================================
@@ -89,10 +90,8 @@ def parse(layout: Any) -> Layout:
     if sched is not None and sched not in SCHEDULES:
         raise ValueError(f"layout['schedule'] must be one of {', '.join(SCHEDULES)}, got {sched!r}")
     out = Layout(**{k: layout.get(k) for k in KEYS})
-    if (out.pp or 1) == 1 and (out.microbatches or out.schedule or out.virtual_stages):
-        if out.pp == 1 or out.pp is None and out.microbatches not in (None, 1):
-            raise ValueError("layout: microbatches, schedule and virtual_stages describe a pipeline; give pp > 1 "
-                             "(gradient accumulation of flat plans is not priced yet)")
+    if out.pp == 1 and (out.schedule or out.virtual_stages):
+        raise ValueError("layout: schedule and virtual_stages describe a pipeline; give pp > 1")
     if out.virtual_stages not in (None, 1) and out.schedule not in (None, "interleaved-1f1b"):
         raise ValueError("layout: virtual_stages > 1 needs schedule 'interleaved-1f1b'")
     return out

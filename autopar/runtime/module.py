@@ -75,16 +75,19 @@ class ParallelModule(nn.Module):
 
         device_mesh = plan_device_mesh(device_mesh, plan)  # a logical mesh over the job's
         pipelined = plan.pipeline is not None and len(plan.pipeline.stages) > 1
-        if pipelined:
+        accumulate = 1 if pipelined else int(getattr(plan, "accumulate", 1) or 1)
+        if pipelined or accumulate > 1:
             from autopar.runtime.pipeline import microbatch_capture
 
-            # The plan is for the global batch; stages run micro-batches of the same graph.
+            # The plan is for the global batch; stages (or accumulated micro-batches) run
+            # micro-batches of the same graph.
             plan.check_fits(captured.graph_hash())
-            graph = microbatch_capture(model, captured, plan.pipeline.microbatches,
+            graph = microbatch_capture(model, captured, plan.pipeline.microbatches if pipelined else accumulate,
                                        loss_fn if loss_fn is not None else getattr(captured, "loss_fn", None))
         else:
             graph = captured
-        gm = build(graph, plan, device_mesh, debug=debug, executor=executor, check_hash=not pipelined)
+        gm = build(graph, plan, device_mesh, debug=debug, executor=executor,
+                   check_hash=not (pipelined or accumulate > 1))
         sig = gm.meta["autopar"]
         object.__setattr__(self, "_sig", sig)
         object.__setattr__(self, "plan", plan)
@@ -98,8 +101,15 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_zero_seen", None)
         self._install_state(model, graph, sig)
         object.__setattr__(self, "_pipe", None)
+        object.__setattr__(self, "_accumulate", accumulate)
+        object.__setattr__(self, "_targets", None)
         if pipelined:
             self._setup_pipeline(gm, device_mesh, inputs_sharded)
+        elif accumulate > 1:
+            if inputs_sharded:
+                raise NotImplementedError("inputs_sharded=True is not supported with gradient accumulation: pass the "
+                                          "global batch (train_step cuts the micro-batches)")
+            self._microbatch_checks(accumulate, "this plan accumulates")
         # The compute copies start equal to their shards: the first gather is after a step.
         object.__setattr__(self, "_zero_seen", self._zero_versions())
         pairs, seen, zero = [], set(), {}
@@ -117,8 +127,8 @@ class ParallelModule(nn.Module):
             pairs, sig.ctx.device_mesh, bucket_bytes=bucket_bytes,
             reduce_dtype=precision.reduce_dtype(plan.dtype, getattr(plan, "grad_reduce", "fp32")), zero=zero))
         object.__setattr__(self, "_bucket_bytes", bucket_bytes)
-        # Pipelines: gradients are reduced once, after the last micro-batch.
-        self._grad_sync.enabled = not pipelined
+        # Pipelines and accumulation: gradients are reduced once, after the last micro-batch.
+        self._grad_sync.enabled = not (pipelined or accumulate > 1)
 
     def _setup_pipeline(self, gm, device_mesh, inputs_sharded):
         from autopar.runtime.pipeline import PipelineRunner, split_stages
@@ -141,20 +151,22 @@ class ParallelModule(nn.Module):
                 uses.setdefault(s.name, uses[canon.get(s.name, s.name)])
         object.__setattr__(self, "_stage_uses", uses)
         object.__setattr__(self, "_pipe", PipelineRunner(self, stages, self.plan, device_mesh))
+        self._microbatch_checks(self.plan.pipeline.microbatches, "this pipelined plan")
+        self._drop_other_stages(canon)
+
+    def _microbatch_checks(self, m: int, what: str) -> None:
+        """Micro-batches must give the full batch's numbers (autopar.microbatch): counted targets
+        are checked every step; batch norm per micro-batch is the one documented difference."""
         from autopar.microbatch import target_counter, training_batch_norms
 
-        # Micro-batches must give the full batch's numbers (autopar.microbatch): counted targets
-        # are checked every step; batch norm per micro-batch is the one documented difference.
         object.__setattr__(self, "_targets", target_counter(self._captured))
         norms = training_batch_norms(self._captured.gm)
         if norms:
             import warnings
 
-            warnings.warn(f"this pipelined plan normalises each of its {self.plan.pipeline.microbatches} micro-batches "
-                          f"with its own batch statistics ({len(norms)} batch norms in training, as gradient "
-                          f"accumulation does): the numbers differ from the full batch's; plan with pipeline=False "
-                          f"for those", stacklevel=3)
-        self._drop_other_stages(canon)
+            warnings.warn(f"{what} normalises each of its {m} micro-batches with its own batch statistics "
+                          f"({len(norms)} batch norms in training, as gradient accumulation does): the numbers "
+                          f"differ from the full batch's; plan without micro-batches for those", stacklevel=4)
 
     def _holds(self, name: str) -> bool:
         """Whether this rank keeps parameter ``name``: always without a pipeline; under one, when
@@ -434,10 +446,48 @@ class ParallelModule(nn.Module):
         (reduced as the plan says) and the replicated loss is returned as a plain tensor."""
         if self._pipe is not None:
             return self._pipeline_step(args, kwargs, target)
+        if self._accumulate > 1:
+            return self._accumulated_step(args, kwargs, target)
         loss = self.forward(*args, target=target, **kwargs)
         loss.backward()
         self._grad_sync.finish()
         return loss.detach()
+
+    def _accumulated_step(self, args, kwargs, target) -> torch.Tensor:
+        """Gradient accumulation (``plan.accumulate``, ``autopar.planner.accumulate``): the batch as
+        ``m`` equal micro-batches one after the other, gradients summed in place with the hooks
+        off, divided by ``m`` and reduced once; the loss is the mean of the micro-batch losses."""
+        from torch.utils import _pytree as pytree
+
+        m = self._accumulate
+        flat = self._flat_inputs(args, kwargs, target)
+        batch = next((int(t.shape[0]) for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        if batch is None or batch % m:
+            raise ValueError(f"this plan runs its batch as {m} micro-batches: the batch dim {batch} of the inputs "
+                             f"does not divide by {m}")
+        if self._targets is not None:
+            self._targets.check(dict(zip(self._captured.user_inputs, flat)), m)
+
+        def part(i):
+            def cut(t):
+                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
+                    return t[i * (batch // m):(i + 1) * (batch // m)]
+                return t
+            return pytree.tree_map(cut, (args, kwargs, target))
+
+        losses = []
+        for i in range(m):
+            a, k, tg = part(i)
+            loss = self.forward(*a, target=tg, **k)
+            loss.backward()
+            losses.append(loss.detach())
+        with torch.no_grad():
+            params = list({id(t): t for t in [*self.parameters(), *self._zero_full.values()]}.values())
+            for p in params:  # the sum of the micro-batches' gradients of a mean loss
+                if p.grad is not None:
+                    p.grad.div_(m)
+            self._grad_sync.finish(force=True)
+            return torch.stack(losses).mean()
 
     def _pipeline_step(self, args, kwargs, target) -> torch.Tensor:
         device = self._sig.ctx.device

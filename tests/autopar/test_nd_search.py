@@ -186,10 +186,12 @@ def test_layouts_reproduce_the_published_shapes():
 
 @pytest.mark.parametrize("layout,match", [
     ({"tp": 3}, "multiply to the mesh"),
-    ({"ep": 2}, "unknown layout key 'ep'"),
+    ({"sp": 2}, "unknown layout key 'sp'"),
+    ({"ep": 2}, "needs expert weights"),
     ({"cp": 3}, "multiply to the mesh"),
     ({"zero": 4}, "0, 1, 2 or 3"),
-    ({"pp": 1, "microbatches": 4}, "describe a pipeline"),
+    ({"pp": 1, "schedule": "1f1b"}, "describe a pipeline"),
+    ({"pp": 1, "microbatches": 3}, "does not cut the batch of 16"),
     ({"recompute": "some"}, "recompute"),
     ({"schedule": "zb-v"}, "schedule"),
     ({"dp": 0}, "positive int"),
@@ -276,5 +278,7 @@ def test_cli_prices_a_layout(capsys):
     assert main(["plan", "gpt2", "--mesh", "2x4", "--cluster", "a100", "--layout", "dp=2,tp=4,zero=1"]) == 0
     out = capsys.readouterr().out
     assert "family: dp(2) zero-1 x tp(4)" in out and "ZeRO-1" in out
+    assert main(["plan", "gpt2", "--mesh", "2x4", "--layout", "dp=2,sp=4"]) == 2
+    assert "unknown layout key 'sp'" in capsys.readouterr().err
     assert main(["plan", "gpt2", "--mesh", "2x4", "--layout", "dp=2,ep=4"]) == 2
-    assert "unknown layout key 'ep'" in capsys.readouterr().err
+    assert "needs expert weights" in capsys.readouterr().err

@@ -35,6 +35,9 @@ CASES = {
     # Expert parallelism: Mixtral's 4 experts (top-2) split over 2 and over 4 ranks.
     "mixtral dp2 x ep2 x tp2 over (8,)": ("mixtral", (8,), None, {"dp": 2, "ep": 2, "tp": 2}),
     "mixtral ep4 x tp2": ("mixtral", (4, 2), ("ep", "tp"), {"ep": 4, "tp": 2}),
+    # Gradient accumulation of flat plans: the batch of 8 as 2 micro-batches of 4.
+    "gpt2 dp4 x tp2 accumulating 2": ("gpt2", (8,), None, {"dp": 4, "tp": 2, "microbatches": 2}),
+    "llama dp4 zero-2 x tp2 accumulating 2": ("llama", (8,), None, {"dp": 4, "tp": 2, "zero": 2, "microbatches": 2}),
 }
 
 
@@ -92,6 +95,8 @@ def test_nd_plan_trains_like_one_device(pool8, label):
     name = CASES[label][0]
     plan = _plan(label)
     assert len(plan.mesh["shape"]) >= 2 and plan.zero == CASES[label][3].get("zero", 0)
+    if CASES[label][3].get("microbatches") and not CASES[label][3].get("pp"):
+        assert plan.accumulate == CASES[label][3]["microbatches"] and plan.pipeline is None
     if "cp" in CASES[label][3]:  # the sequence stays split through attention: context parallelism
         sdpa = [n for n in plan.nodes if n.startswith("scaled_dot_product_attention")]
         assert sdpa and all("cp" in plan.nodes[n].strategy.split(" x ") for n in sdpa), \

@@ -1,0 +1,75 @@
+"""Gradient accumulation of a single-stage plan (``layout={"microbatches": m}`` without ``pp``).
+
+``ParallelModule.train_step`` takes the global batch and runs it as ``m`` equal micro-batches one
+after the other on the whole mesh (the model captured again at ``batch / m``, as a pipeline stage
+is), with the gradient hooks off; after the last micro-batch the gradients, summed over the
+micro-batches, are divided by ``m`` and reduced once (``GradSync.finish``), and the loss is the
+mean of the micro-batch losses (equal counted targets per micro-batch are checked every step:
+``autopar.microbatch``).
+
+Priced as it runs: the sharding problem is solved at the micro-batch size (``Config.micro_batches``,
+``autopar.planner.micro``: every op on activations at ``1 / m`` of its work, with its kernel floor
+and collective latencies in full; parameter gathers whole per micro-batch), the step is ``m`` times
+a micro-batch's seconds plus the gradient sums once, unoverlapped (they run after the last
+backward), and the peak is the replay of ``m`` micro-batches one at a time
+(``autopar.planner.stage_memory.pipeline_peaks`` with one stage under 1F1B: one micro-batch's
+activations live at a time, gradients accumulate in place, then the buckets are reduced).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import solver
+from autopar.plan import InfeasibleBudget, Pipeline
+from autopar.planner.build import Config
+
+
+def solve_accumulated(gp, cfg: Config, m: int):
+    """The plan of ``cfg`` run as ``m`` accumulated micro-batches, or :class:`InfeasibleBudget`."""
+    from autopar.planner import _checkpoint_every, _size, build_cached, layer_members, to_plan
+    from autopar.planner.build import choices, zero_spec
+    from autopar.planner.micro import batch_size
+    from autopar.planner.overlap import chunk_counts
+    from autopar.planner.pipeline import _stage_units, _unit_figures
+    from autopar.planner.stage_memory import pipeline_peaks
+
+    batch = batch_size(gp)
+    if m < 2:
+        raise ValueError(f"gradient accumulation needs 2 or more micro-batches, got {m}")
+    if not batch or batch % m:
+        raise ValueError(f"microbatches={m} does not cut the batch of {batch} into equal micro-batches")
+    micro_cfg = dataclasses.replace(cfg, micro_batches=m, memory_budget=None)
+    built = build_cached(gp, micro_cfg)  # a ValueError names an op no strategy of which divides
+    sol = solver.solve(built.problem)
+    if cfg.checkpoint_every:
+        sol = _checkpoint_every(built.problem, sol)
+    units = _stage_units(gp)
+    t, once, _, _, _ = _unit_figures(built, sol, units, m)
+    sync = float(once.sum())
+    step = m * float(t.sum()) + sync
+    pick = choices(built, sol)
+    segs = {s.id: s for s in built.problem.segments}
+    recompute: dict[str, str] = {}
+    for sid in sol.checkpointed:
+        for leader in segs[sid].nodes:
+            for n in built.order:
+                if built.leader[n] == leader:
+                    recompute.setdefault(n, sid)
+        recompute.update((n, sid) for n in layer_members(gp, sid) if n in built.options and n not in recompute)
+    nodes = list(built.order)
+    peaks = pipeline_peaks(gp, {n: built.options[n].strategies[pick[n]] for n in nodes}, cfg.mesh,
+                           Pipeline(axis=0, stages=[nodes], microbatches=m, schedule="1f1b"),
+                           recompute=recompute, zero=zero_spec(cfg), optimizer=cfg.optimizer, dtype=cfg.dtype,
+                           chunks=chunk_counts(built.overlap, pick))
+    peak = float(peaks[0].peak)
+    if cfg.memory_budget is not None and peak > cfg.memory_budget:
+        return InfeasibleBudget(f"{m} accumulated micro-batches peak at {_size(peak)} per device, over the budget "
+                                f"of {_size(cfg.memory_budget)}: recompute (recompute='full'), more micro-batches "
+                                f"or more devices")
+    plan = to_plan(gp, micro_cfg, built, sol, sharding_axes=list(range(cfg.mesh.ndim)), step_time=step,
+                   peak_bytes=peak)
+    plan.accumulate = m
+    plan.memory_budget = cfg.memory_budget
+    plan.options["microbatch_size"] = batch // m
+    plan.breakdown["grad_sync"] = sync
+    return plan
