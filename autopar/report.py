@@ -79,6 +79,9 @@ def plan_summary(plan: "Plan") -> str:
         p = plan.pipeline
         out.append(f"pipeline: {len(p.stages)} stages on axis {p.axis}, {p.microbatches} micro-batches, "
                    f"schedule {p.schedule}")
+    elif getattr(plan, "accumulate", 1) > 1:
+        out.append(f"gradient accumulation: {plan.accumulate} micro-batches of "
+                   f"{plan.options.get('microbatch_size', '?')}, gradients reduced once after the last")
     if plan.layers:
         rows = []
         for r in plan.layers:

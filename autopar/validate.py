@@ -180,7 +180,7 @@ def runtime_gaps(plan: Plan) -> list[str]:
     half-understood."""
     gaps = []
     pipe = plan.pipeline
-    if pipe is not None and len(pipe.stages) > 1:
+    if (pipe is not None and len(pipe.stages) > 1) or getattr(plan, "accumulate", 1) > 1:
         from autopar.planner.micro import MIN_MICRO_BATCH
 
         size = plan.options.get("microbatch_size")

@@ -63,6 +63,7 @@ def test_the_plan_file_keeps_the_micro_batch_count():
     acc = _plan({"dp": 8, "microbatches": 2})
     back = Plan.from_json(acc.to_json())
     assert back.accumulate == 2 and back == acc
+    assert "gradient accumulation: 2 micro-batches of 16" in acc.summary()
     bad = acc.to_dict()
     bad["accumulate"] = 0
     import json
