@@ -1,5 +1,11 @@
 """What running a step as micro-batches changes in the numbers, and the checks that keep it exact.
 
+- **How the loss combines** (:func:`loss_reduction`): a mean over the batch is the mean of equal
+  micro-batches' means, a sum is the sum of their sums; the runtime combines the micro-batch
+  losses and gradients accordingly. A loss that is neither (a load-balancing term made of batch
+  means, a reduction over another dim) has no micro-batch form: micro-batched plans of it are
+  refused, and the free search makes none.
+
 A pipeline runs the global batch as ``m`` micro-batches of the same graph and takes the step's
 loss as the mean of the micro-batch losses (gradients likewise). That is the full-batch loss
 exactly when the loss is a mean over the same number of terms in every micro-batch. Two things
@@ -113,4 +119,124 @@ def target_counter(captured) -> TargetCounter | None:
     return None
 
 
-__all__ = ["training_batch_norms", "target_counter", "TargetCounter"]
+#: Losses with a ``reduction`` argument (position in the schema): 1 mean, 2 sum, 0 none.
+_REDUCING = {
+    "cross_entropy_loss": 3, "nll_loss": 3, "nll_loss_nd": 3, "nll_loss2d": 3, "mse_loss": 2, "l1_loss": 2,
+    "smooth_l1_loss": 2, "huber_loss": 2, "binary_cross_entropy": 3, "binary_cross_entropy_with_logits": 4,
+    "kl_div": 2, "soft_margin_loss": 2, "multilabel_margin_loss": 2, "multi_margin_loss": 5,
+    "margin_ranking_loss": 4, "hinge_embedding_loss": 3, "cosine_embedding_loss": 4, "poisson_nll_loss": 5,
+}
+#: Ops that combine along a dim (``dim`` their second argument).
+_ALONG = {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "std_mean", "logsumexp", "prod",
+          "norm", "linalg_vector_norm", "argmax", "argmin", "cumsum", "cumprod", "topk", "softmax", "_softmax",
+          "log_softmax", "_log_softmax"}
+_SCALAR_PASS = {"_to_copy", "to", "clone", "alias", "detach", "view", "reshape", "squeeze", "unsqueeze",
+                "_unsafe_view", "contiguous", "type_as", "neg"}
+
+
+def loss_reduction(captured, micro=None) -> str | None:
+    """How the step's loss combines over the batch: ``"mean"`` (the mean of equal micro-batches'
+    losses is the batch's), ``"sum"`` (their sum is), or None (neither is established: a product of
+    batch means such as a load-balancing term, a reduction over something other than the batch).
+
+    Read off the graph from the loss back: through casts and views, scaling by constants, and sums
+    or differences of terms that all combine alike, to a loss op with a mean or sum reduction, or
+    to ``mean``/``sum`` over every dim of a tensor whose dim 0 carries the batch (a multiple of
+    it). Micro-batches are equal (they must divide the batch).
+
+    Which tensors carry the batch in dim 0: with ``micro`` (the capture at ``batch / m``, which a
+    micro-batched module builds), exactly those whose dim 0 differs between the two captures;
+    without it, those whose dim 0 is a multiple of the batch (a guess that may also take an
+    expert count for one, and then answers None: the safe side)."""
+    shrunk = None
+    if micro is not None:
+        small = {n.name: n.meta.get("val") for n in micro.gm.graph.nodes}
+        shrunk = set()
+        for n in captured.gm.graph.nodes:
+            v, w = n.meta.get("val"), small.get(n.name)
+            if isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) and v.dim() > 0 and w.dim() > 0 and \
+                    int(v.shape[0]) != int(w.shape[0]):
+                shrunk.add(n.name)
+    batch = None
+    for name in captured.user_inputs:
+        n = next((x for x in captured.gm.graph.nodes if x.name == name), None)
+        v = n.meta.get("val") if n is not None else None
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            batch = int(v.shape[0])
+            break
+
+    def sized(x) -> bool:
+        if shrunk is not None:
+            return isinstance(x, fx.Node) and x.name in shrunk
+        v = x.meta.get("val") if isinstance(x, fx.Node) else None
+        return isinstance(v, torch.Tensor) and v.dim() > 0 and batch is not None and int(v.shape[0]) % batch == 0
+
+    def couples(n) -> bool:  # an op that combines samples: a reduction (or scan, sort) along dim 0
+        base = getattr(n.target, "__name__", str(n.target)).split(".")[0] if n.op == "call_function" else ""
+        if base not in _ALONG or not n.args or not sized(n.args[0]):
+            return False
+        nd = n.args[0].meta["val"].dim()
+        if base == "topk":  # topk(self, k, dim=-1, ...)
+            dims = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", -1)
+        else:
+            dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        if dims is None or dims == []:
+            return True
+        dims = dims if isinstance(dims, (list, tuple)) else [dims]
+        return any(isinstance(d, int) and d % nd == 0 for d in dims)
+
+    def carries(x) -> bool:
+        """Dim 0 of ``x`` is the batch, sample by sample: sized like it, and no op it is computed
+        from combines samples along dim 0."""
+        if not sized(x):
+            return False
+        seen, stack = set(), [x]
+        while stack:
+            a = stack.pop()
+            if a in seen:
+                continue
+            seen.add(a)
+            if couples(a):
+                return False
+            stack.extend(a.all_input_nodes)
+        return True
+
+    def everything(n) -> bool:  # a reduction of every dim to a scalar
+        v = n.meta.get("val")
+        return isinstance(v, torch.Tensor) and v.dim() == 0
+
+    def constant(x) -> bool:
+        return not isinstance(x, fx.Node)
+
+    def kind(n, depth=0) -> str | None:
+        if not isinstance(n, fx.Node) or n.op != "call_function" or depth > 64:
+            return None
+        base = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+        if base in _REDUCING:
+            pos = _REDUCING[base]
+            args = list(n.args)
+            red = args[pos] if len(args) > pos else n.kwargs.get("reduction", 1)
+            if not carries(n.args[0]):
+                return None
+            return {1: "mean", 2: "sum"}.get(int(red))
+        if base in ("mean", "sum") and everything(n) and carries(n.args[0]):
+            return base
+        if base in _SCALAR_PASS:
+            return kind(n.args[0], depth + 1)
+        if base in ("mul", "div"):
+            a, b = n.args[0], n.args[1]
+            if constant(b):
+                return kind(a, depth + 1)
+            if base == "mul" and constant(a):
+                return kind(b, depth + 1)
+            return None
+        if base in ("add", "sub"):
+            a, b = n.args[0], n.args[1]
+            ka, kb = kind(a, depth + 1), kind(b, depth + 1)
+            return ka if ka is not None and ka == kb else None
+        return None
+
+    return kind(captured.loss_node)
+
+
+__all__ = ["training_batch_norms", "target_counter", "TargetCounter", "loss_reduction"]

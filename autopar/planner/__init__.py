@@ -130,11 +130,15 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", precision=N
         raise ValueError(f"zero must be 'auto', 0, 1 or 2 (ZeRO-3 is a placement: force='zero3' or "
                          f"layout={{'zero': 3}}), got {zero!r}")
     cfg.zero = 0 if zero == "auto" else int(zero)
-    from autopar.microbatch import training_batch_norms
+    from autopar.microbatch import loss_reduction, training_batch_norms
 
     if pipeline == "auto" and not named_pp and training_batch_norms(gp.captured.gm):
         # Micro-batches would normalise with their own statistics (autopar.microbatch): pipelines
         # only when asked for.
+        pipeline = False
+    if pipeline == "auto" and not named_pp and loss_reduction(gp.captured) is None:
+        # No micro-batch form of this loss is established (autopar.microbatch): no pipelines
+        # unless asked for (the runtime then checks on the micro-batch capture, and refuses).
         pipeline = False
     candidates = _candidates(gp, cfg, force, pipeline, every, named_pp)
     if zero == "auto" and budget is not None and _memory_binds(candidates):

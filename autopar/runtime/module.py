@@ -86,6 +86,17 @@ class ParallelModule(nn.Module):
                                        loss_fn if loss_fn is not None else getattr(captured, "loss_fn", None))
         else:
             graph = captured
+        loss_sum = False
+        if graph is not captured:
+            from autopar.microbatch import loss_reduction
+
+            how = loss_reduction(captured, graph)
+            if how is None:
+                raise ValueError("this plan runs the batch as micro-batches, but the loss is neither a mean nor a sum "
+                                 "over the batch (a product of batch means such as a load-balancing term, or a "
+                                 "reduction over another dim): the micro-batches' losses would not make the batch's. "
+                                 "Plan without micro-batches (pipeline=False, no microbatches in the layout)")
+            loss_sum = how == "sum"
         gm = build(graph, plan, device_mesh, debug=debug, executor=executor,
                    check_hash=not (pipelined or accumulate > 1))
         sig = gm.meta["autopar"]
@@ -102,6 +113,7 @@ class ParallelModule(nn.Module):
         self._install_state(model, graph, sig)
         object.__setattr__(self, "_pipe", None)
         object.__setattr__(self, "_accumulate", accumulate)
+        object.__setattr__(self, "_loss_sum", loss_sum)
         object.__setattr__(self, "_targets", None)
         if pipelined:
             self._setup_pipeline(gm, device_mesh, inputs_sharded)
@@ -151,6 +163,7 @@ class ParallelModule(nn.Module):
                 uses.setdefault(s.name, uses[canon.get(s.name, s.name)])
         object.__setattr__(self, "_stage_uses", uses)
         object.__setattr__(self, "_pipe", PipelineRunner(self, stages, self.plan, device_mesh))
+        self._pipe.loss_sum = self._loss_sum
         self._microbatch_checks(self.plan.pipeline.microbatches, "this pipelined plan")
         self._drop_other_stages(canon)
 
@@ -456,7 +469,8 @@ class ParallelModule(nn.Module):
     def _accumulated_step(self, args, kwargs, target) -> torch.Tensor:
         """Gradient accumulation (``plan.accumulate``, ``autopar.planner.accumulate``): the batch as
         ``m`` equal micro-batches one after the other, gradients summed in place with the hooks
-        off, divided by ``m`` and reduced once; the loss is the mean of the micro-batch losses."""
+        off, divided by ``m`` and reduced once; the loss is the mean of the micro-batch losses
+        (for a loss that sums over the batch: their sum, the gradients not divided)."""
         from torch.utils import _pytree as pytree
 
         m = self._accumulate
@@ -483,11 +497,12 @@ class ParallelModule(nn.Module):
             losses.append(loss.detach())
         with torch.no_grad():
             params = list({id(t): t for t in [*self.parameters(), *self._zero_full.values()]}.values())
-            for p in params:  # the sum of the micro-batches' gradients of a mean loss
-                if p.grad is not None:
-                    p.grad.div_(m)
+            if not self._loss_sum:
+                for p in params:  # the sum of the micro-batches' gradients of a mean loss
+                    if p.grad is not None:
+                        p.grad.div_(m)
             self._grad_sync.finish(force=True)
-            return torch.stack(losses).mean()
+            return torch.stack(losses).sum() if self._loss_sum else torch.stack(losses).mean()
 
     def _pipeline_step(self, args, kwargs, target) -> torch.Tensor:
         device = self._sig.ctx.device
@@ -500,8 +515,8 @@ class ParallelModule(nn.Module):
         with torch.no_grad():
             # the parameters and ZeRO compute copies the schedule accumulated into
             params = list({id(t): t for t in [*self.parameters(), *self._zero_full.values()]}.values())
-            for p in params:  # the schedule summed the micro-batches' gradients of a mean loss
-                if p.grad is not None:
+            for p in params if not self._loss_sum else ():  # the schedule summed the micro-batches'
+                if p.grad is not None:                         # gradients of a mean loss
                     p.grad.div_(self._pipe.m)
             self._grad_sync.finish(force=True)
             shared = list({id(p): p for p in (self._get(n) for n, st in sorted(self._stage_uses.items())

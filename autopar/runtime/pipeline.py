@@ -14,9 +14,10 @@ its placements shard over the other axis. Steps:
    the last stage returns the micro-batch loss.
 4. **Schedule.** ``PipelineStage`` per local stage (``coordinate + j * P`` for virtual stages)
    over the pipeline axis' process group, with ``ScheduleGPipe``, ``Schedule1F1B`` or
-   ``ScheduleInterleaved1F1B``. The loss of a step is the mean of the micro-batch losses,
-   broadcast to every rank; gradients are divided by the number of micro-batches (so they are
-   the full-batch gradients of a mean loss), then reduced over the sharding axis
+   ``ScheduleInterleaved1F1B``. The loss of a step is the mean of the micro-batch losses (their
+   sum for a loss that sums over the batch: ``autopar.microbatch.loss_reduction``), broadcast to
+   every rank; gradients are divided by the number of micro-batches (not for a sum: they are then
+   the full-batch gradients either way), then reduced over the sharding axis
    (``GradSync.finish``), and parameters used by several stages (tied embeddings) have their
    gradients summed over the pipeline axis.
 """
@@ -291,7 +292,8 @@ class PipelineRunner:
         self.device = device
 
     def step(self, user_inputs: list[torch.Tensor]) -> torch.Tensor:
-        """One global batch through the pipeline; the mean micro-batch loss on every rank."""
+        """One global batch through the pipeline; the micro-batch losses combined as the loss
+        combines over the batch (mean, or sum: ``loss_sum``) on every rank."""
         batch = user_inputs[0].shape[0] if user_inputs else self.m
         args = user_inputs if 0 in self.local else []
         last = self.n_stages - 1 in self.local
@@ -300,7 +302,8 @@ class PipelineRunner:
         if last:
             kwargs = {"target": torch.zeros(batch, device=self.device), "losses": losses}
         self.schedule.step(*args, **kwargs)
-        loss = (torch.stack([x.detach() for x in losses]).mean() if last
+        combine = torch.sum if getattr(self, "loss_sum", False) else torch.mean  # how the loss combines
+        loss = (combine(torch.stack([x.detach() for x in losses])) if last
                 else torch.zeros((), device=self.device))
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss

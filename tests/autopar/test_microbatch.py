@@ -56,3 +56,80 @@ def test_free_search_makes_no_pipeline_of_a_training_batch_norm():
         plan = autopar.plan(ex.model, Mesh((2, 2), cluster="cpu"), ex.args, example_kwargs=ex.kwargs,
                             loss_fn=ex.loss_fn, target=ex.target)
     assert plan.pipeline is None or len(plan.pipeline.stages) == 1
+
+
+@pytest.mark.parametrize("loss,want", [
+    (lambda o, t: torch.nn.functional.cross_entropy(o, t), "mean"),
+    (lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="sum"), "sum"),
+    (lambda o, t: 2 * torch.nn.functional.cross_entropy(o, t) - torch.nn.functional.mse_loss(o, 0 * o.detach()), "mean"),
+    (lambda o, t: o.square().sum() / 3, "sum"),
+    (lambda o, t: torch.nn.functional.cross_entropy(o, t) + o.sum(), None),   # a mean plus a sum
+    (lambda o, t: o.mean(0).square().sum(), None),                            # squares of batch means
+    (lambda o, t: o.softmax(0).max(), None),                                  # normalised across samples
+], ids=["mean", "sum", "mean-combination", "scaled-sum", "mixed", "batch-means", "across-samples"])
+def test_how_a_loss_combines_over_the_batch(loss, want):
+    from autopar.microbatch import loss_reduction
+    from autopar.runtime.pipeline import microbatch_capture
+
+    ex = cases.example("mlp")
+    cap = cases.capture(type(ex)(**{**ex.__dict__, "loss_fn": loss}))
+    assert loss_reduction(cap) == want
+    assert loss_reduction(cap, microbatch_capture(ex.model, cap, 2, loss)) == want
+
+
+def test_zoo_losses_combine_as_means():
+    """Every zoo LM and classifier averages over the batch; the MoE classifier's load-balancing
+    term (a product of batch means) has no micro-batch form. Mixtral's expert count equals its
+    batch here: the one-capture guess cannot tell them apart (None), the micro-batch capture can."""
+    from autopar.microbatch import loss_reduction
+    from autopar.runtime.pipeline import microbatch_capture
+
+    for name in ("gpt2", "llama", "bert", "vit", "resnet", "t5", "mha", "moe", "mixtral"):
+        ex, cap = _captured(name, batch=4)
+        micro = microbatch_capture(ex.model, cap, 2, ex.loss_fn)
+        want = None if name == "moe" else "mean"
+        assert loss_reduction(cap, micro) == want, name
+        assert loss_reduction(cap) == (None if name in ("moe", "mixtral") else "mean"), name
+
+
+def test_a_summed_loss_accumulates_as_a_sum():
+    """Gradient accumulation of a loss that sums over the batch: the micro-batch losses and
+    gradients add up to the batch's (a mean of them would halve both); a loss of neither kind is
+    refused before any step."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autopar
+    from autopar.mesh import Mesh
+    from autopar.runtime.module import ParallelModule
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        dm = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        for loss, ok in ((lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="sum"), True),
+                         (lambda o, t: o.mean(0).square().sum(), False)):
+            ex = cases.example("mlp")
+            model = ex.model
+            ref_model = __import__("copy").deepcopy(model)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plan = autopar.plan(model, Mesh((1,), cluster="cpu"), ex.args, loss_fn=loss, target=ex.target,
+                                    layout={"microbatches": 2})
+            cap = cases.capture(type(ex)(**{**ex.__dict__, "loss_fn": loss}))
+            if not ok:
+                with pytest.raises(ValueError, match="neither a mean nor a sum"):
+                    ParallelModule(model, cap, plan, dm, loss_fn=loss)
+                continue
+            pm = ParallelModule(model, cap, plan, dm, loss_fn=loss)
+            got = pm.train_step(*ex.args, target=ex.target)
+            want = loss(ref_model(*ex.args), ex.target)
+            want.backward()
+            assert cases.rel_err(got, want.detach()) < 1e-6
+            grads = pm.full_grads()
+            for name, p in ref_model.named_parameters():
+                assert cases.rel_err(grads[name], p.grad) < 1e-5, name
+    finally:
+        dist.destroy_process_group()
