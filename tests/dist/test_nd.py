@@ -33,12 +33,20 @@ CASES = {
     "llama seq 1024 dp4 x cp2": (LONG, (8,), None, {"dp": 4, "cp": 2}),
     "llama seq 1024 cp4 x tp2": (LONG, (4, 2), ("cp", "tp"), {"cp": 4, "tp": 2}),
     # Expert parallelism: Mixtral's 4 experts (top-2) split over 2 and over 4 ranks.
-    "mixtral dp2 x ep2 x tp2 over (8,)": ("mixtral", (8,), None, {"dp": 2, "ep": 2, "tp": 2}),
+    "mixtral dp4 x ep2 over (8,)": ("mixtral", (8,), None, {"dp": 4, "ep": 2}),
     "mixtral ep4 x tp2": ("mixtral", (4, 2), ("ep", "tp"), {"ep": 4, "tp": 2}),
     # Gradient accumulation of flat plans: the batch of 8 as 2 micro-batches of 4.
     "gpt2 dp4 x tp2 accumulating 2": ("gpt2", (8,), None, {"dp": 4, "tp": 2, "microbatches": 2}),
     "llama dp4 zero-2 x tp2 accumulating 2": ("llama", (8,), None, {"dp": 4, "tp": 2, "zero": 2, "microbatches": 2}),
 }
+#: The sweep (``-m slow``, run by ``benchmarks/nd_sweep.sh``): every zoo model on 2 x 2 x 2
+#: (pp x dp x tp), and those a pipeline cannot run exactly (a training batch norm normalises
+#: each micro-batch on its own) on dp x tp.
+_PP3 = {"pp": 2, "dp": 2, "tp": 2}
+SWEEP = {f"sweep {m} pp2 x dp2 x tp2": (m, (2, 2, 2), ("pp", "dp", "tp"), _PP3)
+         for m in ("gpt2", "llama", "bert", "vit", "mlp", "t5", "mixtral", "mha", "transformer_encoder")}
+SWEEP["sweep resnet dp4 x tp2"] = ("resnet", (8,), None, {"dp": 4, "tp": 2})
+SWEEP["sweep moe dp4 x tp2"] = ("moe", (8,), None, {"dp": 4, "tp": 2})
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +67,7 @@ def _plan(label):
     import autopar
     from autopar.mesh import Mesh
 
-    name, shape, names, layout = CASES[label]
+    name, shape, names, layout = {**CASES, **SWEEP}[label]
     ex = _example(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -92,16 +100,28 @@ def _rank_predictions(name: str, plan) -> list[float]:
 
 @pytest.mark.parametrize("label", [k for k in CASES if k != "gpt2 pp2 x dp2 x tp2"])  # that one: below
 def test_nd_plan_trains_like_one_device(pool8, label):
-    name = CASES[label][0]
+    _trains_like_one_device(pool8, label, CASES[label])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(SWEEP))
+def test_every_zoo_model_on_8_ranks(pool8, label):
+    _trains_like_one_device(pool8, label, SWEEP[label])
+
+
+def _trains_like_one_device(pool8, label, case):
+    name, layout = case[0], case[3]
     plan = _plan(label)
-    assert len(plan.mesh["shape"]) >= 2 and plan.zero == CASES[label][3].get("zero", 0)
-    if CASES[label][3].get("microbatches") and not CASES[label][3].get("pp"):
-        assert plan.accumulate == CASES[label][3]["microbatches"] and plan.pipeline is None
-    if "cp" in CASES[label][3]:  # the sequence stays split through attention: context parallelism
+    assert len(plan.mesh["shape"]) >= 2 and plan.zero == layout.get("zero", 0)
+    if layout.get("pp"):
+        assert plan.pipeline is not None and len(plan.pipeline.stages) == layout["pp"]
+    if layout.get("microbatches") and not layout.get("pp"):
+        assert plan.accumulate == layout["microbatches"] and plan.pipeline is None
+    if "cp" in layout:  # the sequence stays split through attention: context parallelism
         sdpa = [n for n in plan.nodes if n.startswith("scaled_dot_product_attention")]
         assert sdpa and all("cp" in plan.nodes[n].strategy.split(" x ") for n in sdpa), \
             {n: plan.nodes[n].strategy for n in sdpa}
-    if "ep" in CASES[label][3]:  # every grouped expert matmul runs its rank's experts on the ep axis
+    if "ep" in layout:  # every grouped expert matmul runs its rank's experts on the ep axis
         ep = plan.mesh["axis_names"].index("ep")
         grouped = [n for n in plan.nodes if n.startswith("grouped_mm")]
         assert grouped and all(plan.nodes[n].strategy.split(" x ")[ep] == "experts" for n in grouped), \
