@@ -103,7 +103,7 @@ def parse_layout_flag(text: str) -> dict:
         key, value = key.strip(), value.strip()
         if not eq or not key or not value:
             raise UserError(f"cannot read --layout {text!r}: use key=value pairs, e.g. pp=2,dp=32,tp=8,recompute=full")
-        out[key] = int(value) if value.isdigit() else value
+        out[key] = int(value) if value.isdigit() else {"true": True, "false": False}.get(value.lower(), value)
     try:
         return L.parse(out).to_dict()
     except (TypeError, ValueError) as err:

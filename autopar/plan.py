@@ -102,6 +102,10 @@ class Plan:
     gradients). Sharded storage (ZeRO-3/FSDP) is in the placements."""
     pipeline: Pipeline | None = None
     """Pipeline stages, or ``None`` for a single stage."""
+    reshard_after_forward: bool = False
+    """ZeRO-3 parameters gathered for the forward are freed after it and gathered again in
+    backward (FSDP's ``reshard_after_forward``): only their shards outlive the forward (single-stage
+    plans)."""
     accumulate: int = 1
     """Micro-batches of a single-stage plan (gradient accumulation): ``train_step`` takes the
     global batch, runs it in ``accumulate`` equal micro-batches one after the other and reduces
@@ -331,6 +335,11 @@ def _validate(data: Any) -> Plan:
         _need(body["zero"] in (0, 1, 2) and not isinstance(body["zero"], bool), "zero", "expected 0, 1 or 2")
         out["zero"] = int(body["zero"])
     out["pipeline"] = _validate_pipeline(body.get("pipeline"), len(shape), nodes)
+    if "reshard_after_forward" in body:
+        _need(isinstance(body["reshard_after_forward"], bool), "reshard_after_forward", "expected true or false")
+        _need(not body["reshard_after_forward"] or out["pipeline"] is None, "reshard_after_forward",
+              "pipelined plans keep their gathered weights")
+        out["reshard_after_forward"] = body["reshard_after_forward"]
     if "accumulate" in body:
         acc = body["accumulate"]
         _need(isinstance(acc, int) and not isinstance(acc, bool) and acc >= 1, "accumulate", "expected an int >= 1")

@@ -296,6 +296,9 @@ class _Lowering:
         mod = ReshardModule(fwd, bwd, self.ctx, shape,
                             f"{prod.name} -> {node.name} {pl.fmt(src)}->{pl.fmt(dst)}", owned_fwd, owned_bwd,
                             fwd_dtype, bwd_dtype)
+        if getattr(self.plan, "reshard_after_forward", False) and is_param and prod.op == "placeholder" and \
+                any(st.kind == "all_gather" for st in fwd):
+            mod.reshard_after_forward = True  # freed after forward, gathered again in backward
         name = _attr_name(mod.label, self.taken)
         self.root[name] = mod
         self.reshards.append(f"{name}: {mod.what}, {mod.label}")

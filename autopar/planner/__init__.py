@@ -217,6 +217,7 @@ def _plan_layout(gp, cfg: Config, layout) -> Plan:
         mesh = L.logical_mesh(cfg.mesh, pp, dp, ep, cp, tp)
         c = dataclasses.replace(cfg, mesh=mesh, family=L.family(mesh.axis_names, lay.zero),
                                 zero=lay.zero if lay.zero in (1, 2) else 0,
+                                reshard_after_forward=bool(lay.reshard_after_forward),
                                 checkpoint=lay.recompute != "none", checkpoint_every=lay.recompute == "full",
                                 micro_choices=(lay.microbatches,) if lay.microbatches else (),
                                 schedule_choices=(lay.schedule,) if lay.schedule else (),
@@ -493,10 +494,52 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
              solver={"status": str(sol.status), "gap": float(sol.gap), "variables": int(sol.num_variables),
                      "constraints": int(sol.num_constraints), "checkpointed": list(sol.checkpointed)},
              options={"family": family or _family_name(cfg, gp, nodes, params)})
+    if cfg.reshard_after_forward and pipeline is None:
+        p.reshard_after_forward = True
+        extra = _regather_seconds(gp, cfg, p)
+        if step_time is None:  # (a caller's own step time has it already)
+            p.step_time += extra
+        p.breakdown["regather"] = extra
     p.timings.update(build_seconds=float(build_seconds), solve_seconds=float(sol.solve_seconds))
     p.layers = _layer_rows(gp, p, built, pick)
     p.considered = _considered(gp, built, sol)
     return p
+
+
+def _regather_seconds(gp, cfg: Config, plan: Plan) -> float:
+    """Seconds of the backward gathers of reshard-after-forward: one per ZeRO-3 weight and
+    placement it is gathered to (the codegen's shared edge) for ops outside checkpointed regions
+    (those keep their inputs), at the dtype it is gathered in, synchronous as the runtime runs
+    them (``autopar.codegen.modules.Gathered``)."""
+    import torch
+
+    from autopar.costs.reshard import reshard
+
+    kinds = _kinds_of(gp)
+    seen, total = set(), 0.0
+    for node in gp.captured.gm.graph.nodes:
+        np_ = plan.nodes.get(node.name)
+        if node.op != "call_function" or np_ is None or np_.recompute:
+            continue
+        for j, a in enumerate(node.all_input_nodes):
+            if kinds.get(a.name) != "param" or a.name not in plan.nodes or j >= len(np_.inputs) or np_.inputs[j] is None:
+                continue
+            src, dst = plan.nodes[a.name].outputs[0], np_.inputs[j]
+            v = a.meta.get("val")
+            if src == dst or not isinstance(v, torch.Tensor) or (a.name, dst) in seen:
+                continue
+            item = 2 if cfg.dtype == "bf16-mixed" and v.is_floating_point() else v.element_size()
+            r = reshard(src, dst, tuple(v.shape), item, cfg.mesh)
+            if any(s.kind == "all_gather" for s in r.steps):
+                seen.add((a.name, dst))
+                total += float(r.cost)
+    return total
+
+
+def _kinds_of(gp) -> dict[str, str]:
+    from autopar.planner.build import _kinds
+
+    return _kinds(gp.captured)
 
 
 _HASHES: dict[int, tuple] = {}
@@ -590,7 +633,7 @@ def simulated_peak(gp, cfg: Config, built: Built, pick, recompute, chunks=None):
 
     strategy_of = {n: built.options[n].strategies[pick[n]] for n in built.order}
     return rank_peak(gp, strategy_of, cfg.mesh, recompute=recompute, optimizer=cfg.optimizer, dtype=cfg.dtype,
-                     chunks=chunks, zero=zero_spec(cfg))
+                     chunks=chunks, zero=zero_spec(cfg), reshard_after_forward=cfg.reshard_after_forward)
 
 
 def _memory_split(built: Built, pick, gp, est=None, ilp_peak: float = 0.0) -> dict[str, float]:

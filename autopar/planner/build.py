@@ -89,6 +89,8 @@ class Config:
     """Recompute every repeated layer (a layout's ``recompute="full"``)."""
     zero: int = 0
     """ZeRO-1/2 for parameters stored replicated (see ``Plan.zero``), over :func:`zero_axes`."""
+    reshard_after_forward: bool = False
+    """ZeRO-3 weights freed after the forward and gathered again in backward (``Plan.reshard_after_forward``)."""
     micro_batches: int = 1
     """Price one micro-batch of ``batch / micro_batches`` (pipeline stages; see ``Micro``): ops that
     depend on the user inputs run at the micro-batch size with their kernel floor and collective
@@ -415,6 +417,36 @@ def _no_batch_split(allowed: list, node, tp_axes: tuple[int, ...], batch: int | 
     return kept or allowed
 
 
+def _batch_split(allowed: list, node, dp_axes: tuple[int, ...], batch: int | None, weights=(), kinds=None) -> list:
+    """The strategies of ``node`` that split every activation carrying the batch by sample on the
+    data-parallel axes, when some do: dim 0 of an activation (not a parameter or a view of one) of
+    two or more dims whose dim 0 is a multiple of the batch (``(batch, seq, hidden)``, a
+    flattened ``(batch * seq, hidden)``)."""
+    if not batch or (kinds or {}).get(node.name) in ("param", "buffer") or node.name in weights:
+        return allowed
+    acts = [a.name not in weights and (kinds or {}).get(a.name) not in ("param", "buffer")
+            for a in node.all_input_nodes]
+    pairs_of = lambda s: [(t, p) for t, p, ok in zip(_input_vals(node), s.inputs, acts) if ok] + \
+        list(zip(_vals(node), s.outputs))  # noqa: E731
+
+    def carries(t) -> bool:
+        return t.dim() >= 2 and int(t.shape[0]) % batch == 0 and int(t.shape[0]) > 1
+
+    if not allowed or not any(carries(t) for t, _ in pairs_of(allowed[0])):
+        return allowed
+
+    def splits(s) -> bool:
+        for t, p in pairs_of(s):
+            if p is None or not carries(t):
+                continue
+            if not all(isinstance(p[a], Shard) and p[a].dim % t.dim() == 0 for a in dp_axes):
+                return False
+        return True
+
+    kept = [s for s in allowed if splits(s)]
+    return kept or allowed
+
+
 def _no_weight_gather(allowed: list, node, weights: set[str], tp_axes: tuple[int, ...]) -> list:
     """The strategies of ``node`` that read every matrix weight (or view of one) sharded on the
     tensor-parallel axes, when some do: the weight is used as stored, so the op's compute is
@@ -440,13 +472,14 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
     tp_axes = tuple(a for a in tp_axes_of(cfg.family, cfg.mesh.ndim) if cfg.mesh.shape[a] > 1)
     cp_axes = tuple(a for a in cp_axes_of(cfg.family) if cfg.mesh.shape[a] > 1)
     ep_axes = tuple(a for a in ep_axes_of(cfg.family) if cfg.mesh.shape[a] > 1)
-    dp_axes = tuple(a for a in dp_axes_of(cfg.family) if cfg.mesh.shape[a] > 1) + cp_axes + ep_axes
+    batch_axes = tuple(a for a in dp_axes_of(cfg.family) if cfg.mesh.shape[a] > 1)
+    dp_axes = batch_axes + cp_axes + ep_axes
     experts = expert_params(gm, kinds) if ep_axes else {}
     if ep_axes and not experts:
         raise ValueError("expert parallelism (ep) needs expert weights, stacked (experts, ...) parameters that grouped "
                          "matmuls read (HF Mixtral's experts), and this model has none: use dp for that axis")
-    weights = _weight_views(gm, kinds) if tp_axes else set()
-    batch = _global_batch(gp) if tp_axes or cp_axes else None
+    weights = _weight_views(gm, kinds) if tp_axes or batch_axes else set()
+    batch = _global_batch(gp) if tp_axes or cp_axes or batch_axes else None
     # Saved bytes in the plan's precision: the mixed replay's own sizes (what the per-rank memory
     # replay, which decides a plan's peak, counts too), where halving the fp32 run's figure
     # under-counted Llama-2-7B's saved activations by 26% (28.6 GiB a layer against 21.3).
@@ -500,6 +533,10 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
             # A layout's data- and context-parallel axes split every op's work where the op allows it.
             split = [s for s in allowed if all(s.per_axis and s.per_axis[a] != "R" for a in dp_axes)]
             allowed = split or allowed
+            if batch_axes:
+                # and data parallelism splits it by sample (weights gathered, never the matmuls
+                # split by columns or rows there: that would be tensor parallelism by another name)
+                allowed = _batch_split(allowed, node, batch_axes, batch, weights, kinds)
         if cfg.family in ("dp", "zero3") and node.op == "call_function":
             # Data parallelism splits every op's work over the whole mesh where the op allows it.
             full = [s for s in allowed if s.divisor == cfg.mesh.size]

@@ -22,6 +22,8 @@ model as its own. Keys left out are searched.
                    optimizer); 2 (and the reduced gradients); 3 (parameters, gradients and
                    optimizer state sharded over ``dp``: FSDP/ZeRO-3). (HSDP, sharded inside a node
                    and replicated across, is not a layout yet.)
+``reshard_after_forward`` with ``zero`` 3: gathered weights freed after the forward and gathered again
+                   in backward (FSDP's default; single-stage plans)
 ``recompute``      ``"full"`` (every layer), ``"none"``, or left out (the search chooses per layer)
 ``microbatches``   micro-batches per step: of the pipeline with ``pp > 1``; with ``pp`` 1, gradient
                    accumulation (the batch run in that many micro-batches, gradients reduced once)
@@ -41,7 +43,7 @@ import dataclasses
 import math
 from typing import Any
 
-KEYS = ("pp", "dp", "ep", "cp", "tp", "zero", "recompute", "microbatches", "schedule", "virtual_stages")
+KEYS = ("pp", "dp", "ep", "cp", "tp", "zero", "reshard_after_forward", "recompute", "microbatches", "schedule", "virtual_stages")
 RECOMPUTE = ("full", "none")
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 
@@ -56,6 +58,7 @@ class Layout:
     cp: int | None = None
     tp: int | None = None
     zero: int | None = None
+    reshard_after_forward: bool | None = None
     recompute: str | None = None
     microbatches: int | None = None
     schedule: str | None = None
@@ -82,6 +85,11 @@ def parse(layout: Any) -> Layout:
     zero = layout.get("zero")
     if zero is not None and zero not in (0, 1, 2, 3):
         raise ValueError(f"layout['zero'] must be 0, 1, 2 or 3, got {zero!r}")
+    raf = layout.get("reshard_after_forward")
+    if raf is not None and not isinstance(raf, bool):
+        raise ValueError(f"layout['reshard_after_forward'] must be True or False, got {raf!r}")
+    if raf and (zero != 3 or (layout.get("pp") or 1) > 1):
+        raise ValueError("layout: reshard_after_forward frees gathered ZeRO-3 weights: give zero=3 and no pipeline")
     rc = layout.get("recompute")
     if rc is not None and rc not in RECOMPUTE:
         raise ValueError(f"layout['recompute'] must be one of {', '.join(RECOMPUTE)} (or left out: searched), "

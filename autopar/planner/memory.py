@@ -65,8 +65,11 @@ def _vals(node) -> list:
 class _Ctx:
     """The solved choice as the simulation needs it."""
 
-    def __init__(self, gp, strategy_of: dict, mesh, zero=None, dtype: str = "float32"):
+    def __init__(self, gp, strategy_of: dict, mesh, zero=None, dtype: str = "float32", raf=False, recompute=()):
         self.gp, self.mesh, self.shape = gp, mesh, tuple(mesh.shape)
+        # Reshard after forward: a gathered ZeRO-3 weight is not kept by the ops outside
+        # checkpointed regions that read it; their backward gathers it again (a transient).
+        self.raf, self.recomputed = raf, set(recompute)
         # Causal attention split by query rows runs the flash kernel only on GPUs in half
         # precision; elsewhere an explicit mask is made and saved (autopar.strategies.attention).
         self.flash = dtype == "bf16-mixed" and getattr(mesh, "cluster", "cpu") != "cpu"
@@ -249,7 +252,14 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders) -> list:
                                 bwd_alloc=total if rg else 0, fwd_max_op=top, bwd_max_op=top if rg else 0,
                                 in_backward=rg, inputs=[a.name], users=[n.name], grad_bytes=nbytes if rg else 0,
                                 grad_float_size=t.element_size(), is_alias=False))
-            n.saved = [(name, 0) if k in src_keys else k for k in n.saved]
+            gathered = nbytes > _local(t, src, ctx.shape)
+            if ctx.raf and gathered and a.name in placeholders and placeholders[a.name].kind == "param" and \
+                    n.name not in ctx.recomputed:
+                n.saved = [k for k in n.saved if k not in src_keys]  # the shard is resident anyway
+                n.bwd_alloc += nbytes  # gathered again for this op's backward
+                n.bwd_max_op = max(n.bwd_max_op, nbytes)
+            else:
+                n.saved = [(name, 0) if k in src_keys else k for k in n.saved]
             n.inputs = [name if x == a.name else x for x in n.inputs]
             if prod is not None:
                 prod.users = [name if u == n.name else u for u in prod.users]
@@ -355,14 +365,14 @@ def _regions(steps, copies: dict[str, str], recompute) -> list[list[str]]:
 
 def rank_peak(gp, strategy_of: dict, mesh, *, recompute=frozenset(), optimizer: str = "adamw",
               dtype: str = "float32", foreach: bool | None = None, bucket_bytes: int = BUCKET_BYTES,
-              chunks: dict | None = None, zero=None):
+              chunks: dict | None = None, zero=None, reshard_after_forward: bool = False):
     """The ``profiler.memory.MemoryEstimate`` of one rank's training step under the choice
     ``strategy_of`` (fx node name -> ``autopar.strategies.Strategy``) with the nodes in
     ``recompute`` checkpointed and the matmuls in ``chunks`` (name -> k) run in k overlap chunks.
     ``foreach``: AdamW updates all parameters at once (default: on GPUs, as ``torch.optim`` does)."""
     from profiler.memory import simulate
 
-    ctx = _Ctx(gp, strategy_of, mesh, zero, dtype)
+    ctx = _Ctx(gp, strategy_of, mesh, zero, dtype, reshard_after_forward, recompute)
     precision = "bf16-mixed" if dtype == "bf16-mixed" else "fp32"
     base = gp._step_nodes(precision)  # the measured graph's step nodes (fp32 run or mixed replay)
     chunks = chunks or {}
@@ -426,7 +436,8 @@ def plan_peak(plan, gp, *, foreach: bool | None = None, bucket_bytes: int = BUCK
                                zero=plan_zero(plan, mesh))
         return max(e.peak for e in peaks)
     return rank_peak(gp, strategy_of, mesh, recompute=recompute, optimizer=plan.optimizer, dtype=plan.dtype,
-                     foreach=foreach, bucket_bytes=bucket_bytes, chunks=chunks, zero=plan_zero(plan, mesh)).peak
+                     foreach=foreach, bucket_bytes=bucket_bytes, chunks=chunks, zero=plan_zero(plan, mesh),
+                     reshard_after_forward=bool(getattr(plan, "reshard_after_forward", False))).peak
 
 
 def plan_zero(plan, mesh):

@@ -444,6 +444,11 @@ class ParallelModule(nn.Module):
             raise RuntimeError("a pipelined plan runs forward and backward together: call train_step()")
         self._zero_gather()
         with self.autocast():
+            if getattr(self.plan, "reshard_after_forward", False):
+                from autopar.codegen.modules import Gathered
+
+                with Gathered():  # ZeRO-3 weights saved as tokens, gathered again in backward
+                    return self._run(*self._graph_args(self._local_inputs(args, kwargs, target)))
             return self._run(*self._graph_args(self._local_inputs(args, kwargs, target)))
 
     def autocast(self):

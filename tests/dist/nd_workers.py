@@ -83,6 +83,13 @@ def resume_nd(name: str, plan_a: str, plans_b: list[str], root: str, steps: int)
     return {"first": first, "resumed": resumed}
 
 
+def regathers() -> int:
+    """Weights gathered again in backward by this process so far (reshard after forward)."""
+    from autopar.codegen.modules import Gathered
+
+    return Gathered.regathers
+
+
 def train_nd(name: str, plan_json: str) -> dict:
     """``workers.train_case`` of ``name`` at batch 8 on the job's (physical) mesh: a torch
     DeviceMesh named like the plan's when the plan is for it, generic names when the plan lays a

@@ -38,6 +38,9 @@ CASES = {
     # Gradient accumulation of flat plans: the batch of 8 as 2 micro-batches of 4.
     "gpt2 dp4 x tp2 accumulating 2": ("gpt2", (8,), None, {"dp": 4, "tp": 2, "microbatches": 2}),
     "llama dp4 zero-2 x tp2 accumulating 2": ("llama", (8,), None, {"dp": 4, "tp": 2, "zero": 2, "microbatches": 2}),
+    # FSDP's reshard after forward: ZeRO-3 weights gathered again in backward.
+    "gpt2 fsdp8 reshard after forward": ("gpt2", (8,), None, {"dp": 8, "zero": 3, "reshard_after_forward": True,
+                                                              "recompute": "none"}),
 }
 #: The sweep (``-m slow``, run by ``benchmarks/nd_sweep.sh``): every zoo model on 2 x 2 x 2
 #: (pp x dp x tp), and on dp x tp those a pipeline cannot run exactly (a training batch norm
@@ -112,12 +115,14 @@ def test_every_zoo_model_on_8_ranks(pool8, label):
 def _trains_like_one_device(pool8, label, case):
     name, layout = case[0], case[3]
     plan = _plan(label)
-    assert len(plan.mesh["shape"]) >= 2 and plan.zero == layout.get("zero", 0)
+    degrees = sum(1 for k in ("pp", "dp", "ep", "cp", "tp") if layout.get(k, 1) > 1)
+    assert len(plan.mesh["shape"]) == degrees and plan.zero == (layout.get("zero", 0) if layout.get("zero") != 3 else 0)
     if layout.get("pp"):
         pipe = plan.pipeline
         assert pipe is not None and len(pipe.stages) == layout["pp"] * (pipe.virtual_stages or 1)
     if layout.get("microbatches") and not layout.get("pp"):
         assert plan.accumulate == layout["microbatches"] and plan.pipeline is None
+    assert plan.reshard_after_forward is bool(layout.get("reshard_after_forward"))
     if "cp" in layout:  # the sequence stays split through attention: context parallelism
         sdpa = [n for n in plan.nodes if n.startswith("scaled_dot_product_attention")]
         assert sdpa and all("cp" in plan.nodes[n].strategy.split(" x ") for n in sdpa), \
@@ -127,9 +132,13 @@ def _trains_like_one_device(pool8, label, case):
         grouped = [n for n in plan.nodes if n.startswith("grouped_mm")]
         assert grouped and all(plan.nodes[n].strategy.split(" x ")[ep] == "experts" for n in grouped), \
             {n: plan.nodes[n].strategy for n in grouped}
+    before = pool8.run("nd_workers:regathers")
     res = pool8.run("nd_workers:train_nd", name, plan.to_json())
     ref = cases.reference(_example(name))
     r0 = res[0]
+    # reshard after forward: every rank gathered its ZeRO-3 weights again in backward (and only then)
+    again = [r["regathers"] - b for r, b in zip(res, before)]
+    assert all(n > 0 for n in again) if plan.reshard_after_forward else not any(again), again
     assert len({r["digests"][0] for r in res}) == 1, f"{label}: ranks hold different full states"
     assert all(r["losses"] == r0["losses"] for r in res), f"{label}: ranks report different losses"
     lerr = cases.loss_err(r0["losses"], ref["losses"])
