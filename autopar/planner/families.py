@@ -29,7 +29,9 @@ parallelism for the norms and dropouts).
 
 Layouts (``autopar.plan(..., layout={...})``, :mod:`autopar.planner.layout`) use the family
 ``"roles:<role>,<role>,..."``, one role per mesh axis: ``dp`` (batch split, parameters
-replicated), ``fsdp`` (batch split, parameters sharded: ZeRO-3), ``cp`` (context parallelism: the
+replicated), ``fsdp`` (batch split, parameters sharded: ZeRO-3); on both every activation is
+split by sample (``autopar.planner.build._batch_split``: weights are gathered, never used split
+by columns or rows there, which would be tensor parallelism under another name), ``cp`` (context parallelism: the
 sequence, dim 1 of every user input of two or more dims, split; parameters replicated; every op
 splits its work there where it can, so the sequence stays split through the layers), ``ep``
 (expert parallelism: batch split as ``dp``, every expert weight split by expert, the grouped
