@@ -17,15 +17,12 @@ time; the last line prints ``EP RATIO`` (best without EP over best with: above 1
 from __future__ import annotations
 
 import time
-import warnings
 
 import profiler
 from autopar import zoo
-from autopar.mesh import Mesh
-from autopar.planner import plan_profile
+from long_context import price_layouts
 
-GiB = 2 ** 30
-SEQ, BATCH, GPUS = 4096, 64, 64
+SEQ, BATCH = 4096, 64
 COMMON = {"recompute": "full"}
 LAYOUTS = [
     {"dp": 8, "tp": 8, "zero": 3},                  # without EP: FSDP x TP
@@ -36,39 +33,12 @@ LAYOUTS = [
 ]
 
 
-def _name(lay: dict) -> str:
-    return " x ".join(f"{k}{lay[k]}" for k in ("pp", "dp", "ep", "cp", "tp") if lay.get(k, 1) > 1) + \
-        (f" zero{lay['zero']}" if lay.get("zero") else "")
-
-
 def main():
     t0 = time.perf_counter()
     ex = zoo.build("mixtral-8x7b", seq=SEQ, batch=BATCH, device="meta")
     gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
     print(f"Mixtral-8x7B, seq {SEQ}, batch {BATCH}, 8x8 H100 (profile {time.perf_counter() - t0:.1f} s)")
-    print(f"{'layout':30s} {'step s':>8s} {'tok/s/GPU':>10s} {'peak GiB':>9s} {'plan s':>7s}")
-    out = []
-    for lay in LAYOUTS:
-        lay = {**lay, **COMMON}
-        t1 = time.perf_counter()
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                p = plan_profile(gp, Mesh((8, 8), cluster="h100"), memory_budget=80 * GiB, precision="bf16-mixed",
-                                 layout=lay, time_limit=30)
-        except ValueError as err:
-            print(f"{_name(lay):30s} no plan: {str(err)[:90]}")
-            continue
-        r = dict(layout=lay, ep=lay.get("ep", 1), step=p.step_time, peak=p.peak_bytes / GiB,
-                 tokens=BATCH * SEQ / GPUS / p.step_time, seconds=time.perf_counter() - t1)
-        out.append(r)
-        print(f"{_name(lay):30s} {r['step']:8.3f} {r['tokens']:10.0f} {r['peak']:9.1f} {r['seconds']:7.1f}")
-    with_ep = [r for r in out if r["ep"] > 1]
-    without = [r for r in out if r["ep"] == 1]
-    if with_ep and without:
-        a, b = min(without, key=lambda r: r["step"]), min(with_ep, key=lambda r: r["step"])
-        print(f"best without EP {_name(a['layout'])} {a['step']:.3f} s, with EP {_name(b['layout'])} {b['step']:.3f} s; "
-              f"EP RATIO {a['step'] / b['step']:.3f}")
+    price_layouts(gp, [{**lay, **COMMON} for lay in LAYOUTS], BATCH * SEQ, "ep")
 
 
 if __name__ == "__main__":

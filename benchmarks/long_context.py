@@ -54,10 +54,15 @@ def run(seq: int) -> list[dict]:
     gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
     print(f"\nLlama-3-8B, seq {seq}, batch {row['batch']} ({row['batch'] * seq} tokens/step), 8x8 H100 "
           f"(profile {time.perf_counter() - t0:.1f} s)")
+    return price_layouts(gp, [{**lay, **COMMON} for lay in row["layouts"]], row["batch"] * seq, "cp", f"seq {seq}: ")
+
+
+def price_layouts(gp, layouts, tokens: int, key: str, prefix: str = "") -> list[dict]:
+    """Price each layout on 8x8 H100 (bf16, 80 GiB), print a row each and the RATIO of the best
+    without ``key`` (a degree of 1) over the best with it."""
     print(f"{'layout':34s} {'step s':>8s} {'tok/s/GPU':>10s} {'peak GiB':>9s} {'plan s':>7s}")
     out = []
-    for lay in row["layouts"]:
-        lay = {**lay, **COMMON}
+    for lay in layouts:
         t1 = time.perf_counter()
         try:
             with warnings.catch_warnings():
@@ -67,21 +72,23 @@ def run(seq: int) -> list[dict]:
         except ValueError as err:  # infeasible: named, not fatal
             print(f"{_name(lay):34s} no plan: {str(err)[:90]}")
             continue
-        r = dict(layout=lay, cp=lay.get("cp", 1), step=p.step_time, peak=p.peak_bytes / GiB,
-                 tokens=row["batch"] * seq / GPUS / p.step_time, seconds=time.perf_counter() - t1)
+        r = dict(layout=lay, degree=lay.get(key, 1), step=p.step_time, peak=p.peak_bytes / GiB,
+                 tokens=tokens / GPUS / p.step_time, seconds=time.perf_counter() - t1)
         out.append(r)
         print(f"{_name(lay):34s} {r['step']:8.3f} {r['tokens']:10.0f} {r['peak']:9.1f} {r['seconds']:7.1f}")
-    with_cp = [r for r in out if r["cp"] > 1]
-    without = [r for r in out if r["cp"] == 1]
-    if with_cp and without:
-        a, b = min(without, key=lambda r: r["step"]), min(with_cp, key=lambda r: r["step"])
-        print(f"seq {seq}: best without CP {_name(a['layout'])} {a['step']:.3f} s, with CP {_name(b['layout'])} "
-              f"{b['step']:.3f} s; CP RATIO {a['step'] / b['step']:.3f}")
+    with_it = [r for r in out if r["degree"] > 1]
+    without = [r for r in out if r["degree"] == 1]
+    if with_it and without:
+        a, b = min(without, key=lambda r: r["step"]), min(with_it, key=lambda r: r["step"])
+        k = key.upper()
+        print(f"{prefix}best without {k} {_name(a['layout'])} {a['step']:.3f} s, with {k} {_name(b['layout'])} "
+              f"{b['step']:.3f} s; {k} RATIO {a['step'] / b['step']:.3f}")
     return out
 
 
 def _name(lay: dict) -> str:
-    return " x ".join(f"{k}{lay[k]}" for k in ("pp", "dp", "cp", "tp") if lay.get(k, 1) > 1)
+    return " x ".join(f"{k}{lay[k]}" for k in ("pp", "dp", "ep", "cp", "tp") if lay.get(k, 1) > 1) + \
+        (f" zero{lay['zero']}" if lay.get("zero") else "")
 
 
 def main():

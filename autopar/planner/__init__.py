@@ -510,7 +510,7 @@ def _regather_seconds(gp, cfg: Config, plan: Plan) -> float:
     """Seconds of the backward gathers of reshard-after-forward: one per ZeRO-3 weight and
     placement it is gathered to (the codegen's shared edge) for ops outside checkpointed regions
     (those keep their inputs), at the dtype it is gathered in, synchronous as the runtime runs
-    them (``autopar.codegen.modules.Gathered``)."""
+    them (``autopar.runtime.reshard.Gathered``)."""
     import torch
 
     from autopar.costs.reshard import reshard

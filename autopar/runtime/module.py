@@ -445,7 +445,7 @@ class ParallelModule(nn.Module):
         self._zero_gather()
         with self.autocast():
             if getattr(self.plan, "reshard_after_forward", False):
-                from autopar.codegen.modules import Gathered
+                from autopar.runtime.reshard import Gathered
 
                 with Gathered():  # ZeRO-3 weights saved as tokens, gathered again in backward
                     return self._run(*self._graph_args(self._local_inputs(args, kwargs, target)))

@@ -151,3 +151,72 @@ def reshard_local(local: torch.Tensor, src, dst, device_mesh: DeviceMesh, global
     fwd = reshard(src_n, dst_n, shape, itemsize, mesh).steps
     bwd = reshard(gdst, gsrc, shape, itemsize, mesh).steps
     return Reshard.apply(local, fwd, bwd, device_mesh, shape, where)
+
+
+class Gathered:
+    """Reshard-after-forward of ZeRO-3 parameters (FSDP's ``reshard_after_forward``), as saved-
+    tensor hooks around one forward: a gathered weight an op saves for backward is saved as a
+    token instead (its storage then dies after the forward, leaving the shard), and is gathered
+    again from the shard when backward unpacks it; consumers unpacking it at once share one
+    gather. Tensors saved inside checkpointed regions are the regions' own (they keep their
+    inputs), and views of a gathered weight are rebuilt on the new gather."""
+
+    active: "Gathered | None" = None
+    regathers = 0
+    """Gathers made again in backward by this process (a count for tests and reports)."""
+
+    def __init__(self):
+        self.by_storage: dict[int, object] = {}
+
+    def add(self, t: torch.Tensor, regather) -> None:
+        import weakref
+
+        self.by_storage[t.untyped_storage().data_ptr()] = (weakref.ref(t), _Token(regather))
+
+    def pack(self, t):
+        if not isinstance(t, torch.Tensor) or t.is_meta or not t.untyped_storage().nbytes():
+            return t
+        hit = self.by_storage.get(t.untyped_storage().data_ptr())
+        # The gathered tensor must still be alive: a dead one's address may be reused.
+        if hit is None or hit[0]() is None:
+            return t
+        token = hit[1]
+        return token, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.requires_grad
+
+    @staticmethod
+    def unpack(packed):
+        if not isinstance(packed, tuple):
+            return packed
+        token, shape, stride, offset, _ = packed
+        base = token.get()
+        return base.as_strided(shape, stride, offset)
+
+    def __enter__(self):
+        Gathered.active = self
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        Gathered.active = None
+        self.by_storage.clear()  # storages die after the forward: their addresses are reused
+        return False
+
+
+class _Token:
+    """One gathered weight of a forward: gathered again on the first unpack, shared while alive."""
+
+    def __init__(self, regather):
+        import weakref
+
+        self.regather, self.ref = regather, lambda: None
+        self._weakref = weakref.ref
+
+    def get(self) -> torch.Tensor:
+        t = self.ref()
+        if t is None:
+            t = self.regather()
+            self.ref = self._weakref(t)
+            Gathered.regathers += 1
+        return t

@@ -85,7 +85,7 @@ def resume_nd(name: str, plan_a: str, plans_b: list[str], root: str, steps: int)
 
 def regathers() -> int:
     """Weights gathered again in backward by this process so far (reshard after forward)."""
-    from autopar.codegen.modules import Gathered
+    from autopar.runtime.reshard import Gathered
 
     return Gathered.regathers
 

@@ -67,7 +67,7 @@ def train_case(name: str, plan_json: str, *, steps: int = cases.STEPS, lr: float
                           dtype=torch.float64)
     all_d = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(all_d, digest)
-    from autopar.codegen.modules import Gathered
+    from autopar.runtime.reshard import Gathered
 
     return {"losses": losses, "state": state if rank0 else None, "grads": grads, "peak": peak,
             "seconds": seconds, "digests": [float(d) for d in all_d], "regathers": Gathered.regathers,
