@@ -8,9 +8,6 @@ from autopar.plan import InfeasibleBudget, Plan, PlanError
 
 __version__ = "0.1.0"
 
-FAMILIES = ("replicate", "dp", "zero3", "megatron", "megatron-axis0", "megatron-axis1", "tp",
-            "atp-col-first", "atp-row-first", "pp-tp")
-
 
 def plan(model, mesh, example_inputs=(), **kwargs) -> Plan:
     """Plan ``model`` for ``mesh``; see :func:`autopar.planner.plan`."""
@@ -31,6 +28,10 @@ def compile(model, mesh=None, example_inputs=(), **kwargs):  # noqa: A001 - the 
 
 
 def __getattr__(name):
+    if name == "FAMILIES":  # the names ``force=`` takes, defined once with the families
+        from autopar.planner.families import FAMILIES
+
+        return FAMILIES
     if name in ("Mesh", "Link", "Device", "CLUSTERS"):
         import autopar.mesh as m
 

@@ -127,7 +127,7 @@ def compile(model, mesh=None, example_inputs=(), *, example_kwargs=None, loss_fn
     """
     import profiler
     from autopar.options import keyword_names, plan_options, refuse_unknown
-    from autopar.runtime.module import ParallelModule
+    from autopar.parallel_module import ParallelModule
 
     refuse_unknown("compile", options, keyword_names(compile) + plan_options())
     init_distributed()

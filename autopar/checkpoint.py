@@ -70,7 +70,7 @@ def _non_persistent(pm) -> set[str]:
 def entries(pm) -> dict[str, tuple[str, torch.Tensor, tuple, tuple[int, ...]]]:
     """``fqn -> (kind, local tensor, placements, global shape)`` of every saved tensor of ``pm``:
     parameters under their canonical name (tied weights once), persistent buffers."""
-    from autopar.codegen.lower import canonical_fqns
+    from autopar.lowering.graph import canonical_fqns
 
     sig = _signature(pm)
     canon = canonical_fqns(pm._captured)
@@ -89,8 +89,9 @@ def entries(pm) -> dict[str, tuple[str, torch.Tensor, tuple, tuple[int, ...]]]:
     return out
 
 
-def _dtensor(local: torch.Tensor, placements, shape, device_mesh) -> DTensor:
-    # The DTensor shares the local tensor's storage, so DCP's in-place load writes the parameter.
+def as_dtensor(local: torch.Tensor, placements, shape, device_mesh) -> DTensor:
+    """The DTensor whose local shard is ``local`` (placed ``placements`` on ``device_mesh``, global
+    ``shape``). It shares the local tensor's storage, so DCP's in-place load writes the parameter."""
     local = local.detach()
     return DTensor.from_local(local, device_mesh, placements, run_check=False, shape=torch.Size(shape),
                               stride=_contiguous_stride(shape))
@@ -109,7 +110,7 @@ def sharded_state_dict(pm) -> dict[str, DTensor]:
     plan's storage placements on the plan's mesh), keyed by fully qualified name. The DTensors
     share storage with the module: loading into them loads the module."""
     dm = _signature(pm).ctx.device_mesh
-    return {name: _dtensor(t, pls, shape, dm) for name, (_, t, pls, shape) in entries(pm).items()}
+    return {name: as_dtensor(t, pls, shape, dm) for name, (_, t, pls, shape) in entries(pm).items()}
 
 
 @torch.no_grad()
@@ -119,7 +120,7 @@ def load_sharded_state_dict(pm, state: Mapping[str, torch.Tensor], *,
     global shape: they are redistributed) or full plain tensors (each rank keeps its shard).
     ``strict``: every saved name must be given and no other (aliases of tied weights allowed).
     Returns the (missing, unexpected) names, like ``nn.Module.load_state_dict``."""
-    from autopar.codegen.lower import canonical_fqns
+    from autopar.lowering.graph import canonical_fqns
 
     own = entries(pm)
     aliases = {a: c for a, c in canonical_fqns(pm._captured).items() if a != c}
@@ -163,7 +164,7 @@ def full_state_dict(pm, *, rank0_only: bool = False, cpu: bool = True) -> dict[s
     Call on every rank (each tensor is all-gathered in turn, so at most one full tensor beyond
     the result is in flight); ``rank0_only`` keeps the result on rank 0 only (others get ``{}``),
     ``cpu`` moves each gathered tensor to host memory at once."""
-    from autopar.codegen.lower import canonical_fqns
+    from autopar.lowering.graph import canonical_fqns
 
     keep = not rank0_only or _rank() == 0
     out = {}
@@ -222,7 +223,7 @@ def optimizer_state_dict(pm, optimizer: torch.optim.Optimizer) -> tuple[dict[str
                     continue
                 _, _, pls, shape = own[fqn]
                 if tuple(v.shape) == tuple(p.shape) and v.dim() > 0:
-                    tensors[f"{fqn}.{key}"] = _dtensor(v, pls, shape, dm)
+                    tensors[f"{fqn}.{key}"] = as_dtensor(v, pls, shape, dm)
                     layout[key] = {"kind": "sharded", "dtype": str(v.dtype).removeprefix("torch.")}
                 else:
                     tensors[f"{fqn}.{key}"] = v.detach()
@@ -259,7 +260,7 @@ def _template(pm, optimizer, layout: dict) -> tuple[dict[str, torch.Tensor], dic
             dtype = getattr(torch, info["dtype"])
             if info["kind"] == "sharded":
                 t = torch.zeros_like(local, dtype=dtype)
-                tensors[f"{fqn}.{key}"] = _dtensor(t, pls, shape, dm)
+                tensors[f"{fqn}.{key}"] = as_dtensor(t, pls, shape, dm)
             else:
                 t = torch.zeros(info["shape"], dtype=dtype, device=local.device)
                 tensors[f"{fqn}.{key}"] = t
@@ -291,9 +292,9 @@ def _held(pm, name: str) -> bool:
     pipe = getattr(pm, "_pipe", None)
     if pipe is None:
         return True
-    from autopar.runtime.module import _owns
+    from autopar.parallel_module import owns
 
-    return name not in pm._stage_uses or _owns(pm, name)
+    return name not in pm._stage_uses or owns(pm, name)
 
 
 def _gather_json(obj, dev: torch.device) -> list:

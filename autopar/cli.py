@@ -71,12 +71,12 @@ def _check_takes(fn, what: str, overrides: dict) -> None:
 
 def _check_plan_options(a) -> None:
     """The option values of ``autopar plan``, checked before any model is built or profiled."""
-    from autopar.planner import FORCE_CHOICES
+    from autopar.planner import FAMILIES
     from profiler.memory import OPTIMIZER_STATES
 
     _check_sizes(a)
-    if a.force is not None and a.force not in FORCE_CHOICES:
-        raise UserError(f"unknown --force family {a.force!r}: use one of {', '.join(FORCE_CHOICES)}")
+    if a.force is not None and a.force not in FAMILIES:
+        raise UserError(f"unknown --force family {a.force!r}: use one of {', '.join(FAMILIES)}")
     if a.optimizer not in OPTIMIZER_STATES:
         raise UserError(f"unknown --optimizer {a.optimizer!r}: use one of {', '.join(OPTIMIZER_STATES)}")
     if not a.time_limit > 0:

@@ -95,3 +95,15 @@ def fits(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequ
                 return False
             out[d] //= n
     return True
+
+
+def grad_placements(placements: Sequence[Placement]) -> Placements:
+    """DTensor's gradient convention, the one rule every layer uses: the gradient of a tensor placed
+    ``R`` is ``R``, of ``S(d)`` is ``S(d)``, and of ``P`` is ``R`` (a Partial value's consumers
+    each receive the whole gradient)."""
+    return tuple(R if isinstance(p, Partial) else p for p in placements)
+
+
+def grad_text(text: str) -> str:
+    """:func:`grad_placements` on a printed placement tuple (``"PS(0)"`` -> ``"RS(0)"``)."""
+    return text.replace("P", "R")

@@ -65,7 +65,7 @@ def _sharding_shape(plan: Plan) -> tuple[int, ...]:
 
 
 def _param_problems(captured, plan: Plan, mesh_shape) -> list[str]:
-    from autopar.codegen.lower import canonical_fqns
+    from autopar.lowering.graph import canonical_fqns
 
     canon = canonical_fqns(captured)
     shapes: dict[str, tuple] = {}

@@ -19,7 +19,7 @@ about a minute and the host drifts by 2x within minutes, so a short calibration
 step by step (so load that comes and goes on a shared host hits them alike), every step starts
 together on all ranks (barrier) and is timed on the slowest rank; median over ``--steps`` after
 two warm-up rounds. Memory: one train_step + AdamW step under ``LiveMemory``
-(``autopar.runtime.memory``; after one unmeasured step, so that AdamW's state exists as in every
+(``autopar.runtime.live_memory``; after one unmeasured step, so that AdamW's state exists as in every
 later step), tracking parameters, buffers and optimizer state; the largest peak
 over the ranks against ``Plan.peak_bytes``. ``colls``: the collectives one train_step issues (c10d
 collectives seen by the dispatcher, gradient buckets included; not their waits nor funcol's
@@ -101,12 +101,12 @@ def _reprice(gp, text: str, mesh) -> tuple[float, dict]:
     import solver
     from autopar import placement as pl
     from autopar.plan import Plan
-    from autopar.planner import FAMILIES
+    from autopar.planner.families import LAYOUT_FAMILIES
     from autopar.planner.build import Config, build
 
     plan = Plan.from_json(text)
     fam = plan.options.get("family")
-    built = build(gp, Config(mesh=mesh, family=fam if fam in FAMILIES else None, chunks=(1,)))
+    built = build(gp, Config(mesh=mesh, family=fam if fam in LAYOUT_FAMILIES else None, chunks=(1,)))
     choice = {}
     for node in built.problem.nodes:
         want = plan.nodes[node.id]
@@ -126,7 +126,7 @@ def _peak(pm, ex, opt) -> int:
     import torch
     import torch.distributed as dist
 
-    from autopar.runtime.memory import LiveMemory
+    from autopar.runtime.live_memory import LiveMemory
 
     # The steady state: AdamW's state exists from the first step on (the plan's peak counts it).
     pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
@@ -208,7 +208,7 @@ def worker(rank, world, shape, families, warmup, steps):
     from autopar.calibrate import calibrate, combine
     from autopar.plan import Plan
     from autopar.planner.comms import plan_collectives
-    from autopar.runtime.module import ParallelModule
+    from autopar.parallel_module import ParallelModule
     from profiler.capture import capture
 
     names = ("dp", "tp")[-len(shape):]

@@ -124,7 +124,7 @@ def _peak(step, pm, opt, device) -> int:
         step()
         _sync(device)
         return int(torch.cuda.max_memory_allocated())
-    from autopar.runtime.memory import LiveMemory, resident_tensors
+    from autopar.runtime.live_memory import LiveMemory, resident_tensors
 
     mem = LiveMemory(track=resident_tensors(pm))
     mem.add_optimizer(opt)
@@ -135,7 +135,7 @@ def _peak(step, pm, opt, device) -> int:
 
 def check_model(name, ex, mesh, dm, device, precision: str, steps: int, inductor: bool) -> dict:
     import autopar
-    from autopar.runtime.module import ParallelModule
+    from autopar.parallel_module import ParallelModule
     from profiler.capture import capture
 
     model = ex.model.to(device)

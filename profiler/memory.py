@@ -30,6 +30,13 @@ Precision: the sizes are those of the run the nodes come from (fp32 as traced, o
 mixed-precision replay of :mod:`profiler.mixed`, whose 16-bit parameter copies are activations
 of the node that made them); ``"bf16"``/``"fp16"`` (a model converted to 16 bits) halve every
 fp32 storage, parameters, gradients and optimizer state included.
+
+The replay API. :func:`simulate` is one device's whole step; a caller that runs another schedule
+(a pipeline stage's micro-batches) composes the same pieces in its own order: a
+:class:`ReplayState` (live bytes and the peak so far) starting from :func:`static_bytes`, a
+:class:`Sizer` for the precision, :class:`Checkpoints` for the recomputed regions, then
+:func:`replay_forward` / :func:`replay_backward` per micro-batch and
+:func:`optimizer_transient` at the end.
 """
 from __future__ import annotations
 
@@ -125,7 +132,7 @@ def normalize_precision(dtype) -> str:
     return p
 
 
-class _Sizer:
+class Sizer:
     """Bytes of a storage under a precision."""
 
     def __init__(self, precision: str):
@@ -156,13 +163,13 @@ def simulate(nodes: list[StepNode], placeholders: dict[str, Placeholder], loss: 
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}: use one of {sorted(OPTIMIZER_STATES)}")
-    size = _Sizer(normalize_precision(precision))
-    static = _static_bytes(placeholders, size, optimizer)
-    state = _State(static=static)
-    ck = _Checkpoints(nodes, placeholders, regions)
-    acts = _forward(nodes, placeholders, loss, size, state, ck)
-    _backward(nodes, placeholders, size, state, ck, _bucket_of(placeholders, size, buckets))
-    transient = _optimizer_transient(placeholders, size, optimizer, foreach)
+    size = Sizer(normalize_precision(precision))
+    static = static_bytes(placeholders, size, optimizer)
+    state = ReplayState(static=static)
+    ck = Checkpoints(nodes, placeholders, regions)
+    acts = replay_forward(nodes, placeholders, loss, size, state, ck)
+    replay_backward(nodes, placeholders, size, state, ck, _bucket_of(placeholders, size, buckets))
+    transient = optimizer_transient(placeholders, size, optimizer, foreach)
     state.observe("optimizer", "optimizer.step", transient)
     best = state.best
     return MemoryEstimate(peak=best["total"], phase=best["phase"], node=best["node"], params=static["params"],
@@ -171,7 +178,8 @@ def simulate(nodes: list[StepNode], placeholders: dict[str, Placeholder], loss: 
                           activations_end_of_forward=acts)
 
 
-def _static_bytes(placeholders: dict[str, Placeholder], size: _Sizer, optimizer: str) -> dict[str, int]:
+def static_bytes(placeholders: dict[str, Placeholder], size: Sizer, optimizer: str) -> dict[str, int]:
+    """Bytes resident for the whole step: ``params``, ``buffers``, ``inputs`` and ``optimizer`` state."""
     out = defaultdict(int)
     for ph in placeholders.values():
         if ph.kind in ("param", "frozen"):
@@ -189,7 +197,10 @@ def _static_bytes(placeholders: dict[str, Placeholder], size: _Sizer, optimizer:
 
 
 @dataclasses.dataclass
-class _State:
+class ReplayState:
+    """Live storages of a replay (``add``/``free`` by key) on top of ``static``; ``observe`` records
+    the peak with the phase and node it falls in."""
+
     static: dict[str, int]
     live: dict[Key, int] = dataclasses.field(default_factory=dict)
     live_bytes: int = 0
@@ -213,7 +224,7 @@ class _State:
             self.best = {"total": total, "phase": phase, "node": node, "grads": self.grads, "acts": acts}
 
 
-class _Checkpoints:
+class Checkpoints:
     """What checkpointed regions change: who keeps what for backward, and what is recomputed."""
 
     def __init__(self, nodes: list[StepNode], placeholders, regions):
@@ -251,8 +262,9 @@ class _Checkpoints:
         return {k for ks in self.kept.values() for k in ks}
 
 
-def _forward(nodes: list[StepNode], placeholders, loss: str, size: _Sizer, state: _State,
-             ck: _Checkpoints) -> int:
+def replay_forward(nodes: list[StepNode], placeholders, loss: str, size: Sizer, state: ReplayState,
+                   ck: Checkpoints) -> int:
+    """Run ``nodes`` forward through ``state``; return the live bytes at the end of forward."""
     position = {n.name: i for i, n in enumerate(nodes)}
     saved = {k for n in nodes for k in ck.saved_by(n) if k[0] not in placeholders} | ck.all_kept()
     last_use: dict[Key, int] = {}
@@ -278,7 +290,7 @@ def _forward(nodes: list[StepNode], placeholders, loss: str, size: _Sizer, state
     return state.live_bytes
 
 
-def _bucket_of(placeholders, size: _Sizer, buckets) -> dict[str, tuple[int, int]]:
+def _bucket_of(placeholders, size: Sizer, buckets) -> dict[str, tuple[int, int]]:
     """param -> (bucket index, the bucket's bytes)."""
     out = {}
     for b, names in enumerate(buckets):
@@ -287,8 +299,9 @@ def _bucket_of(placeholders, size: _Sizer, buckets) -> dict[str, tuple[int, int]
     return out
 
 
-def _backward(nodes: list[StepNode], placeholders, size: _Sizer, state: _State, ck: _Checkpoints,
-              bucket_of: dict[str, tuple[int, int]]) -> None:
+def replay_backward(nodes: list[StepNode], placeholders, size: Sizer, state: ReplayState, ck: Checkpoints,
+                    bucket_of: dict[str, tuple[int, int]]) -> None:
+    """Run the backward of ``nodes`` (forwarded by :func:`replay_forward`) through ``state``."""
     # A storage saved by several nodes is released with the earliest of them (the last to run
     # backward); a checkpointed region's inputs with its first member.
     release: dict[str, list[Key]] = defaultdict(list)
@@ -334,7 +347,7 @@ def _read_in_backward(n: StepNode, through: dict[str, str]) -> list[str]:
 class _ParamGrads:
     """Parameter gradients during backward (see ``buckets`` in the module docstring)."""
 
-    def __init__(self, nodes: list[StepNode], placeholders, size: _Sizer, bucket_of: dict[str, tuple[int, int]],
+    def __init__(self, nodes: list[StepNode], placeholders, size: Sizer, bucket_of: dict[str, tuple[int, int]],
                  through: dict[str, str]):
         self.placeholders, self.size, self.bucket_of = placeholders, size, bucket_of
         self.uses_left: dict[str, int] = defaultdict(int)  # backward contributions still to come
@@ -373,7 +386,7 @@ class _ParamGrads:
         return add, free
 
 
-def _node_backward(n: StepNode, placeholders, size: _Sizer, state: _State, grad_of: dict[str, int], grad_bytes,
+def _node_backward(n: StepNode, placeholders, size: Sizer, state: ReplayState, grad_of: dict[str, int], grad_bytes,
                    params: _ParamGrads, through: dict[str, str]) -> None:
     """One node's backward: consume its incoming gradient, create its inputs' gradients."""
     incoming = grad_of.pop(n.name, 0)
@@ -401,7 +414,8 @@ def _node_backward(n: StepNode, placeholders, size: _Sizer, state: _State, grad_
         state.act_grads += nbytes
 
 
-def _optimizer_transient(placeholders, size: _Sizer, optimizer: str, foreach: bool) -> int:
+def optimizer_transient(placeholders, size: Sizer, optimizer: str, foreach: bool) -> int:
+    """Bytes ``optimizer.step`` allocates for a moment (AdamW's ``sqrt`` buffers)."""
     if optimizer not in ("adam", "adamw"):
         return 0  # SGD updates in place (momentum buffers are state)
     sizes = [int(size.weight(p.nbytes, p.float_size) * p.state_share) for p in placeholders.values()

@@ -2,7 +2,7 @@ r"""The joint sharding + checkpointing + memory ILP, built as numpy arrays and s
 (highspy's array API; PuLP's CBC when highspy is missing, see ``solver.compat``).
 
 The ILP is built on the reduced problem of ``solver.reduce`` (tie classes ``C`` with their alive
-strategies ``s``, class edges ``e = (a, b)``) and the checkpoint groups of ``solver.families``
+strategies ``s``, class edges ``e = (a, b)``) and the checkpoint groups of ``solver.checkpoint_groups``
 (twin groups ``G`` of ``n_G`` instances inside family groups ``F`` of ``n_F = n_G`` instances).
 Seconds are divided by a scale ``T`` and bytes by ``B`` so coefficients are O(1); the stated
 constant terms (``const_time``, ``const_bytes``, ``work_lb``) are what the reductions folded away.
@@ -44,7 +44,7 @@ Exactness. For binary x the transportation rows force y[e,s,t] = x[a,s] x[b,t], 
 as ``solver.evaluate`` does. ``time_C``/``static_C``/``cov_C``/``work_C`` are a class's summed
 member terms (``cov``: saved bytes of members inside some segment); ``act_GC``, ``rec_GC``,
 ``keep_GK`` are one instance's bytes and seconds of group G on class C. Counts are turned back into
-segment ids by ``solver.families.decompose``.
+segment ids by ``solver.checkpoint_groups.decompose``.
 
 Solve path (``solve``): answers are cached by ``Problem.digest``; with a budget the problem
 without it is solved first and its optimum kept when it fits (a budget only removes choices);
@@ -66,7 +66,7 @@ import pulp
 
 from .compat import ArrayModel, solve_model
 from .evaluate import describe_terms, evaluate, memory_terms
-from .families import decompose
+from .checkpoint_groups import decompose
 from .heuristic import incumbent
 from .model import Infeasible, Problem, Solution, SolverError, SolverWarning, fmt_bytes
 from .reduce import Compact, reduce_problem

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .families import FamilyGroup, SegGroup, build_families
+from .checkpoint_groups import FamilyGroup, SegGroup, build_families
 from .model import Problem
 
 __all__ = ["Compact", "reduce_problem"]

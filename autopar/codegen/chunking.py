@@ -1,17 +1,17 @@
 """Emit a plan node with ``chunks=k > 1`` as one :class:`autopar.runtime.overlap.ChunkedOp`.
 
 The unit is the node and exactly one of its resharding edges, chosen by the node's planned output
-placement (:func:`autopar.runtime.overlap.chunked_edge`, the rule the planner prices): when the
+placement (:func:`autopar.lowering.chunks.chunked_edge`, the rule the planner prices): when the
 output is Partial, the edge to its single consumer (the reduction, run per chunk; the consumer
 then takes the result as it is); otherwise the edge of its activation input (a gather, or the
 input gradient's reduction in backward, run per chunk). The other edge runs whole, as for any
 node. Which input is the activation: ``linear``/``mm``/``matmul``/``bmm`` take it first, ``addmm``
-second. The chunk dim is :func:`autopar.runtime.overlap.chunk_dim` of the activation's local
+second. The chunk dim is :func:`autopar.lowering.chunks.chunk_dim` of the activation's local
 shape. When there is none the node runs unchunked and ``LocalSignature.chunking`` says why.
 
 Chunk chains (:class:`ChainEmitter`). A lone ``ChunkedOp`` concatenates its chunks, so it exposes
 its last chunk's message and the ops after it run whole. Where chunked matmuls with the same k and
-chunk dim d are joined by ops that act row-wise along d (:mod:`autopar.codegen.rowwise`: pointwise ops with
+chunk dim d are joined by ops that act row-wise along d (:mod:`autopar.lowering.rows`: pointwise ops with
 their broadcasts in any argument, bias adds, activations, dtype casts, layer norm and softmax over
 other dims, mean / sum / amax over other dims (after d without keepdim: RMSNorm), reshapes that
 keep the dims before d, transposes and permutes that keep d, unsqueeze / squeeze / unbind at dims
@@ -27,7 +27,7 @@ than fused into one module (the graph stays printable and autograd does the back
 - a value entering the chain is cut once (``aten.split`` along d); a value with a consumer
   outside the chain is concatenated once, after its last chunk (``torch.cat``, or
   :func:`cat_elements` for a split's tuple), and only then; but when that consumer is a
-  cross-entropy the chain can run per chunk (``rowwise.loss_args``, replicated logits and
+  cross-entropy the chain can run per chunk (``autopar.lowering.rows.loss_args``, replicated logits and
   targets, d = 0), the loss is a sum of per-chunk losses instead (:meth:`ChainEmitter._chunked_loss`);
 - an edge between members with steps runs per chunk as an :class:`EdgeLaunch` right after the
   producer's chunk and an :class:`EdgeWait` right before the consumer's: a lone all-reduce is
@@ -63,9 +63,10 @@ import torch.fx as fx
 
 from autopar import placement as pl
 from autopar.codegen import executors as ex
-from autopar.codegen.rowwise import _CHAIN_MATMULS, _DROPPED, _RESHAPES, _row_roles, _vals, aten, loss_args
-from autopar.runtime.overlap import (ACTIVATION_ARG, ChunkedOp, EdgeLaunch, EdgeWait, blocked_dims, chunk_dim,
-                                     chunked_edge)
+from autopar.lowering.chunks import ACTIVATION_ARG, blocked_dims, chunk_dim, chunked_edge
+from autopar.lowering.graph import is_getitem, mutated_args, tensor_vals
+from autopar.lowering.rows import CHAIN_MATMULS, DROPPED, RESHAPES, aten, loss_args, row_roles
+from autopar.runtime.overlap import ChunkedOp, EdgeLaunch, EdgeWait
 
 
 def _plain(target, args_t, kwargs_t, *xs):
@@ -102,7 +103,7 @@ def emit_chunked(low, node, k: int) -> bool:
         e_in = low.edge_args(x_node, node, xi)
         in_fwd, in_bwd = (low.edge_steps(x_node, node, *e_in)[:2] if e_in else ((), ()))
     local = pl.local_shape(tuple(x_val.shape), x_pl, low.ctx.shape)
-    out_val = _vals(node)
+    out_val = tensor_vals(node)
     blocked = blocked_dims(len(local), (x_pl, out_pl), in_fwd + in_bwd + out_fwd + out_bwd)
     dim = chunk_dim(local, k, blocked) if len(out_val) == 1 and out_val[0].dim() == len(local) else None
     if dim is None:
@@ -163,14 +164,14 @@ class Chain:
 def _seed(low, node):
     """(k, dim) of a chunked matmul that may start or join a chain, or None."""
     np_ = low.plan.nodes.get(node.name)
-    if np_ is None or np_.chunks <= 1 or np_.recompute or node.target not in _CHAIN_MATMULS:
+    if np_ is None or np_.chunks <= 1 or np_.recompute or node.target not in CHAIN_MATMULS:
         return None
     pos = ACTIVATION_ARG[node.target]
     x = node.args[pos] if pos < len(node.args) else None
-    if not isinstance(x, fx.Node) or len(_vals(x)) != 1:
+    if not isinstance(x, fx.Node) or len(tensor_vals(x)) != 1:
         return None
     x_pl = low.inputs_of(node)[0][node.all_input_nodes.index(x)] or low.outputs_of(x)[0]
-    local = pl.local_shape(tuple(_vals(x)[0].shape), x_pl, low.ctx.shape)
+    local = pl.local_shape(tuple(tensor_vals(x)[0].shape), x_pl, low.ctx.shape)
     d = chunk_dim(local, np_.chunks, blocked_dims(len(local), (x_pl, low.outputs_of(node)[0]), ()))
     return None if d is None else (np_.chunks, d)
 
@@ -187,24 +188,24 @@ class _ChainPlanner:
         """``node``'s input roles when it can run per chunk along ``d``, else None."""
         low = self.low
         np_ = low.plan.nodes.get(node.name)
-        if node.op != "call_function" or (np_ is None and not ex.is_getitem(node)) or (np_ and np_.recompute):
+        if node.op != "call_function" or (np_ is None and not is_getitem(node)) or (np_ and np_.recompute):
             return None
-        roles = _row_roles(node, d, k)
-        if roles is None or any(v.shape[d] % k for v in _vals(node) if v.dim() > d):
+        roles = row_roles(node, d, k)
+        if roles is None or any(v.shape[d] % k for v in tensor_vals(node) if v.dim() > d):
             return None
-        if ex.is_getitem(node):  # an element of a split: taken as it is, never moved
+        if is_getitem(node):  # an element of a split: taken as it is, never moved
             src = node.args[0]
             return roles if low.outputs_of(node)[0] == low.outputs_of(src)[node.args[1]] else None
         pls = low.inputs_of(node)[0]
         for i, (r, p, n) in enumerate(zip(roles, pls, node.all_input_nodes)):
             # A chunked input arrives split along d, its edge then run per chunk: neither may
             # shard or move d.
-            if r == "chunk" and (d in blocked_dims(_vals(n)[0].dim(), (p or low.outputs_of(n)[0],), ())
+            if r == "chunk" and (d in blocked_dims(tensor_vals(n)[0].dim(), (p or low.outputs_of(n)[0],), ())
                                  or not self.edge_ok(n, node, i, d)):
                 return None
-        if any(d in blocked_dims(v.dim(), (p,), ()) for v, p in zip(_vals(node), low.outputs_of(node))):
+        if any(d in blocked_dims(v.dim(), (p,), ()) for v, p in zip(tensor_vals(node), low.outputs_of(node))):
             return None
-        if node.target in _RESHAPES or node.target is aten.expand.default:
+        if node.target in RESHAPES or node.target is aten.expand.default:
             return roles  # run as a reshape / expand to the chunk's local shape (ChainEmitter._call)
         if node.name not in self.execs:
             self.execs[node.name] = low.make_exec(node)
@@ -240,7 +241,7 @@ class _ChainPlanner:
         def ok(n):
             if n.name not in roles:
                 roles[n.name] = self.member(n, d, k)
-                if roles[n.name] is not None and ex.is_getitem(n) and not ok(n.args[0]):
+                if roles[n.name] is not None and is_getitem(n) and not ok(n.args[0]):
                     roles[n.name] = None  # an element of a split that runs whole
             return roles[n.name] is not None
 
@@ -360,7 +361,7 @@ class ChainEmitter:
         low, k, d = self.low, c.k, c.dim
         members = set(c.nodes)
         per_input = []  # per input node: its k chunk values, or one shared value
-        for i, (prod, role) in enumerate(zip(node.all_input_nodes, _row_roles(node, d, k))):
+        for i, (prod, role) in enumerate(zip(node.all_input_nodes, row_roles(node, d, k))):
             e = low.edge_args(prod, node, i)
             if role == "chunk":
                 chunks = self.vals[prod.name] if prod.name in members else self._split(prod, c)
@@ -378,21 +379,21 @@ class ChainEmitter:
         if node.name in c.seeds:
             low.chunking[node.name] = (f"{k} chunks along dim {d} (chain {c.index}: {len(c.seeds)} matmuls, "
                                        f"{len(c.nodes)} nodes)")
-        outside = [u for u in node.users if u.name not in members and u.target not in _DROPPED]
+        outside = [u for u in node.users if u.name not in members and u.target not in DROPPED]
         low.env[node] = self._exit(node, outs, outside, c) if outside else None
         return True
 
     def _call(self, node, c: Chain):
         """(emit one chunk's call from its input values, executor kind) of member ``node``."""
         g = self.low.graph
-        if ex.is_getitem(node):
+        if is_getitem(node):
             return (lambda args, ci: g.call_function(operator.getitem, (args[0], node.args[1]))), "plain"
-        if node.target in _RESHAPES or node.target is aten.expand.default:
+        if node.target in RESHAPES or node.target is aten.expand.default:
             # A chunk's local shape: the node's local output shape with d cut in k (the captured
             # size argument holds the global one).
-            shape = list(pl.local_shape(tuple(_vals(node)[0].shape), self.low.outputs_of(node)[0], self.low.ctx.shape))
+            shape = list(pl.local_shape(tuple(tensor_vals(node)[0].shape), self.low.outputs_of(node)[0], self.low.ctx.shape))
             shape[c.dim] //= c.k
-            op = aten.reshape.default if node.target in _RESHAPES else aten.expand.default
+            op = aten.reshape.default if node.target in RESHAPES else aten.expand.default
             return (lambda args, ci: g.call_function(op, (args[0], shape))), op.__name__.split(".")[0]
         mod, kind, (a_t, k_t) = self.execs[node.name]
         if mod is None:
@@ -403,7 +404,7 @@ class ChainEmitter:
     def _split(self, prod, c: Chain) -> list:
         key = (prod.name, c.index)
         if key not in self.splits:
-            g, rows = self.low.graph, _vals(prod)[0].shape[c.dim]
+            g, rows = self.low.graph, tensor_vals(prod)[0].shape[c.dim]
             sp = g.call_function(torch.ops.aten.split.Tensor, (self.low.env[prod], rows // c.k, c.dim))
             self.splits[key] = [g.call_function(operator.getitem, (sp, ci)) for ci in range(c.k)]
             self.anchor[prod.name] = list(self.splits[key])
@@ -422,8 +423,8 @@ class ChainEmitter:
         steps = lambda ss: "+".join(f"{s.kind}[{names[s.axis]}]" for s in ss) or "-"  # noqa: E731
         label = f"{prod.name} -> {node.name}: {steps(fwd)} / bwd {steps(bwd)}"
         inside = prod.name in c.stage
-        owned_fwd = inside and prod.target in _CHAIN_MATMULS and len(prod.users) == 1
-        owned_bwd = node.target in _CHAIN_MATMULS and node.name in c.stage
+        owned_fwd = inside and prod.target in CHAIN_MATMULS and len(prod.users) == 1
+        owned_bwd = node.target in CHAIN_MATMULS and node.name in c.stage
         s_prod = c.stage[prod.name] if inside else c.stage[node.name]
         waits = []
         for ci, x in enumerate(chunks):
@@ -450,13 +451,13 @@ class ChainEmitter:
                 return None  # the chain's value has no whole form: its one consumer ran per chunk
             e = low.edge_args(node, w, w.all_input_nodes.index(node))
             if e is not None and any(low.edge_steps(node, w, *e)[:2]) and \
-                    c.dim not in blocked_dims(len(_vals(node)[0].shape), (), sum(low.edge_steps(node, w, *e)[:2], ())):
+                    c.dim not in blocked_dims(len(tensor_vals(node)[0].shape), (), sum(low.edge_steps(node, w, *e)[:2], ())):
                 cat = low.graph.call_function(torch.cat, (self._edge(node, w, e, c, outs), c.dim))
                 low.pre_edged.add((node.name, w.name))
                 cat.meta["autopar_pl"] = e[1] if e[1] is not None else low.outputs_of(node)[0]
                 cat.meta["val"] = node.meta.get("val")
                 return cat
-        multi = len(_vals(node)) > 1 or isinstance(node.meta.get("val"), (list, tuple))
+        multi = len(tensor_vals(node)) > 1 or isinstance(node.meta.get("val"), (list, tuple))
         cat = low.graph.call_function(cat_elements if multi else torch.cat, (outs, c.dim))
         cat.meta["val"] = node.meta.get("val")
         return cat
@@ -475,9 +476,9 @@ class ChainEmitter:
             return None
         np_ = low.plan.nodes.get(w.name)
         tgt = w.args[1]
-        if np_ is None or np_.recompute or not isinstance(tgt, fx.Node) or len(_vals(tgt)) != 1:
+        if np_ is None or np_.recompute or not isinstance(tgt, fx.Node) or len(tensor_vals(tgt)) != 1:
             return None
-        x, t = _vals(node)[0], _vals(tgt)[0]
+        x, t = tensor_vals(node)[0], tensor_vals(tgt)[0]
         if x.dim() < 2 or t.dim() < 1 or t.shape[0] != x.shape[0] or t.shape[0] % c.k:
             return None
         pls, _ = low.inputs_of(w)
@@ -517,7 +518,7 @@ class ChainEmitter:
         lo, hi = pos[tagged[0]], max(pos[n] for n in tagged)
         span = nodes[lo:hi + 1]
         root = self.low.root
-        if any(n.op == "call_function" and ex.mutated_args(n.target) or
+        if any(n.op == "call_function" and mutated_args(n.target) or
                n.op == "call_module" and type(root.get(n.target)).__name__ == "WriteBack" for n in span):
             return
         first: dict[tuple, int] = {}
@@ -558,8 +559,8 @@ class ChainEmitter:
 
 
 def _dropped(node) -> int:
-    """How many users of ``node`` the lowering drops (``_DROPPED``)."""
-    return sum(u.target in _DROPPED for u in node.users)
+    """How many users of ``node`` the lowering drops (``DROPPED``)."""
+    return sum(u.target in DROPPED for u in node.users)
 
 
 def cat_elements(chunks: list, dim: int) -> list:

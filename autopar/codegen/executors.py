@@ -18,7 +18,6 @@ leaves the node in ``input_grads[i]`` (default: DTensor's convention, P -> R).
 """
 from __future__ import annotations
 
-import operator
 from typing import Any, Sequence
 
 import torch
@@ -27,6 +26,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.codegen import local_rules
+from autopar.lowering.graph import mutated_args
+from autopar.placement import grad_placements
 
 Placements = tuple[Placement, ...]
 
@@ -73,33 +74,10 @@ def fill(tmpl, values: Sequence[Any]):
     return tmpl
 
 
-def grad_of(placements: Placements) -> Placements:
-    """DTensor's gradient convention: the gradient of R is R, of P is R, of S(d) is S(d)."""
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
-
-
 def _is_plain(p: Placement) -> bool:
     # Placements a plan can name; DTensor's internal ones (_MaskPartial, _StridedShard, P(avg))
     # are resolved inside the node.
     return type(p) in (Replicate, Shard) or (type(p) is Partial and p.reduce_op == "sum")
-
-
-# Composite ops whose schema hides that they write into arguments (in training mode).
-_HIDDEN_WRITES = {
-    torch.ops.aten.batch_norm.default: (3, 4),        # running_mean, running_var
-    torch.ops.aten.instance_norm.default: (3, 4),
-}
-
-
-def mutated_args(op) -> list[int]:
-    """Positions of the schema arguments ``op`` writes into (``relu_``: [0]; ``batch_norm``: the
-    running statistics, which its composite schema does not declare)."""
-    if op in _HIDDEN_WRITES:
-        return list(_HIDDEN_WRITES[op])
-    schema = getattr(op, "_schema", None)
-    if schema is None:
-        return []
-    return [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
 
 
 class TensorInfo:
@@ -112,7 +90,7 @@ class TensorInfo:
         self.stride = tuple(val.stride()) if val.layout == torch.strided else None
         self.dtype = val.dtype
         self.placements = placements
-        self.grad = grad if grad is not None else grad_of(placements)
+        self.grad = grad if grad is not None else grad_placements(placements)
 
 
 class DTensorExec(nn.Module):
@@ -159,7 +137,7 @@ class DTensorExec(nn.Module):
         y = r.run(ins, self.dm)
         info = self.outputs[0]
         got = tuple(r.outputs[0])
-        return self._reshard(y, got, info.placements, grad_of(got), info.grad, info.shape)
+        return self._reshard(y, got, info.placements, grad_placements(got), info.grad, info.shape)
 
     # ---------------------------------------------------------------- DTensor path
     def _wrap(self, x, info: TensorInfo | None):
@@ -279,10 +257,6 @@ class StrategyExec(nn.Module):
 
     def forward(self, *xs):
         return self.run_local(self.node, self.strategy, fill(self.args_t, xs), fill(self.kwargs_t, xs), self.ctx)
-
-
-def is_getitem(node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem
 
 
 def all_replicated(*groups) -> bool:

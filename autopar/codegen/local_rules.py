@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from autopar.placement import grad_placements
 from autopar.runtime import collectives as C
 
 _CE = torch.ops.aten.cross_entropy_loss.default
@@ -47,10 +48,6 @@ def match(op, args_t, kwargs_t, inputs, outputs) -> LocalRule | None:
     if op is _CE:
         return _cross_entropy(args_t, kwargs_t, inputs)
     return None
-
-
-def _grad_of(pls):
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in pls)
 
 
 def _arg(args_t, kwargs_t, i, name, default):
@@ -101,7 +98,7 @@ def _attention(args_t, kwargs_t, inputs, outputs) -> LocalRule | None:
             xs[m_t.i] = C.local_chunk(xs[m_t.i], dim, dm, axis)
         return _SDPA(*fill(args_t, xs), **fill(kwargs_t, xs))
 
-    grads = [None if t is None else _grad_of(t.placements) for t in inputs]
+    grads = [None if t is None else grad_placements(t.placements) for t in inputs]
     if mask is not None:
         grads[m_t.i] = None  # masks get no gradient here
     return LocalRule(run=run, outputs=[tuple(q.placements)], input_grads=grads)

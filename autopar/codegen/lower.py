@@ -33,7 +33,8 @@ from autopar import precision
 from autopar.codegen import executors as ex
 from autopar.codegen.context import MeshContext, mesh_context
 from autopar.codegen.modules import ReshardModule, WriteBack, _attr_name, check_local
-from autopar.codegen.rowwise import _CHAIN_MATMULS, _DROPPED, _RESHAPES
+from autopar.lowering.graph import canonical_fqns, is_getitem, mutated_args, tensor_vals
+from autopar.lowering.rows import CHAIN_MATMULS, DROPPED, RESHAPES
 from autopar.costs.reshard import reshard as plan_reshard
 from autopar.runtime import rng
 
@@ -87,14 +88,8 @@ class LocalSignature:
 
 #: Ops whose output is a fresh tensor that their own backward never saves (it reads the inputs,
 #: or nothing): an edge that alone reads such an output may sum it in place (``_owned``).
-_FRESH = _CHAIN_MATMULS + (torch.ops.aten.bmm.default, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor,
+_FRESH = CHAIN_MATMULS + (torch.ops.aten.bmm.default, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor,
                            torch.ops.aten.mul.Tensor, torch.ops.aten.embedding.default)
-
-
-def _vals(node) -> list:
-    v = node.meta.get("val")
-    flat = v if isinstance(v, (list, tuple)) else [v]
-    return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
 class _Lowering:
@@ -135,7 +130,7 @@ class _Lowering:
         for ph in self.cap.user_inputs:
             self.kinds[ph] = ("input", ph)
         for node in self.cap.gm.graph.nodes:
-            if node.op == "placeholder" and not _vals(node):
+            if node.op == "placeholder" and not tensor_vals(node):
                 self.kinds[node.name] = ("none", node.name)  # a None input (an absent target)
 
     def _R(self) -> Placements:
@@ -151,8 +146,8 @@ class _Lowering:
 
     def node_plan(self, node):
         np_ = self.plan.nodes.get(node.name)
-        if np_ is None and node.op not in ("placeholder", "get_attr", "output") and not ex.is_getitem(node) \
-                and _vals(node):
+        if np_ is None and node.op not in ("placeholder", "get_attr", "output") and not is_getitem(node) \
+                and tensor_vals(node):
             raise CodegenError(f"the plan has no entry for node {node.name!r} ({node.target}); it was made for "
                                f"another graph: re-plan this model")
         return np_
@@ -190,12 +185,12 @@ class _Lowering:
     def outputs_of(self, node) -> list[Placements]:
         if node.name in self.out_pl:
             return self.out_pl[node.name]
-        vals = _vals(node)
+        vals = tensor_vals(node)
         if node.op == "placeholder":
             res = [self.placeholder_pl(node)]
-        elif ex.is_getitem(node) and node.name not in self.plan.nodes:
+        elif is_getitem(node) and node.name not in self.plan.nodes:
             src = node.args[0]
-            res = [self.outputs_of(src)[node.args[1]] if len(_vals(src)) > 1 else self.outputs_of(src)[0]]
+            res = [self.outputs_of(src)[node.args[1]] if len(tensor_vals(src)) > 1 else self.outputs_of(src)[0]]
         else:
             np_ = self.node_plan(node)
             res = [] if np_ is None else [self._parse(o, f"nodes.{node.name}.outputs") for o in np_.outputs]
@@ -207,7 +202,7 @@ class _Lowering:
         return res
 
     def _src_index(self, prod, node) -> int:
-        if ex.is_getitem(node) and len(_vals(prod)) > 1:
+        if is_getitem(node) and len(tensor_vals(prod)) > 1:
             return int(node.args[1])
         return 0
 
@@ -217,7 +212,7 @@ class _Lowering:
         np_ = self.plan.nodes.get(node.name)
         if np_ is None:  # getitem not in the plan: takes its element as it is
             return [None] * len(ins), [None] * len(ins)
-        tensor_ins = [i for i, n in enumerate(ins) if _vals(n)]
+        tensor_ins = [i for i, n in enumerate(ins) if tensor_vals(n)]
         pls = [self._parse(p, f"nodes.{node.name}.inputs") for p in np_.inputs]
         grads = [self._parse(p, f"nodes.{node.name}.input_grads") for p in np_.input_grads]
         if len(pls) == len(ins):
@@ -248,7 +243,7 @@ class _Lowering:
                     continue
                 pls, grads = self.inputs_of(user)
                 i = user.all_input_nodes.index(node)
-                g = grads[i] if grads[i] is not None else ex.grad_of(pls[i] if pls[i] is not None else stored[canon])
+                g = grads[i] if grads[i] is not None else pl.grad_placements(pls[i] if pls[i] is not None else stored[canon])
                 for a, p in enumerate(g):
                     flags[a] |= isinstance(p, Partial)
         out = {}
@@ -262,8 +257,8 @@ class _Lowering:
     def edge_steps(self, prod, node, src, dst, gsrc, gdst) -> tuple[tuple, tuple, tuple]:
         """(forward steps, gradient steps, global shape) of the edge ``prod -> node``."""
         dst = src if dst is None else dst
-        gdst = ex.grad_of(dst) if gdst is None else gdst
-        val = _vals(prod)[self._src_index(prod, node)]
+        gdst = pl.grad_placements(dst) if gdst is None else gdst
+        val = tensor_vals(prod)[self._src_index(prod, node)]
         shape, item = tuple(val.shape), val.element_size()
         try:
             fwd = plan_reshard(src, dst, shape, item, self.ctx.mesh).steps if src != dst else ()
@@ -277,7 +272,7 @@ class _Lowering:
         """``value`` (``prod``'s output, placed ``src``) as ``node`` wants it: ``dst`` forward,
         gradient ``gdst -> gsrc`` backward."""
         dst = src if dst is None else dst
-        gdst = ex.grad_of(dst) if gdst is None else gdst
+        gdst = pl.grad_placements(dst) if gdst is None else gdst
         if src == dst and gsrc == gdst:
             return value
         # Mixed precision (autopar.precision): a parameter moved for a 16-bit op moves in bf16, and
@@ -303,7 +298,7 @@ class _Lowering:
         self.root[name] = mod
         self.reshards.append(f"{name}: {mod.what}, {mod.label}")
         out = self.graph.call_module(name, (value,))
-        out.meta["val"] = _vals(prod)[self._src_index(prod, node)]
+        out.meta["val"] = tensor_vals(prod)[self._src_index(prod, node)]
         out.meta["autopar_reshard"] = mod.label
         out.meta["autopar_pl"] = dst
         if prod.op == "placeholder":
@@ -330,7 +325,7 @@ class _Lowering:
         return fwd, self._fresh_grad(node, prod)
 
     def _single_user(self, n):
-        users = [u for u in n.users if u.target not in _DROPPED]
+        users = [u for u in n.users if u.target not in DROPPED]
         return users[0] if len(users) == 1 else None
 
     def _one_edge(self, prod, node) -> bool:
@@ -339,14 +334,14 @@ class _Lowering:
         fx.map_arg((node.args, node.kwargs), lambda a: uses.append(a) if a is prod else None)
         np_ = self.plan.nodes.get(node.name)
         return (len(uses) == 1 and not (np_ is not None and np_.recompute)
-                and not (node.op == "call_function" and ex.mutated_args(node.target)))
+                and not (node.op == "call_function" and mutated_args(node.target)))
 
     def _fresh_output(self, prod) -> bool:
         """``prod``'s value is a fresh tensor that its op's backward does not save (a matmul, a
         sum, a product, an embedding lookup: :data:`_FRESH`), seen through single-consumer
         reshapes and dropouts (which hand on their input, or a fresh product at p > 0)."""
         n = prod
-        while n.op == "call_function" and (n.target in _RESHAPES or n.target is torch.ops.aten.dropout.default):
+        while n.op == "call_function" and (n.target in RESHAPES or n.target is torch.ops.aten.dropout.default):
             src = n.args[0]
             if not isinstance(src, fx.Node) or self._single_user(src) is not n or not self._one_edge(src, n):
                 return False
@@ -359,12 +354,12 @@ class _Lowering:
         """The gradient ``node`` hands back for its input ``arg`` is a matmul's fresh operand
         gradient, seen through single-consumer reshapes."""
         n, a = node, arg
-        while n.op == "call_function" and n.target in _RESHAPES and n.args[0] is a:
+        while n.op == "call_function" and n.target in RESHAPES and n.args[0] is a:
             u = self._single_user(n)
             if u is None or u.op != "call_function" or not self._one_edge(n, u):
                 return False
             n, a = u, n
-        if n.op != "call_function" or n.target not in _CHAIN_MATMULS:
+        if n.op != "call_function" or n.target not in CHAIN_MATMULS:
             return False
         pos = next((i for i, x in enumerate(n.args) if x is a), None)
         return pos in ((1, 2) if n.target is torch.ops.aten.addmm.default else (0, 1))
@@ -373,11 +368,11 @@ class _Lowering:
         """(src, dst, gsrc, gdst) of input ``i`` of ``node`` (``prod``), or None when the value
         passes as it is (non-tensor, whole tuple, getitem, or already resharded by a chunked
         producer)."""
-        if not _vals(prod) or ex.is_getitem(node) or (prod.name, node.name) in self.pre_edged:
+        if not tensor_vals(prod) or is_getitem(node) or (prod.name, node.name) in self.pre_edged:
             return None
         idx = self._src_index(prod, node)
         outs = self.outputs_of(prod)
-        if idx >= len(outs) or len(_vals(prod)) > 1:
+        if idx >= len(outs) or len(tensor_vals(prod)) > 1:
             return None
         pls, grads = self.inputs_of(node)
         return outs[idx], pls[i], self.grad_src(prod), grads[i]
@@ -385,7 +380,7 @@ class _Lowering:
     def grad_src(self, prod) -> Placements:
         if prod.name in self.pgrads:
             return self.pgrads[prod.name]
-        return ex.grad_of(self.outputs_of(prod)[0])
+        return pl.grad_placements(self.outputs_of(prod)[0])
 
     def inputs_for(self, node, skip: int | None = None) -> list:
         """Per input node, its value as ``node`` wants it (edges emitted); input ``skip`` raw."""
@@ -409,7 +404,7 @@ class _Lowering:
         self.graph.lint()
         gm = fx.GraphModule(self.root, self.graph)
         # After the whole graph exists: regions are cut out as checkpointed submodules.
-        from autopar.runtime.checkpoint import outline_regions
+        from autopar.runtime.recompute import outline_regions
 
         self.regions = outline_regions(gm)
         return gm
@@ -417,11 +412,11 @@ class _Lowering:
     def _placeholder(self, node):
         new = self.graph.placeholder(node.name)
         new.meta["val"] = node.meta.get("val")
-        if _vals(node):  # the placement of the local value (what a pipeline stage passes on)
+        if tensor_vals(node):  # the placement of the local value (what a pipeline stage passes on)
             new.meta["autopar_pl"] = self.placeholder_pl(node)
         self.env[node] = new
         kind, name = self.kinds.get(node.name, ("constant", node.name))
-        vals = _vals(node)
+        vals = tensor_vals(node)
         self.sig_slots.append(Slot(kind=kind, name=name, placements=self.placeholder_pl(node),
                                    shape=tuple(vals[0].shape) if vals else (), used=bool(node.users)))
 
@@ -440,7 +435,7 @@ class _Lowering:
         last = self.graph._root._prev  # the per-rank nodes emitted for `node` follow this one
         self._lower_call(node)
         v = self.env.get(node)
-        if isinstance(v, fx.Node) and "autopar_pl" not in v.meta and _vals(node):
+        if isinstance(v, fx.Node) and "autopar_pl" not in v.meta and tensor_vals(node):
             outs = self.outputs_of(node)  # the placement of the local value (pipeline stage I/O)
             v.meta["autopar_pl"] = outs[0] if len(outs) == 1 else list(outs)
         n = last._next
@@ -451,11 +446,11 @@ class _Lowering:
 
     def _tag_region(self, node, last) -> None:
         """Tag the per-rank nodes of a recomputed plan node with its checkpoint region (see
-        :mod:`autopar.runtime.checkpoint`); other nodes end the current region."""
+        :mod:`autopar.runtime.recompute`); other nodes end the current region."""
         np_ = self.plan.nodes.get(node.name)
-        if np_ is None and ex.is_getitem(node):  # an element of a multi-output node: as its producer
+        if np_ is None and is_getitem(node):  # an element of a multi-output node: as its producer
             np_ = self.plan.nodes.get(node.args[0].name)
-        if np_ is None or not np_.recompute or ex.mutated_args(node.target):
+        if np_ is None or not np_.recompute or mutated_args(node.target):
             self.region_open = False
             return
         stage = self.stage_of.get(node.name)
@@ -483,7 +478,7 @@ class _Lowering:
             if emit_chunked(self, node, np_.chunks):
                 return
         ins = self.inputs_for(node)
-        if ex.is_getitem(node):
+        if is_getitem(node):
             new = self.graph.call_function(operator.getitem, (ins[0], node.args[1]))
             new.meta["val"] = node.meta.get("val")
             self.env[node] = self._after_getitem(node, new)
@@ -492,20 +487,20 @@ class _Lowering:
         new = self._emit(node, ins)
         new.meta["val"] = node.meta.get("val")
         self._write_back(node, ins, new)
-        if self.debug and _vals(node):
+        if self.debug and tensor_vals(node):
             new = self._check(node, new)
         self.env[node] = new
 
     def _after_getitem(self, node, new):
         # A getitem with its own plan entry may move the element to another placement.
         np_ = self.plan.nodes.get(node.name)
-        if np_ is None or not _vals(node):
+        if np_ is None or not tensor_vals(node):
             return new
         src_node = node.args[0]
-        k = int(node.args[1]) if len(_vals(src_node)) > 1 else 0
+        k = int(node.args[1]) if len(tensor_vals(src_node)) > 1 else 0
         src = self.outputs_of(src_node)[k]
         dst = self.outputs_of(node)[0]
-        return self.edge(src_node, new, node, src, dst, ex.grad_of(src), None) if dst != src else new
+        return self.edge(src_node, new, node, src, dst, pl.grad_placements(src), None) if dst != src else new
 
     def make_exec(self, node):
         """(module or None, kind, arg templates): the node's local implementation; None means
@@ -513,7 +508,7 @@ class _Lowering:
         pls, grads = self.inputs_of(node)
         outs = self.outputs_of(node)
         args_t, kwargs_t = ex.template(node, self.ctx.device)
-        in_pls = [p if p is not None else (self.outputs_of(n)[0] if _vals(n) else None)
+        in_pls = [p if p is not None else (self.outputs_of(n)[0] if tensor_vals(n) else None)
                   for p, n in zip(pls, node.all_input_nodes)]
         if self.mode != "dtensor" and ex.all_replicated(in_pls, outs, grads):
             return None, "plain", (args_t, kwargs_t)
@@ -543,7 +538,7 @@ class _Lowering:
         pls, grads = self.inputs_of(node)
         outs = self.outputs_of(node)
         args_t, kwargs_t = ex.template(node, self.ctx.device)
-        in_pls = [p if p is not None else (self.outputs_of(n)[0] if _vals(n) else None)
+        in_pls = [p if p is not None else (self.outputs_of(n)[0] if tensor_vals(n) else None)
                   for p, n in zip(pls, node.all_input_nodes)]
         return self._dtensor_module(node, in_pls, grads, outs, args_t, kwargs_t), "dtensor", (args_t, kwargs_t)
 
@@ -564,7 +559,7 @@ class _Lowering:
         """An op that writes into an input it received resharded (batch norm's running
         statistics split by channel while stored replicated) wrote into a copy: reshard the copy
         back and copy it into the stored tensor, after the op."""
-        writes = ex.mutated_args(node.target)
+        writes = mutated_args(node.target)
         if not writes:
             return
         args_t, kwargs_t = ex.template(node, None)
@@ -574,11 +569,11 @@ class _Lowering:
             if not isinstance(a, ex.In):
                 continue
             prod = node.all_input_nodes[a.i]
-            if ins[a.i] is self.env[prod] or not _vals(prod):
+            if ins[a.i] is self.env[prod] or not tensor_vals(prod):
                 continue
             dst = self.outputs_of(prod)[0]
             src = self.inputs_of(node)[0][a.i]
-            val = _vals(prod)[0]
+            val = tensor_vals(prod)[0]
             steps = plan_reshard(src, dst, tuple(val.shape), val.element_size(), self.ctx.mesh).steps
             name = self.add_module(f"write_back_{prod.name}", WriteBack(steps, self.ctx, f"{node.name} -> {prod.name}"))
             self.graph.call_module(name, (self.env[prod], ins[a.i], after))
@@ -599,18 +594,18 @@ class _Lowering:
     def _dtensor_module(self, node, in_pls, grads, outs, args_t, kwargs_t) -> ex.DTensorExec:
         infos = []
         for p, g, n in zip(in_pls, grads, node.all_input_nodes):
-            v = _vals(n)
+            v = tensor_vals(n)
             if not v or p is None:
                 infos.append(None)
                 continue
             k = self._src_index(n, node)
             infos.append(ex.TensorInfo(v[k] if k < len(v) else v[0], p, g))
-        out_infos = [ex.TensorInfo(v, p, None) for v, p in zip(_vals(node), outs)]
+        out_infos = [ex.TensorInfo(v, p, None) for v, p in zip(tensor_vals(node), outs)]
         return ex.DTensorExec(node.name, node.target, args_t, kwargs_t, infos, out_infos, self.ctx)
 
     def _check(self, node, new):
         expected = []
-        for v, p in zip(_vals(node), self.outputs_of(node)):
+        for v, p in zip(tensor_vals(node), self.outputs_of(node)):
             expected.append(pl.local_shape(tuple(v.shape), p, self.ctx.shape) if pl.fits(v.shape, p, self.ctx.shape)
                             else None)
         chk = self.graph.call_function(check_local, (node.name, expected, new))
@@ -622,18 +617,8 @@ class _Lowering:
         src = self.outputs_of(loss)[0]
         v = self.env[loss]
         if src != self._R():
-            v = self.edge(loss, v, node, src, self._R(), ex.grad_of(src), self._R())
+            v = self.edge(loss, v, node, src, self._R(), pl.grad_placements(src), self._R())
         self.graph.output(v)
-
-
-def canonical_fqns(captured) -> dict[str, str]:
-    """fqn -> the one name a tied parameter is stored under (its first name)."""
-    out = {}
-    for names in (getattr(captured, "param_aliases", {}) or {}).values():
-        names = list(names or [])
-        for n in names:
-            out[n] = names[0]
-    return out
 
 
 def _first_output(node):

@@ -162,7 +162,7 @@ def plan_from_placements(captured, mesh: Mesh, *, params: PlacementRule | None =
     function returning ``None`` for replicated. Placements must shard evenly; a rule that does
     not raises ``ValueError`` naming the tensor.
     """
-    from autopar.codegen.lower import canonical_fqns
+    from autopar.lowering.graph import canonical_fqns
 
     n = mesh.ndim
     prule, irule, brule = _rule(params, n), _rule(inputs, n), _rule(buffers, n)

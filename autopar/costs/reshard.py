@@ -38,7 +38,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar.costs.collectives import collective_time
 from autopar.mesh import Mesh
-from autopar.placement import fits, fmt, local_shape, parse
+from autopar.placement import fits, fmt, grad_placements, local_shape, parse
 
 Placements = tuple[Placement, ...]
 
@@ -103,11 +103,6 @@ class ReshardPlan:
         path = " -> ".join(fmt(s) for s in self.states)
         steps = ", ".join(str(s) for s in self.steps) or "nothing"
         return f"{path}: {steps} [{self.cost:.3g} s]"
-
-
-def grad_placements(placements: Sequence[Placement]) -> Placements:
-    """DTensor's gradient convention: the gradient of R is R, of P is R, of S(d) is S(d)."""
-    return tuple(_R if isinstance(p, Partial) else p for p in placements)
 
 
 def normalize(placements: str | Sequence[Placement], shape: Sequence[int], mesh: Mesh) -> Placements:
@@ -275,8 +270,9 @@ def _graph(shape: tuple[int, ...], itemsize: int, mesh: Mesh) -> dict:
 
 
 @functools.lru_cache(maxsize=4096)
-def _search(src: Placements, shape: tuple[int, ...], itemsize: int, mesh: Mesh) -> dict:
-    # Dijkstra from src; ties broken by fewer steps. best[state] = (cost, nsteps, prev, step, step_cost).
+def search_from(src: Placements, shape: tuple[int, ...], itemsize: int, mesh: Mesh) -> dict:
+    """The cheapest step list from ``src`` to every reachable placement (Dijkstra, ties broken by
+    fewer steps; cached): ``best[state] = (cost, nsteps, prev, step, step_cost)``."""
     graph = _graph(shape, itemsize, mesh)
     best = {src: (0.0, 0, None, None, 0.0)}
     heap, seq, done = [(0.0, 0, 0, src)], 1, set()
@@ -296,7 +292,7 @@ def _search(src: Placements, shape: tuple[int, ...], itemsize: int, mesh: Mesh) 
 
 @functools.lru_cache(maxsize=65536)
 def _reshard(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int, mesh: Mesh) -> ReshardPlan:
-    best = _search(src, shape, itemsize, mesh)
+    best = search_from(src, shape, itemsize, mesh)
     if dst not in best:  # cannot happen for valid tuples (see module docstring); kept as a guard
         raise ValueError(f"no resharding from {fmt(src)} to {fmt(dst)} for shape {shape} on mesh {mesh.shape}")
     states, steps, costs, s = [dst], [], [], dst

@@ -269,13 +269,9 @@ def _runner_ups(best: Plan, others: list, top: int = 5) -> list[dict]:
     return out[:top]
 
 
-#: The values ``force=`` takes: a family of ``autopar.planner.families`` or a pipeline.
-FORCE_CHOICES = FAMILIES + ("pp-tp",)
-
-
 def _check_family(force) -> None:
-    if force is not None and force not in FORCE_CHOICES:
-        raise ValueError(f"unknown plan family {force!r}; choose one of {', '.join(FORCE_CHOICES)}")
+    if force is not None and force not in FAMILIES:
+        raise ValueError(f"unknown plan family {force!r}; choose one of {', '.join(FAMILIES)}")
 
 
 def _solve_flat(gp, cfg: Config, every: bool = False, beat: float | None = None):
@@ -626,8 +622,8 @@ def _segment_members(built: Built, checkpointed_leaders: set) -> set:
 
 def simulated_peak(gp, cfg: Config, built: Built, pick, recompute, chunks=None):
     """The per-rank ``profiler.memory.MemoryEstimate`` of the chosen strategies, with the overlap
-    ``chunks`` (name -> k) chosen (``autopar.planner.memory.rank_peak``)."""
-    from autopar.planner.memory import rank_peak
+    ``chunks`` (name -> k) chosen (``autopar.planner.peak.rank_peak``)."""
+    from autopar.planner.peak import rank_peak
 
     from autopar.planner.build import zero_spec
 

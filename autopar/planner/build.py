@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -34,7 +33,9 @@ from autopar import placement as pl
 from autopar import precision
 from autopar.costs.collectives import collective_time
 from autopar.costs.compute import compute_time
-from autopar.costs.reshard import _search as search_from  # Dijkstra from one source, cached
+from autopar.costs.reshard import search_from
+from autopar.lowering import GRAD_BUCKET_BYTES
+from autopar.lowering.graph import tensor_vals
 from autopar.mesh import Mesh
 from autopar.planner import comms
 from autopar.strategies import Strategy, strategies_for
@@ -134,12 +135,6 @@ class Built:
 
 
 # ---------------------------------------------------------------------------------- helpers
-def _vals(node) -> list:
-    v = node.meta.get("val")
-    flat = v if isinstance(v, (list, tuple)) else [v]
-    return [t for t in flat if isinstance(t, torch.Tensor)]
-
-
 _ITEMSIZE: dict = {}
 
 
@@ -158,12 +153,6 @@ def _local_bytes(t: torch.Tensor, pls, mesh_shape) -> float:
     except ValueError:
         shape = t.shape
     return _nbytes(shape, t.dtype)
-
-
-def grad_of(pls) -> tuple:
-    """Placement in which the gradient of a tensor placed ``pls`` is expected (DTensor's
-    conventions): Shard stays Shard, Replicate stays Replicate, Partial's gradient is Replicate."""
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in pls)
 
 
 def _differentiable(t: torch.Tensor) -> bool:
@@ -190,7 +179,7 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: fl
     under mixed precision the norms, softmax and losses keep fp32), else ``prof.saved_bytes``
     scaled by the element size."""
     mesh, shape = cfg.mesh, cfg.mesh.shape
-    outs = _vals(node)
+    outs = tensor_vals(node)
     act_scale = 0.5 if cfg.dtype == "bf16-mixed" else 1.0
     if not outs or not strat.outputs:
         return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
@@ -255,7 +244,7 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: fl
 def _input_vals(node) -> list:
     out = []
     for n in node.all_input_nodes:
-        v = _vals(n)
+        v = tensor_vals(n)
         if node.target is operator.getitem and len(v) > 1:
             v = [v[node.args[1]]] if node.args[1] < len(v) else v[:1]
         out.append(v[0] if v else torch.empty(0))
@@ -263,9 +252,9 @@ def _input_vals(node) -> list:
 
 
 def _allowed(strats: list[Strategy], node, kind, pred) -> list[Strategy]:
-    if pred is None or kind not in ("param", "input") or not _vals(node):
+    if pred is None or kind not in ("param", "input") or not tensor_vals(node):
         return strats
-    t = _vals(node)[0]
+    t = tensor_vals(node)[0]
     keep = [s for s in strats if pred(kind, s.outputs[0], tuple(t.shape))]
     return keep
 
@@ -285,7 +274,7 @@ def _pinned(strats: list[Strategy], node, kind, gp, pin: dict[str, str]) -> list
             want_pl = pl.fmt(pl.parse(want))
             keep = [s for s in strats if pl.fmt(s.outputs[0]) == want_pl]
             if not keep:
-                shape = tuple(_vals(node)[0].shape) if _vals(node) else ()
+                shape = tuple(tensor_vals(node)[0].shape) if tensor_vals(node) else ()
                 raise ValueError(f"pin {pattern!r} -> {want!r} cannot place {names[-2] or node.name} of shape "
                                  f"{shape}: that placement does not divide it on this mesh")
             return keep
@@ -301,7 +290,7 @@ def _signature(node, kind) -> tuple:
     """Nodes with equal signatures (twins in repeated layers) have the same strategy list."""
     def sig(a):
         if isinstance(a, torch.fx.Node):
-            v = _vals(a)
+            v = tensor_vals(a)
             # Whether it needs a gradient too: strategies name no gradient placement for one that
             # does not (a user input), and a twin that does must not share them.
             return ("node", tuple((tuple(t.shape), t.dtype) for t in v), requires_grad(a))
@@ -310,7 +299,7 @@ def _signature(node, kind) -> tuple:
         if isinstance(a, dict):
             return tuple((k, sig(v)) for k, v in sorted(a.items()))
         return repr(a)
-    outs = tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in _vals(node))
+    outs = tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensor_vals(node))
     return (node.op, str(node.target), kind, sig(node.args), sig(node.kwargs), outs, len(node.users) > 0)
 
 
@@ -353,12 +342,12 @@ def expert_params(gm, kinds: dict) -> dict[str, set[str]]:
         if node.op != "call_function" or str(node.target) not in _GROUPED or len(node.args) < 2:
             continue
         w = node.args[1]
-        e = _vals(w)[0].shape[0] if isinstance(w, torch.fx.Node) and _vals(w) else None
+        e = tensor_vals(w)[0].shape[0] if isinstance(w, torch.fx.Node) and tensor_vals(w) else None
         while isinstance(w, torch.fx.Node) and w.op == "call_function" and \
                 w.target.__name__.split(".")[0] in _VIEWS and w.all_input_nodes:
             w = w.all_input_nodes[0]
         if isinstance(w, torch.fx.Node) and w.op == "placeholder" and kinds.get(w.name) == "param":
-            v = _vals(w)[0]
+            v = tensor_vals(w)[0]
             if v.dim() >= 3 and v.shape[0] == e:
                 out.setdefault(w.name, set()).add(node.name)
     return out
@@ -377,7 +366,7 @@ def _experts_split(allowed: list, node, kind, experts: dict, ep_axes: tuple[int,
             keep = [s for s in allowed if on_ep(s, lambda s, a: isinstance(s.outputs[0][a], Shard)
                                                  and s.outputs[0][a].dim == 0)]
             if not keep:
-                n = _vals(node)[0].shape[0]
+                n = tensor_vals(node)[0].shape[0]
                 raise ValueError(f"expert parallelism over {math.prod(ep_sizes)} ranks cannot split expert "
                                  f"weight {fqn or node.name} ({n} experts): choose an ep degree that divides {n}")
         else:
@@ -398,7 +387,7 @@ def _no_batch_split(allowed: list, node, tp_axes: tuple[int, ...], batch: int | 
     (tokens, hidden) activation's dim 0 is tokens: a split there is sequence parallelism)."""
     if not batch:
         return allowed
-    vals = _input_vals(node) + _vals(node)
+    vals = _input_vals(node) + tensor_vals(node)
     if not any(t.dim() >= 3 and int(t.shape[0]) == batch for t in vals):
         return allowed
 
@@ -407,7 +396,7 @@ def _no_batch_split(allowed: list, node, tp_axes: tuple[int, ...], batch: int | 
             if p is not None and t.dim() >= 3 and int(t.shape[0]) == batch and \
                     any(isinstance(p[a], Shard) and p[a].dim % t.dim() == 0 for a in tp_axes):
                 return False
-        for t, p in zip(_vals(node), s.outputs):
+        for t, p in zip(tensor_vals(node), s.outputs):
             if t.dim() >= 3 and int(t.shape[0]) == batch and \
                     any(isinstance(p[a], Shard) and p[a].dim % t.dim() == 0 for a in tp_axes):
                 return False
@@ -427,7 +416,7 @@ def _batch_split(allowed: list, node, dp_axes: tuple[int, ...], batch: int | Non
     acts = [a.name not in weights and (kinds or {}).get(a.name) not in ("param", "buffer")
             for a in node.all_input_nodes]
     pairs_of = lambda s: [(t, p) for t, p, ok in zip(_input_vals(node), s.inputs, acts) if ok] + \
-        list(zip(_vals(node), s.outputs))  # noqa: E731
+        list(zip(tensor_vals(node), s.outputs))  # noqa: E731
 
     def carries(t) -> bool:
         return t.dim() >= 2 and int(t.shape[0]) % batch == 0 and int(t.shape[0]) > 1
@@ -544,7 +533,7 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
         elif cfg.family == "replicate" and node.op == "call_function":
             allowed = [s for s in allowed if s.divisor == 1] or allowed  # no op splits its work
         if not allowed:
-            t = _vals(node)[0]
+            t = tensor_vals(node)[0]
             raise ValueError(
                 f"plan family {cfg.family!r} cannot place {kind} {_fqn(gp, node.name)} of shape "
                 f"{tuple(t.shape)} on mesh {cfg.mesh.shape}: no placement of that family divides it; "
@@ -579,7 +568,7 @@ def _fqn(gp, name):
 # ---------------------------------------------------------------------------------- 2. followers
 def _out_index(producer, consumer) -> int:
     """Which of ``producer``'s tensor outputs ``consumer`` reads (getitem picks one)."""
-    if consumer.target is operator.getitem and len(_vals(producer)) > 1:
+    if consumer.target is operator.getitem and len(tensor_vals(producer)) > 1:
         return int(consumer.args[1])
     return 0
 
@@ -636,7 +625,7 @@ class _EdgePricer:
     """Resharding matrices. Placements are keyed by their printed form (hashing torch placement
     objects is slow); each distinct (output, input, gradient) triple is priced once per shape."""
 
-    def __init__(self, mesh: Mesh, bucket_bytes: float = comms.GRAD_BUCKET_BYTES):
+    def __init__(self, mesh: Mesh, bucket_bytes: float = GRAD_BUCKET_BYTES):
         self.mesh = mesh
         self.bucket_bytes = bucket_bytes
         """Bytes of a gradient bucket for amortising its latency (``comms.bucket_seconds``)."""
@@ -690,7 +679,7 @@ class _EdgePricer:
             ui = list(dict.fromkeys(i_keys))
             small = np.zeros((len(uo), len(ui)))
             for a, o in enumerate(uo):
-                go = None if o is None else _grad_text(o)
+                go = None if o is None else pl.grad_text(o)
                 for b, (x, g) in enumerate(ui):
                     c = self.one(o, x, shape, itemsize)
                     if g is not None and o is not None and param_uses:
@@ -714,11 +703,6 @@ class _EdgePricer:
         except ValueError:
             return FORBIDDEN
         return self.one(grad, target, shape, itemsize) + bucket / uses
-
-
-def _grad_text(pls: str) -> str:
-    """``grad_of`` on the printed form: Partial's gradient is Replicate."""
-    return pls.replace("P", "R")
 
 
 def _in_pl(strat: Strategy, j: int):
@@ -766,7 +750,7 @@ def edges(gm, options, leader, follow, mesh: Mesh, micro: "Micro | None" = None,
                 continue
             popt, ls, fs = options[prod.name], leader[prod.name], follow[prod.name]
             idx = _out_index(prod, node)
-            vals = _vals(prod)
+            vals = tensor_vals(prod)
             t = vals[idx] if idx < len(vals) else (vals[0] if vals else None)
             if t is None:
                 continue
@@ -805,7 +789,7 @@ def sink_costs(gm, options, leader, follow, pricer: _EdgePricer) -> dict[str, np
         if prod.name not in options:
             continue
         popt, ls, fs = options[prod.name], leader[prod.name], follow[prod.name]
-        t = _vals(prod)[0]
+        t = tensor_vals(prod)[0]
         rep = "R" * len(pricer.mesh.shape)
         extra[ls] = extra[ls] + np.array(
             [pricer.one(pricer.key(_out_pl(popt, s, 0)), rep, tuple(t.shape), t.element_size()) for s in fs])
@@ -888,7 +872,7 @@ def _segments(gm, gp, options, leader, follow, mesh_shape) -> tuple:
                     if lead in keep or lead in inside:
                         continue
                     popt, fm = options[prod.name], follow[prod.name]
-                    t = _vals(prod)[0]
+                    t = tensor_vals(prod)[0]
                     keep.append(lead)
                     keep_bytes.append(np.array([_local_bytes(t, _out_pl(popt, s, 0), mesh_shape) for s in fm]))
             segs.append(solver.Segment(id=f"layer{gi}.{li}", nodes=tuple(inside), keep=tuple(keep),

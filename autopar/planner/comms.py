@@ -33,10 +33,9 @@ from autopar import placement as pl
 from autopar import precision
 from autopar.costs.collectives import collective_time
 from autopar.costs.reshard import reshard, step_cost
+from autopar.lowering import GRAD_BUCKET_BYTES
+from autopar.lowering.graph import tensor_vals
 from autopar.mesh import Mesh
-
-GRAD_BUCKET_BYTES = 25 * 2**20
-"""Bytes per gradient bucket; ``autopar.runtime.grads.GradSync``'s default (a test checks)."""
 
 _COMM_STEPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -145,7 +144,7 @@ def effective_bucket_bytes(gm, params, bucket_bytes: float = GRAD_BUCKET_BYTES) 
     total = 0.0
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.name in params and node.users:
-            total += sum(t.numel() * t.element_size() for t in _vals(node))
+            total += sum(t.numel() * t.element_size() for t in tensor_vals(node))
     return max(1.0, min(float(bucket_bytes), total))
 
 
@@ -161,18 +160,6 @@ def _local_bytes(shape, placements: str, mesh: Mesh, itemsize: int) -> int:
 
 
 # ---------------------------------------------------------------------------------- listing
-def _vals(node) -> list:
-    import torch
-
-    v = node.meta.get("val")
-    flat = v if isinstance(v, (list, tuple)) else [v]
-    return [t for t in flat if isinstance(t, torch.Tensor)]
-
-
-def _grad_of(text: str) -> str:
-    return text.replace("P", "R")
-
-
 def _steps(src: str, dst: str, shape, itemsize, mesh: Mesh, phase: str, where: str) -> list[Collective]:
     """The collectives of the cheapest resharding ``src -> dst`` (the path the runtime runs)."""
     if src == dst:
@@ -207,7 +194,7 @@ class _Walk:
         if node.target is operator.getitem and node.op == "call_function":
             src = node.args[0]
             outs = self.outputs(src)
-            return [outs[node.args[1]] if len(_vals(src)) > 1 else outs[0]]
+            return [outs[node.args[1]] if len(tensor_vals(src)) > 1 else outs[0]]
         return ["R" * self.mesh.ndim]
 
     def inputs(self, node) -> tuple[list, list]:
@@ -215,7 +202,7 @@ class _Walk:
         ins, np_ = node.all_input_nodes, self.plan.nodes[node.name]
         if len(np_.inputs) == len(ins):
             return list(np_.inputs), list(np_.input_grads)
-        tensor_ins = [i for i, n in enumerate(ins) if _vals(n)]
+        tensor_ins = [i for i, n in enumerate(ins) if tensor_vals(n)]
         full_p, full_g = [None] * len(ins), [None] * len(ins)
         for k, i in enumerate(tensor_ins):
             full_p[i], full_g[i] = np_.inputs[k], np_.input_grads[k]
@@ -234,7 +221,7 @@ class _Walk:
                     continue
                 pls, grads = self.inputs(user)
                 i = user.all_input_nodes.index(node)
-                g = grads[i] or _grad_of(pls[i] or stored)
+                g = grads[i] or pl.grad_text(pls[i] or stored)
                 for a in bucket_axes(stored, g):
                     target[a] = pl.parse("P")[0]
             out[node.name] = pl.fmt(tuple(target))
@@ -242,8 +229,8 @@ class _Walk:
 
     def edge(self, prod, node, src, dst, gdst, recompute: bool) -> None:
         dst = src if dst is None else dst
-        gdst = _grad_of(dst) if gdst is None else gdst
-        gsrc = self.pgrads.get(prod.name) or _grad_of(self.outputs(prod)[0])
+        gdst = pl.grad_text(dst) if gdst is None else gdst
+        gsrc = self.pgrads.get(prod.name) or pl.grad_text(self.outputs(prod)[0])
         if prod.op == "placeholder":
             # The runtime keeps one moved copy per placement (and per dtype under bf16-mixed:
             # autopar.precision casts a parameter moved for a 16-bit op).
@@ -253,7 +240,7 @@ class _Walk:
             if key in self.param_edges:
                 return  # the runtime reuses one resharded copy
             self.param_edges.add(key)
-        t = _vals(prod)[_out_index(prod, node)]
+        t = tensor_vals(prod)[_out_index(prod, node)]
         shape, where = tuple(t.shape), f"{prod.name} -> {node.name}"
         item, gitem = precision.edge_itemsizes(self.plan.dtype, getattr(self.plan, "grad_reduce", "fp32"), prod,
                                                node, t, getattr(self, "itemsizes", None), _out_index(prod, node),
@@ -297,14 +284,14 @@ class _Walk:
             self.region_start = len(self.out)
         if node.target is operator.getitem:  # the element may move to its own placement
             src_node = node.args[0]
-            k = int(node.args[1]) if len(_vals(src_node)) > 1 else 0
+            k = int(node.args[1]) if len(tensor_vals(src_node)) > 1 else 0
             src, dst = self.outputs(src_node)[k], self.outputs(node)[0]
-            if src != dst and _vals(node):
+            if src != dst and tensor_vals(node):
                 self.edge(src_node, node, src, dst, None, rec)
             return
         pls, grads = self.inputs(node)
         for i, prod in enumerate(node.all_input_nodes):
-            if not _vals(prod) or len(_vals(prod)) > 1:
+            if not tensor_vals(prod) or len(tensor_vals(prod)) > 1:
                 continue  # a whole tuple passes as it is
             self.edge(prod, node, self.outputs(prod)[_out_index(prod, node)], pls[i], grads[i], rec)
         self.in_op(node, np_, rec)
@@ -335,7 +322,7 @@ class _Walk:
         ZeRO-2 buckets and the after-step all-gathers of the shards (``autopar.zero``), as
         ``ParallelModule`` issues them."""
         from autopar import zero as Z
-        from autopar.codegen.lower import canonical_fqns
+        from autopar.lowering.graph import canonical_fqns
 
         stage = int(getattr(self.plan, "zero", 0) or 0)
         zero_axes = Z.plan_axes(self.plan, self.mesh.ndim) if stage in (1, 2) else ()
@@ -345,12 +332,12 @@ class _Walk:
                 continue
             fqn = self.params[node.name]
             name = canon.get(fqn, fqn)
-            if name in seen or not _vals(node)[0].requires_grad:
+            if name in seen or not tensor_vals(node)[0].requires_grad:
                 continue
             seen.add(name)
             target = self.pgrads[node.name]
             axes = tuple(a for a, p in enumerate(pl.parse(target)) if _is(p, "P"))
-            t = _vals(node)[0]
+            t = tensor_vals(node)[0]
             stored = self.outputs(node)[0]
             local = _local_bytes(tuple(t.shape), stored, self.mesh, t.element_size())
             lay = Z.layout(tuple(t.shape), pl.parse(stored), self.mesh.shape, zero_axes) if zero_axes else None
@@ -412,13 +399,13 @@ def _saves(node) -> bool:
 
 
 def _mutates(node) -> bool:
-    from autopar.codegen.executors import mutated_args
+    from autopar.lowering.graph import mutated_args
 
     return bool(mutated_args(node.target))
 
 
 def _out_index(producer, consumer) -> int:
-    if consumer.op == "call_function" and consumer.target is operator.getitem and len(_vals(producer)) > 1:
+    if consumer.op == "call_function" and consumer.target is operator.getitem and len(tensor_vals(producer)) > 1:
         return int(consumer.args[1])
     return 0
 

@@ -51,8 +51,12 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import placement as pl
 
-FAMILIES = ("replicate", "dp", "zero3", "megatron", "megatron-axis0", "megatron-axis1", "tp",
-            "atp-col-first", "atp-row-first")
+#: Families that constrain where parameters are stored and how inputs are split (:func:`constraint`).
+LAYOUT_FAMILIES = ("replicate", "dp", "zero3", "megatron", "megatron-axis0", "megatron-axis1", "tp",
+                   "atp-col-first", "atp-row-first")
+#: Every value ``force=`` takes (``autopar.FAMILIES``): a layout family, or ``pp-tp`` (a pipeline
+#: over one mesh axis, the ILP free on the others).
+FAMILIES = LAYOUT_FAMILIES + ("pp-tp",)
 
 # A predicate on (kind, placements, shape) -> allowed; kind is "param" or "input".
 Predicate = Callable[[str, tuple, tuple], bool]
@@ -252,4 +256,4 @@ def _predicate(family: str, mesh_shape: tuple) -> Predicate:
         # nn.Linear weight is (out, in): dim 0 is the output (column) dim.
         dims = {0: 0, 1: 1} if family == "atp-col-first" else {0: 1, 1: 0}
         return _all(_batch_split_on(()), _params(_tp_weight(dims, mesh_shape)))
-    raise ValueError(f"unknown plan family {family!r}; choose one of {', '.join(FAMILIES)}")
+    raise ValueError(f"unknown plan family {family!r}; choose one of {', '.join(LAYOUT_FAMILIES)}")

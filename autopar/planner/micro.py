@@ -30,7 +30,8 @@ import numpy as np
 from torch.distributed.tensor import Replicate
 
 from autopar import placement as pl
-from autopar.planner.build import _input_vals, _vals
+from autopar.lowering.graph import tensor_vals
+from autopar.planner.build import _input_vals
 
 #: Fewest samples in one micro-batch (see the module docstring).
 MIN_MICRO_BATCH = 2
@@ -112,7 +113,7 @@ class Micro:
         if node.name not in self.scaled:
             return strats
         ins = [(p.name in self.scaled, t) for p, t in zip(node.all_input_nodes, _input_vals(node))]
-        outs = _vals(node)
+        outs = tensor_vals(node)
         flags = tuple(f for f, _ in ins)
         keep = [s for s in strats if self._fits(s, ins, outs, flags)]
         if strats and not keep:

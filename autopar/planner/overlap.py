@@ -67,10 +67,11 @@ import numpy as np
 import torch
 
 from autopar import placement as pl
-from autopar.costs.compute import compute_time
 from autopar.costs.collectives import collective_time
+from autopar.costs.compute import compute_time
 from autopar.costs.reshard import grad_placements, local_bytes, reshard
-from autopar.runtime.overlap import ACTIVATION_ARG, ASYNC_KINDS, blocked_dims, chunk_dim, chunked_edge
+from autopar.lowering.chunks import ACTIVATION_ARG, ASYNC_KINDS, blocked_dims, chunk_dim, chunked_edge
+from autopar.lowering.graph import tensor_vals
 
 #: Chunk counts the planner offers by default.
 CHUNKS = (1, 2, 4)
@@ -92,12 +93,6 @@ class Site:
     """True when the chunked edge goes ``node -> other`` (output case)."""
     k: np.ndarray
     """Best chunk count per (node's own strategy, other's own strategy); 1 where nothing pays."""
-
-
-def _vals(node) -> list:
-    v = node.meta.get("val")
-    flat = v if isinstance(v, (list, tuple)) else [v]
-    return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
 def pipeline_time(c: float, m: float, k: int, b: float = 0.0) -> float:
@@ -250,10 +245,10 @@ def _candidates(gm, options):
             continue
         x = v.args[pos]
         ins = v.all_input_nodes
-        if not isinstance(x, torch.fx.Node) or ins.count(x) != 1 or len(_vals(x)) != 1:
+        if not isinstance(x, torch.fx.Node) or ins.count(x) != 1 or len(tensor_vals(x)) != 1:
             continue
-        outs = _vals(v)
-        if len(outs) != 1 or outs[0].dim() != _vals(x)[0].dim() or outs[0].dim() < 2:
+        outs = tensor_vals(v)
+        if len(outs) != 1 or outs[0].dim() != tensor_vals(x)[0].dim() or outs[0].dim() < 2:
             continue
         users = list(v.users)
         consumer = users[0] if len(users) == 1 and users[0].op != "output" else None
@@ -264,7 +259,7 @@ def _candidates(gm, options):
 def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer, chained=None):
     """(D, K) over (v's own strategies, other's own strategies); each distinct pair of placements
     is priced once, then each distinct kernel against it."""
-    xv, ov = _vals(x)[0], _vals(v)[0]
+    xv, ov = tensor_vals(x)[0], tensor_vals(v)[0]
     j = other.all_input_nodes.index(v) if role == "output" else 0
     t = ov if role == "output" else xv
     shape, item, xshape = tuple(t.shape), t.element_size(), tuple(xv.shape)
@@ -304,7 +299,7 @@ def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer, chained=No
                 src, dst, gdst, texts = a, x_pl, gin, (at, xt, gt)
             if not diff or gdst is None:
                 gdst, texts = None, texts[:2] + (None,)
-            gsrc_t = None if gdst is None else texts[0].replace("P", "R")  # grad_of(src), printed
+            gsrc_t = None if gdst is None else pl.grad_text(texts[0])
             if texts[0] == texts[1] and texts[2] == gsrc_t:
                 continue  # the edge moves nothing
             bwd = (gdst, grad_placements(src)) if gdst is not None else (None, None)
@@ -346,7 +341,7 @@ def add_overlap(gm, gp, options, leader, follow, acc, inner, cfg, chunks=CHUNKS)
                 continue
             oopt = options[other.name]
             chained = _chained(v, x, role, names, rows, gp)
-            key = (id(opt), id(oopt), role, xi, tuple(_vals(v)[0].shape), tuple(_vals(x)[0].shape),
+            key = (id(opt), id(oopt), role, xi, tuple(tensor_vals(v)[0].shape), tuple(tensor_vals(x)[0].shape),
                    prof.fwd_flops, prof.bwd_flops, prof.fwd_bytes, prof.bwd_bytes, chained)
             if key not in memo:
                 memo[key] = _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer, chained)
@@ -365,15 +360,15 @@ CHAIN_REACH = 96
 def _chained(v, x, role: str, candidates: set, rows: dict, gp) -> tuple | None:
     """Whether the chunked edge's message is followed by another candidate's chunks: from the
     output (role ``"output"``) forward, or from the activation (``"input"``) backward, through
-    nodes that act row-wise along the batch dim (``autopar.codegen.rowwise``'s rule, dim 0), a
+    nodes that act row-wise along the batch dim (``autopar.lowering.rows``'s rule, dim 0), a
     candidate matmul is reached, or (forward) a loss that a chain runs per chunk
-    (``rowwise.loss_args``). The codegen then runs both in one chunk chain when they get the
+    (``autopar.lowering.rows.loss_args``). The codegen then runs both in one chunk chain when they get the
     same k (a structural test: cheap, and independent of the strategies).
 
     Returns None when not chained, else the (fwd flops, fwd bytes, bwd flops, bwd bytes) of the
     nodes crossed on the way (the reached matmul included): the work of the neighbouring stage
     that the runtime runs per chunk while this site's messages travel."""
-    from autopar.codegen.rowwise import _row_roles, loss_args
+    from autopar.lowering.rows import loss_args, row_roles
 
     start = list(v.users) if role == "output" else [x]
     seen, todo, work = set(), start, []
@@ -388,7 +383,7 @@ def _chained(v, x, role: str, candidates: set, rows: dict, gp) -> tuple | None:
         if n is not v and (n.name in candidates or (role == "output" and loss_args(n) is not None)):
             return tuple(float(sum(w[i] for w in work)) for i in range(4))
         if n not in rows:
-            rows[n] = _row_roles(n, 0, 1)  # memoised: every site's search crosses the same nodes
+            rows[n] = row_roles(n, 0, 1)  # memoised: every site's search crosses the same nodes
         roles = rows[n]
         if roles is None:
             continue

@@ -33,8 +33,9 @@ import numpy as np
 import solver
 from autopar import placement as pl
 from autopar.costs.collectives import collective_time
+from autopar.lowering.graph import tensor_vals
 from autopar.plan import Pipeline
-from autopar.planner.build import Config, _vals, choices
+from autopar.planner.build import Config, choices
 from autopar.planner.families import roles_of
 from autopar.planner.micro import batch_size, microbatch_counts
 
@@ -505,12 +506,12 @@ def _shared_params(gp, built, sol, units, sub_shape) -> list[tuple[set[int], flo
     unit_of = {n: k for k, u in enumerate(units) for n in u}
     out = []
     for node in gp.captured.gm.graph.nodes:
-        if node.name not in gp.captured.params or node.name not in pick or not _vals(node):
+        if node.name not in gp.captured.params or node.name not in pick or not tensor_vals(node):
             continue
         users = {unit_of[u.name] for u in node.users if u.name in unit_of}
         if len(users) < 2:
             continue
-        val = _vals(node)[0]
+        val = tensor_vals(node)[0]
         placed = built.options[node.name].strategies[pick[node.name]].outputs[0]
         out.append((users, float(np.prod(pl.local_shape(tuple(val.shape), placed, sub_shape))) * val.element_size()))
     return out

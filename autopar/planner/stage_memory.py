@@ -4,16 +4,18 @@
 under ``torch.distributed.pipelining``'s schedule. :func:`pipeline_peaks` replays that with the
 profiler's liveness walk (``profiler.memory``'s forward and backward passes, one micro-batch
 copy of the stage's step nodes at a time, in the schedule's order) on the sizes of
-``autopar.planner.memory.rank_peak`` divided by the micro-batch count where an op carries the
+``autopar.planner.peak.rank_peak`` divided by the micro-batch count where an op carries the
 batch. What one rank holds is listed at :func:`_rank_replay`; it was measured with
-``autopar.runtime.memory.LiveMemory`` on 4 gloo processes (``tests/dist/test_train.py``).
+``autopar.runtime.live_memory.LiveMemory`` on 4 gloo processes (``tests/dist/test_train.py``).
 """
 from __future__ import annotations
 
 import dataclasses
 
-from autopar.planner.memory import (BUCKET_BYTES, _buckets, _chunked, _Ctx, _insert_copies, _local, _placeholders,
-                                    _regions, _scaled_node, _vals)
+from autopar.lowering import GRAD_BUCKET_BYTES
+from autopar.lowering.graph import tensor_vals
+from autopar.planner.peak import (_buckets, _chunked, _Ctx, _insert_copies, _local, _placeholders, _regions,
+                                  _scaled_node)
 
 
 def _micro(n, m: int):
@@ -84,7 +86,7 @@ def _received(steps: list, stage_of: dict, placeholders, n_stages: int) -> list[
 
 
 def pipeline_peaks(gp, strategy_of: dict, mesh, pipeline, *, recompute=frozenset(), optimizer: str = "adamw",
-                   dtype: str = "float32", foreach: bool | None = None, bucket_bytes: int = BUCKET_BYTES,
+                   dtype: str = "float32", foreach: bool | None = None, bucket_bytes: int = GRAD_BUCKET_BYTES,
                    chunks: dict | None = None, stop_above: float | None = None, zero=None) -> list:
     """Per rank of the pipeline axis, the ``profiler.memory.MemoryEstimate`` of one pipelined
     step (``pipeline``: an ``autopar.plan.Pipeline``; ``mesh``: the sharding sub-mesh the
@@ -142,7 +144,7 @@ def _value_bytes(world, name: str) -> int:
     node = ctx.nodes.get(name)
     if node is None:
         return 0
-    total = sum(_local(t, ctx.out_pl(name, i), ctx.shape) for i, t in enumerate(_vals(node)))
+    total = sum(_local(t, ctx.out_pl(name, i), ctx.shape) for i, t in enumerate(tensor_vals(node)))
     return total // world["m"] if name in world["scaled"] else total
 
 
@@ -161,9 +163,9 @@ def _rank_replay(world, local: list[int], schedule: str, p: int, optimizer: str,
     - then ``GradSync.finish``: every Partial gradient flattened into its bucket at once; then
       the optimizer's transient.
     """
-    from profiler.memory import MemoryEstimate, Placeholder, _optimizer_transient, _Sizer, _State, _static_bytes
+    from profiler.memory import MemoryEstimate, Placeholder, ReplayState, Sizer, optimizer_transient, static_bytes
 
-    m, size, places = world["m"], _Sizer("fp32"), world["placeholders"]
+    m, size, places = world["m"], Sizer("fp32"), world["placeholders"]
     mine = [n for n in world["steps"] if world["stage_of"][n.name] in local]
     names = {n.name for n in mine}
     used = {a for n in mine for a in n.inputs if a in places}
@@ -189,7 +191,7 @@ def _rank_replay(world, local: list[int], schedule: str, p: int, optimizer: str,
         keep = [k for v in sent for k in by_name[v].out_keys]
         mine = [dataclasses.replace(mine[0], saved=list(mine[0].saved) + keep)] + mine[1:]
     regions = [r for r in world["regions"] if r[0] in names]
-    state = _State(static=_static_bytes(ph, size, optimizer))
+    state = ReplayState(static=static_bytes(ph, size, optimizer))
     loss = world["loss"] if world["loss"] in names else ""
     _run_schedule(state, mine, ph, regions, loss, (schedule, p, local[0], m), grad_in, size)
     # GradSync.finish: gradients of parameters read by no local stage arrive as zeros, then
@@ -197,7 +199,7 @@ def _rank_replay(world, local: list[int], schedule: str, p: int, optimizer: str,
     state.grads += sum(x.nbytes for a, x in ph.items() if x.kind == "param" and a not in used)
     flat = sum(x.nbytes for a, x in ph.items() if x.kind == "param" and a in world["bucketed"])
     state.observe("backward", "grad_sync", flat)
-    state.observe("optimizer", "optimizer.step", _optimizer_transient(ph, size, optimizer, foreach))
+    state.observe("optimizer", "optimizer.step", optimizer_transient(ph, size, optimizer, foreach))
     best, st = state.best, state.static
     return MemoryEstimate(peak=best["total"], phase=best["phase"], node=best["node"], params=st["params"],
                           buffers=st["buffers"], inputs=st["inputs"], grads=best["grads"],
@@ -211,7 +213,7 @@ def _run_schedule(state, mine: list, ph: dict, regions: list, loss: str, sched: 
     past the warm-up reach every peak); GPipe's i-th forward and backward differ only by the
     saved activations of the micro-batches still in flight, which two replayed micro-batches
     plus the saved bytes of the others reproduce (later backwards hold less)."""
-    from profiler.memory import _backward, _Checkpoints, _forward
+    from profiler.memory import Checkpoints, replay_backward, replay_forward
 
     schedule, p, stage, m = sched
     m_run = min(m, min(m, p - stage) + 2) if schedule == "1f1b" else min(m, 2)
@@ -220,16 +222,16 @@ def _run_schedule(state, mine: list, ph: dict, regions: list, loss: str, sched: 
     for kind, i in _actions(schedule, p, stage, m_run):
         if kind == "F":
             nodes = _renamed(mine, i, fixed)
-            ck = _Checkpoints(nodes, ph, [[f"{x}#{i}" for x in r] for r in regions])
+            ck = Checkpoints(nodes, ph, [[f"{x}#{i}" for x in r] for r in regions])
             runs[i] = (nodes, ck)
             before = state.live_bytes
-            _forward(nodes, ph, f"{loss}#{i}" if loss else "", size, state, ck)
+            replay_forward(nodes, ph, f"{loss}#{i}" if loss else "", size, state, ck)
             if schedule != "1f1b" and i == 0 and m > m_run:  # the micro-batches not replayed
                 state.add(("in flight", 0), (m - m_run) * (state.live_bytes - before))
         else:
             nodes, ck = runs.pop(i)
             # after the first backward, gradients accumulate in place
-            _backward(nodes, ph if first_backward else frozen, size, state, ck, {})
+            replay_backward(nodes, ph if first_backward else frozen, size, state, ck, {})
             first_backward = False
             state.add(("recv_grad", i), grad_in)  # the received value's .grad stays until next step
     state.free(("in flight", 0))

@@ -57,7 +57,7 @@ def _group_ranks(dm: DeviceMesh, axis: int) -> list[int] | str:
         return "?"
 
 
-def _collective(kind: str, x: torch.Tensor, dm: DeviceMesh, axis: int, where: str | None, launch):
+def run_collective(kind: str, x: torch.Tensor, dm: DeviceMesh, axis: int, where: str | None, launch):
     """Run ``launch()`` (a functional collective) and wait, naming the collective on failure."""
     try:
         return _wait(launch())
@@ -115,7 +115,7 @@ def _dim_to_rows(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 def all_gather(x: torch.Tensor, dim: int, dm: DeviceMesh, axis: int, *, where: str | None = None) -> torch.Tensor:
     """Concatenate the ``n`` local tensors of the axis group along ``dim``, in coordinate order."""
     n = axis_size(dm, axis)
-    out = _collective("all_gather", x, dm, axis, where,
+    out = run_collective("all_gather", x, dm, axis, where,
                       lambda: funcol.all_gather_single(x.contiguous(), 0, (dm, axis)))  # (n * D0, ..)
     return out if dim == 0 else _rows_to_dim(out, n, dim)
 
@@ -125,13 +125,13 @@ def reduce_scatter(x: torch.Tensor, dim: int, dm: DeviceMesh, axis: int, *, wher
     n = axis_size(dm, axis)
     _check_divides(x, dim, n, "reduce_scatter")
     rows = x.contiguous() if dim == 0 else _dim_to_rows(x, n, dim)
-    return _collective("reduce_scatter", x, dm, axis, where,
+    return run_collective("reduce_scatter", x, dm, axis, where,
                        lambda: funcol.reduce_scatter_single(rows, "sum", 0, (dm, axis)))
 
 
 def all_reduce(x: torch.Tensor, dm: DeviceMesh, axis: int, *, where: str | None = None) -> torch.Tensor:
     """Sum over the axis group (a new tensor; the input is left unchanged)."""
-    return _collective("all_reduce", x, dm, axis, where, lambda: funcol.all_reduce(x.contiguous(), "sum", (dm, axis)))
+    return run_collective("all_reduce", x, dm, axis, where, lambda: funcol.all_reduce(x.contiguous(), "sum", (dm, axis)))
 
 
 def all_reduce_(x: torch.Tensor, dm: DeviceMesh, axis: int, *, where: str | None = None) -> torch.Tensor:
@@ -142,7 +142,7 @@ def all_reduce_(x: torch.Tensor, dm: DeviceMesh, axis: int, *, where: str | None
         dist.all_reduce(x, group=dm.get_group(axis))
         return x
 
-    return _collective("all_reduce", x, dm, axis, where, run)
+    return run_collective("all_reduce", x, dm, axis, where, run)
 
 
 def all_to_all(x: torch.Tensor, dim: int, dim2: int, dm: DeviceMesh, axis: int, *,
@@ -153,7 +153,7 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, dm: DeviceMesh, axis: int, 
     n = axis_size(dm, axis)
     _check_divides(x, dim2, n, "all_to_all")
     rows = x.contiguous() if dim2 == 0 else _dim_to_rows(x, n, dim2)  # (n * A, ..): block k goes to peer k
-    out = _collective("all_to_all", x, dm, axis, where,
+    out = run_collective("all_to_all", x, dm, axis, where,
                       lambda: funcol.all_to_all_single(rows, None, None, (dm, axis)))  # block k came from peer k
     return out if dim == 0 else _rows_to_dim(out, n, dim)
 

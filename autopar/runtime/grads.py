@@ -38,7 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.runtime.collectives import _chunk, _collective
+from autopar.lowering import GRAD_BUCKET_BYTES
+from autopar.runtime.collectives import _chunk, run_collective
 from autopar.zero import chunk_index
 
 
@@ -74,7 +75,7 @@ class GradSync:
     """
 
     def __init__(self, params: Iterable[tuple[torch.nn.Parameter, Sequence[Placement]]],
-                 device_mesh: DeviceMesh, *, bucket_bytes: int = 25 * 2**20,
+                 device_mesh: DeviceMesh, *, bucket_bytes: int = GRAD_BUCKET_BYTES,
                  reduce_dtype: torch.dtype | None = None, zero: dict | None = None):
         self.dm = device_mesh
         params = list(params)
@@ -232,13 +233,13 @@ class GradSync:
         flat = b.flat
         for axis in (a for a in b.axes if a not in axes):
             where = f"the ZeRO-2 gradient bucket of {len(b.members)} parameters summed over mesh axis {axis}"
-            _collective("all_reduce", flat, self.dm, axis, where,
+            run_collective("all_reduce", flat, self.dm, axis, where,
                         lambda: (dist.all_reduce(flat, group=self.dm.get_group(axis)), flat)[1])
         cast = self.reduce_dtype is not None and flat.dtype != self.reduce_dtype
         send = flat.to(self.reduce_dtype) if cast else flat
         out = send.new_empty(send.shape[1])
         where = f"the ZeRO-2 gradient bucket of {len(b.members)} parameters reduce-scattered over mesh axes {axes}"
-        _collective("reduce_scatter", out, self.dm, axes[0], where,
+        run_collective("reduce_scatter", out, self.dm, axes[0], where,
                     lambda: (dist.reduce_scatter_single(out, send.reshape(-1), group=pg), out)[1])
         b.flat = flat = send = None
         out = out.to(self.zero[id(b.params[0])][1].dtype)
@@ -314,9 +315,9 @@ class GradSync:
             where = f"the gradient bucket of {len(b.members)} parameters summed over mesh axes {b.axes}"
             if b.work is not None:  # a peer that never joins surfaces here: name the collective
                 work = b.work
-                _collective("all_reduce", flat, self.dm, b.axes[0], where, lambda: (work.wait(), flat)[1])
+                run_collective("all_reduce", flat, self.dm, b.axes[0], where, lambda: (work.wait(), flat)[1])
             for axis in () if b.group else b.axes[1:]:
-                _collective("all_reduce", flat, self.dm, axis, where,
+                run_collective("all_reduce", flat, self.dm, axis, where,
                             lambda: (dist.all_reduce(flat, group=self.dm.get_group(axis)), flat)[1])
             if flat is not b.flat:
                 b.flat.copy_(flat)  # back to the gradients' dtype

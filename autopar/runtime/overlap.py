@@ -16,24 +16,22 @@ the collectives act elementwise or along other dims.
 Weights and other inputs are shared by the chunks; their gradients are summed over chunks.
 
 Runs of chunked matmuls joined by row-wise ops are not concatenated between them: the codegen
-emits them as a chunk chain (``autopar.codegen.chunking``), whose edges run per chunk through the
+emits them as a chunk chain (``autopar.codegen.chunking``, by the rules of ``autopar.lowering.chunks``), whose edges run per chunk through the
 :class:`EdgeLaunch` / :class:`EdgeWait` pair defined at the end of this module.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
-from torch.distributed.tensor import Partial
 
-from autopar.runtime.collectives import _collective
+from autopar.lowering.chunks import ASYNC_KINDS
+from autopar.runtime.collectives import run_collective
 from autopar.runtime.reshard import apply_steps
 
-#: Step kinds a chunk launches asynchronously (when it is the edge's only step).
-ASYNC_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter"})
 
 
 class _Pending:
@@ -79,43 +77,7 @@ class _Pending:
             return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
         # A peer that never joins surfaces at the wait: name the collective and the chunk.
-        return _collective(s.kind, out, self.dm, s.axis, "a chunk of an overlapped matmul", finish)
-
-
-aten = torch.ops.aten
-
-#: Matmul-like targets that can run chunked, and which argument is the activation.
-ACTIVATION_ARG = {aten.linear.default: 0, aten.mm.default: 0, aten.matmul.default: 0, aten.bmm.default: 0,
-                  aten.addmm.default: 1}
-
-
-def chunked_edge(out_placements: Sequence) -> str:
-    """Which edge a chunked node runs in pieces: ``"output"`` (the edge to its single consumer)
-    when its output is Partial on some axis, else ``"input"`` (its activation's edge). The
-    planner prices exactly this edge (``autopar.planner.overlap``)."""
-    return "output" if any(isinstance(p, Partial) for p in out_placements) else "input"
-
-
-def blocked_dims(ndim: int, placement_lists: Sequence, steps: Sequence) -> set[int]:
-    """Dims that cannot carry chunks: sharded by some placement, or gathered, scattered or
-    exchanged by some step."""
-    out = set()
-    for pls in placement_lists:
-        # Only Shard placements (and their strided kin) have a dim; getattr is much cheaper than
-        # isinstance on torch's placement classes.
-        out.update(p.dim % ndim for p in pls if getattr(p, "dim", None) is not None)
-    for s in steps:
-        out.update(d % ndim for d in (getattr(s, "dim", None), getattr(s, "dim2", None)) if d is not None)
-    return out
-
-
-def chunk_dim(local_shape: Sequence[int], k: int, blocked) -> int | None:
-    """The chunk dim for k chunks: the first dim but the last that is not ``blocked`` (see
-    :func:`blocked_dims`) and whose local size divides by k; None when there is none."""
-    for d in range(len(local_shape) - 1):
-        if d not in blocked and local_shape[d] % k == 0 and local_shape[d] >= k:
-            return d
-    return None
+        return run_collective(s.kind, out, self.dm, s.axis, "a chunk of an overlapped matmul", finish)
 
 
 class ChunkedOp(nn.Module):

@@ -159,7 +159,7 @@ def _meta(node: fx.Node, grad: dict, mesh_shape, local: bool = True):
 def _requires_grad(gm: fx.GraphModule, slots, slot_of) -> dict:
     """Which per-rank values carry gradients: parameters, and floating values computed from them.
 
-    A checkpointed region's call (:class:`autopar.runtime.checkpoint.CheckpointRegion`) returns
+    A checkpointed region's call (:class:`autopar.runtime.recompute.CheckpointRegion`) returns
     a tuple: its flags are those of the body's outputs, and each ``getitem`` takes its own."""
     seeds = {n: floating(n) and slots[slot_of[n]].kind == "param" for n in gm.graph.nodes if n.op == "placeholder"}
     return _propagate(gm, seeds)

@@ -15,7 +15,7 @@ differ only on axes where the output is replicated get the same seed, and ranks 
 different shards get different seeds. The process's own generator state is restored after each
 call, so the user's random stream is untouched.
 
-Recomputation replays the same numbers: a checkpointed region (``autopar.runtime.checkpoint``)
+Recomputation replays the same numbers: a checkpointed region (``autopar.runtime.recompute``)
 rewinds the counters of the streams inside it to their values at the region's forward before it
 runs again in backward, as ``torch.utils.checkpoint`` does for the process generators.
 

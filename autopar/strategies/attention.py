@@ -55,7 +55,7 @@ def _sdpa_local(node, st, args, kwargs, ctx):
         return aten._scaled_dot_product_flash_attention(q, k, v, extra["dropout_p"], is_causal=True,
                                                         return_debug_mask=False, scale=extra["scale"])[0]
     # Elsewhere an explicit mask over every key: each rank computes its rows against all keys and
-    # saves the mask (priced: causal_load, autopar.planner.memory), alike on every rank.
+    # saves the mask (priced: causal_load, autopar.planner.peak), alike on every rank.
     mask = _rows_mask(offset, rows, k.shape[-2], q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra)
 

@@ -159,6 +159,3 @@ def is_plain(p) -> bool:
     return type(p) in (Replicate, Shard) or (type(p) is Partial and p.reduce_op == "sum")
 
 
-def grad_of(placements):
-    """The gradient placement arriving at an output placed ``placements`` (P -> R)."""
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)

@@ -57,11 +57,11 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 
 def _reduce(x: torch.Tensor, ctx: Any, axes: Sequence[int], op: str) -> torch.Tensor:
-    from autopar.runtime.collectives import _collective  # names the collective if a peer is lost
+    from autopar.runtime.collectives import run_collective  # names the collective if a peer is lost
 
     for a in axes:
         y = x.contiguous()
-        x = _collective(f"all_reduce ({op}) inside an op", y, ctx.device_mesh, a, None,
+        x = run_collective(f"all_reduce ({op}) inside an op", y, ctx.device_mesh, a, None,
                         lambda: funcol.all_reduce(y, op, (ctx.device_mesh, a)))
     return x
 

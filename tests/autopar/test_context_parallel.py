@@ -114,7 +114,7 @@ def test_cp_rule_holds_with_grouped_heads(mesh):
     on every rank, per-rank loop and simulation alike."""
     from torch.distributed._local_tensor import LocalTensorMode
 
-    import autopar.strategies.validate as V
+    import autopar.strategies.oracle as V
     from autopar.strategies import strategies_for
     from autopar.strategies.base import RunContext
 

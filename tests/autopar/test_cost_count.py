@@ -18,6 +18,7 @@ from torch.distributed._local_tensor import LocalTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar import zoo
+from autopar.lowering import GRAD_BUCKET_BYTES
 from autopar.mesh import Link, Mesh
 from autopar.planner import comms, plan_profile
 
@@ -75,7 +76,7 @@ class _Count(TorchDispatchMode):
 
 
 def _issued(plan, device_mesh) -> collections.Counter:
-    from autopar.runtime.module import ParallelModule
+    from autopar.parallel_module import ParallelModule
 
     ex, cap, _ = _model()
     with LocalTensorMode(WORLD):
@@ -137,7 +138,7 @@ def test_bucket_size_matches_runtime():
     from autopar.runtime.grads import GradSync
 
     default = inspect.signature(GradSync.__init__).parameters["bucket_bytes"].default
-    assert default == comms.GRAD_BUCKET_BYTES
+    assert default == GRAD_BUCKET_BYTES
 
 
 def test_bf16_mixed_prices_the_bytes_it_moves(device_mesh):
@@ -171,7 +172,7 @@ def test_bf16_mixed_prices_the_bytes_it_moves(device_mesh):
         if prod in params and m.phase == "backward":
             assert m.nbytes == f.nbytes  # reduced in fp32
     assert halved > 0
-    from autopar.runtime.module import ParallelModule
+    from autopar.parallel_module import ParallelModule
 
     with LocalTensorMode(WORLD):
         pm = ParallelModule(ex.model, cap, plan, device_mesh)

@@ -23,7 +23,8 @@ import cases  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "autopar"
 #: Code of the per-rank program: the runtime, the code generation, and the launch-side helpers.
-RUN_SIDE = sorted([*(ROOT / "runtime").glob("*.py"), *(ROOT / "codegen").glob("*.py"), ROOT / "api.py",
+RUN_SIDE = sorted([*(ROOT / "runtime").glob("*.py"), *(ROOT / "codegen").glob("*.py"), *(ROOT / "lowering").glob("*.py"),
+                   ROOT / "api.py", ROOT / "parallel_module.py",
                    ROOT / "checkpoint.py"])
 
 #: (file, enclosing function) -> why naming the CPU there is right.

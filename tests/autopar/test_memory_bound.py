@@ -1,5 +1,5 @@
 """The plan's predicted per-rank peak (``Plan.peak_bytes``) against the live tensor bytes one
-training step really holds (``autopar.runtime.memory.LiveMemory``), on a 2x2 mesh, fp32 AdamW.
+training step really holds (``autopar.runtime.live_memory.LiveMemory``), on a 2x2 mesh, fp32 AdamW.
 
 Bound asserted: ``0.9 <= measured / predicted <= 1.1`` on every rank, and the measured peak never
 above the budget the plan was solved for.
@@ -11,10 +11,10 @@ above the budget the plan was solved for.
 - Every rank: a few plans under ``LocalTensorMode`` (4 simulated ranks, each rank's storages
   counted apart).
 - Plans edited after planning (overlap chunks, every op recomputed), re-predicted with
-  ``autopar.planner.memory.plan_peak``.
+  ``autopar.planner.peak.plan_peak``.
 - A tight budget: 0.6 x the unconstrained plan's peak makes the solver shard and checkpoint; the
   step still measures under the budget.
-- Pipelines (``autopar.planner.memory.pipeline_peaks``): the planner's pp-tp plan predicts the
+- Pipelines (``autopar.planner.peak.pipeline_peaks``): the planner's pp-tp plan predicts the
   replay ``plan_peak`` gives, and stays under a budget it was solved for; the schedule order
   replayed is ``torch.distributed.pipelining``'s. A pipelined step cannot run under
   ``LocalTensorMode`` (its stages talk point to point), so its measured peaks come from the gloo
@@ -80,8 +80,8 @@ def _measure(ex, cap, plan, dm, *, ranks: bool = False):
     """Per-rank peaks of one train_step + AdamW step (``ranks``: all 4 under LocalTensorMode)."""
     from torch.distributed._local_tensor import LocalTensorMode
 
-    from autopar.runtime.memory import measure_step
-    from autopar.runtime.module import ParallelModule
+    from autopar.runtime.live_memory import measure_step
+    from autopar.parallel_module import ParallelModule
 
     with LocalTensorMode(WORLD) if ranks else contextlib.nullcontext():
         pm = ParallelModule(ex.model, cap, plan, dm)
@@ -157,7 +157,7 @@ def test_edited_plan_re_predicted(mesh, name):
     """A plan edited after planning (every matmul in 2 overlap chunks; then also every op
     recomputed) re-predicted by ``plan_peak`` is within the bound of what its step holds."""
     from autopar.plan import Plan
-    from autopar.planner.memory import plan_peak
+    from autopar.planner.peak import plan_peak
 
     ex, cap, gp = _setup(name)
     plan = _plan(gp, "megatron")
@@ -186,7 +186,7 @@ def _pp_plan(gp, **options):
 def _pipelined(name: str, schedule: str, microbatches: int):
     """The planner's pp-tp plan of ``name`` run as 2 stages with ``schedule`` and
     ``microbatches``, its peak re-predicted."""
-    from autopar.planner.memory import plan_peak
+    from autopar.planner.peak import plan_peak
 
     gp = _setup(name)[2]
     plan = _pp_plan(gp)
@@ -204,7 +204,7 @@ def test_pipeline_plan_predicts_its_replay(name):
     the ranks of the pipeline axis; solved under that figure as budget, the plan still fits, and
     half of it is refused."""
     from autopar.plan import InfeasibleBudget
-    from autopar.planner.memory import plan_peak
+    from autopar.planner.peak import plan_peak
 
     gp = _setup(name)[2]
     plan = _pp_plan(gp)

@@ -24,7 +24,7 @@ import cases  # noqa: E402
 
 from autopar import zoo  # noqa: E402
 from autopar.strategies import RunContext, strategies_for  # noqa: E402
-from autopar.strategies import validate as V  # noqa: E402
+from autopar.strategies import oracle as V  # noqa: E402
 from autopar.strategies.registry import rule_for  # noqa: E402
 
 MESH = (2, 2)

@@ -225,7 +225,7 @@ def test_zero_1_and_2_split_the_state_the_replay_counts():
     state the replay no longer holds, less the optimizer's shard of each parameter. Time: ZeRO-1
     adds the all-gather of the shards after the step to DDP's all-reduce; ZeRO-2 reduce-scatters
     instead, and reduce-scatter + all-gather move what the all-reduce moved."""
-    from autopar.planner.memory import plan_peak
+    from autopar.planner.peak import plan_peak
 
     gp = _gp("gpt2", batch=32)
     mesh = Mesh((2, 4), cluster="a100")

@@ -1,9 +1,9 @@
 """Negative dims: every rule and local implementation that reads a dim argument, given it
-negative, against the unsharded op (``autopar.strategies.validate``), on a 2x2 mesh.
+negative, against the unsharded op (``autopar.strategies.oracle``), on a 2x2 mesh.
 
 A negative dim must be taken modulo the rank of the tensor it indexes: the input's for most ops,
 the output's for ``unsqueeze`` and ``stack`` (which add a dim). The chunk chains' row rules
-(``autopar.codegen.rowwise``) are checked the same way: per chunk then concatenated equals whole.
+(``autopar.lowering.rows``) are checked the same way: per chunk then concatenated equals whole.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar.strategies import RunContext, strategies_for
-from autopar.strategies import validate as V
+from autopar.strategies import oracle as V
 
 aten = torch.ops.aten
 MESH = (2, 2)
@@ -186,7 +186,7 @@ def _chunk_exact(node, roles, env, d, k):
 def test_negative_dim_row_rules_are_exact(d):
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autopar.codegen.rowwise import _row_roles
+    from autopar.lowering.rows import row_roles
 
     k = 2
     xs = (torch.randn(4, 6, 8), torch.randn(6, 1), torch.randn(4, 6))
@@ -198,7 +198,7 @@ def test_negative_dim_row_rules_are_exact(d):
             continue
         args = torch.fx.node.map_arg(node.args, env.__getitem__)
         env[node] = whole = node.target(*args, **node.kwargs)
-        roles = _row_roles(node, d, k)
+        roles = row_roles(node, d, k)
         label = f"{node.target}{[a for a in node.args if not _has_node(a)]}"
         if roles is None:
             rejected.append(label)

@@ -61,7 +61,7 @@ def _train(model, cap, plan, tp_mesh, args, kwargs, target, loss_fn, steps=2):
     """Losses, first-step gradients and final parameters of ParallelModule and of one device."""
     from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
-    from autopar.runtime.module import ParallelModule
+    from autopar.parallel_module import ParallelModule
 
     r = lambda t: t.reconcile() if isinstance(t, LocalTensor) else t  # noqa: E731
     ref = copy.deepcopy(model)
@@ -241,14 +241,14 @@ def _shape_ops(x, w, y):
 
 @pytest.mark.parametrize("d", [0, 1])
 def test_row_rules_are_exact(d):
-    """Every node ``_row_roles`` accepts along d, run per chunk (chunk-role inputs split along d,
+    """Every node ``row_roles`` accepts along d, run per chunk (chunk-role inputs split along d,
     shared ones whole, an expand's size cut by k as the emitter does) and concatenated, equals the
     whole node; the ops that mix rows along d are rejected."""
     import operator
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autopar.codegen.rowwise import _row_roles
+    from autopar.lowering.rows import row_roles
 
     k = 2
     xs = (torch.randn(4, 6, 8), torch.randn(8), torch.randn(6, 4))
@@ -260,7 +260,7 @@ def test_row_rules_are_exact(d):
             continue
         args = torch.fx.node.map_arg(node.args, env.__getitem__)
         env[node] = whole = node.target(*args, **node.kwargs)
-        roles = _row_roles(node, d, k)
+        roles = row_roles(node, d, k)
         if roles is None or node.target is operator.getitem:
             continue
         accepted.append(str(node.target))

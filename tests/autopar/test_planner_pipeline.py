@@ -8,6 +8,7 @@ import profiler
 import solver
 from autopar import placement as pl
 from autopar import zoo
+from autopar.lowering.graph import tensor_vals
 from autopar.mesh import Mesh
 from autopar.planner import pipeline as pp
 from autopar.planner import plan_profile
@@ -31,7 +32,7 @@ def _kernel_floor(gp, plan, mesh) -> float:
         kernels = 0
         for n in names:
             prof = gp.nodes.get(n)
-            if prof is None or prof.op in ("placeholder", "output") or not pp._vals(graph[n]):
+            if prof is None or prof.op in ("placeholder", "output") or not tensor_vals(graph[n]):
                 continue  # no tensor out (a metadata assert): no kernel
             kernels += (prof.fwd_flops > 0 or prof.fwd_bytes > 0) + (prof.bwd_flops > 0 or prof.bwd_bytes > 0)
         per_stage.append(kernels)
@@ -112,7 +113,7 @@ def test_micro_batches_keep_every_sharded_dim_divisible():
         if opt is None or node.name not in micro.scaled:
             continue
         for s in opt.strategies:
-            for t, p in zip(pp._vals(node), s.outputs):
+            for t, p in zip(tensor_vals(node), s.outputs):
                 assert pl.fits(micro.shape(t.shape), p, sub.shape), (node.name, pl.fmt(p))
 
 

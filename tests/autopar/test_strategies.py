@@ -4,7 +4,7 @@ against the unsharded op (values, input gradients, written inputs).
 Examples come from the real nodes of the zoo models' captured graphs (with the values they take
 in a real run) and from hand-made nodes for ops the zoo does not use. Strategies with in-op
 collectives or rank-dependent code run under ``LocalTensorMode`` with the fake process group;
-the others run rank by rank (see ``autopar.strategies.validate``). ``KNOWN_FAILURES`` may only
+the others run rank by rank (see ``autopar.strategies.oracle``). ``KNOWN_FAILURES`` may only
 shrink.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar import zoo
 from autopar.strategies import RunContext, registered_ops, strategies_for
-from autopar.strategies import validate as V
+from autopar.strategies import oracle as V
 from autopar.strategies.dtensor import rule_for as dtensor_rule
 
 aten = torch.ops.aten

@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar.strategies import strategies_for
-from autopar.strategies import validate as V
+from autopar.strategies import oracle as V
 
 MESH = (2, 2)
 #: (example, strategy names to run on it).

@@ -86,7 +86,7 @@ def _rank_predictions(name: str, plan) -> list[float]:
     if plan.pipeline is None or len(plan.pipeline.stages) < 2:
         return [plan.peak_bytes] * world
     import profiler
-    from autopar.planner.memory import _Chosen, _plan_mesh, plan_zero
+    from autopar.planner.peak import _Chosen, _plan_mesh, plan_zero
     from autopar.planner.stage_memory import pipeline_peaks
 
     ex = _example(name)

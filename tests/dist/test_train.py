@@ -12,7 +12,7 @@ of the session by ``test_report_memory``) and must be within 10% of ``Plan.peak_
 rank and never above the plan's budget (``tests/autopar/test_memory_bound.py`` for the breadth),
 pipelines included. A plan the test edits after planning (every op recomputed, matmuls chunked,
 2 stages of 2 micro-batches) has its ``peak_bytes`` re-predicted from the profile by
-``autopar.planner.memory.plan_peak``.
+``autopar.planner.peak.plan_peak``.
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def _rank_predictions(name: str, plan) -> list[float]:
     pipeline axis has its own replay (``pipeline_peaks``; ``peak_bytes`` is their largest)."""
     if plan.pipeline is None or len(plan.pipeline.stages) < 2:
         return [plan.peak_bytes] * 4
-    from autopar.planner.memory import _Chosen, _plan_mesh
+    from autopar.planner.peak import _Chosen, _plan_mesh
     from autopar.planner.stage_memory import pipeline_peaks
 
     peaks = [e.peak for e in pipeline_peaks(
@@ -107,9 +107,9 @@ _MATMULS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default", "ate
 
 def recompute_and_chunk(plan_json: str, name: str, chunks: int = 2) -> str:
     """The plan with every op recomputed in backward and every matmul in ``chunks`` pieces; its
-    ``peak_bytes`` re-predicted for the edited plan (``autopar.planner.memory.plan_peak``)."""
+    ``peak_bytes`` re-predicted for the edited plan (``autopar.planner.peak.plan_peak``)."""
     from autopar.plan import Plan
-    from autopar.planner.memory import plan_peak
+    from autopar.planner.peak import plan_peak
 
     plan = Plan.from_json(plan_json)
     cap = _captured(name)
@@ -144,7 +144,7 @@ def two_stages(plan_json: str, name: str) -> str:
     stages are merged pairwise (contiguous runs of layers with the same per-stage placements).
     ``peak_bytes`` is re-predicted for the plan as run."""
     from autopar.plan import Plan
-    from autopar.planner.memory import plan_peak
+    from autopar.planner.peak import plan_peak
 
     plan = Plan.from_json(plan_json)
     pipe = plan.pipeline
@@ -195,7 +195,7 @@ def pipeline_state_case(name: str, plan_json: str) -> dict:
 
     import workers
     from autopar.plan import Plan
-    from autopar.runtime.module import ParallelModule
+    from autopar.parallel_module import ParallelModule
 
     ex, cap = workers._example(name)
     plan = Plan.from_json(plan_json)
@@ -213,7 +213,7 @@ def pipeline_state_case(name: str, plan_json: str) -> dict:
     after = pm.full_state_dict()
     diff = max([diff] + [float((after[k] - shifted[k]).abs().max()) for k in shifted])
     from autopar import placement as pl
-    from autopar.codegen.lower import canonical_fqns
+    from autopar.lowering.graph import canonical_fqns
 
     held = sum(p.numel() for p in pm.parameters())
     canon, sig = canonical_fqns(cap), pm.signature

@@ -34,8 +34,8 @@ def train_case(name: str, plan_json: str, *, steps: int = cases.STEPS, lr: float
     state (full tensors, rank 0), measured peak bytes of the last step, digests of every rank's
     full state (they must agree)."""
     from autopar.plan import Plan
-    from autopar.runtime.memory import LiveMemory, resident_tensors
-    from autopar.runtime.module import ParallelModule
+    from autopar.runtime.live_memory import LiveMemory, resident_tensors
+    from autopar.parallel_module import ParallelModule
 
     ex, cap = _example(name)
     plan = Plan.from_json(plan_json)
@@ -85,7 +85,7 @@ class _null:
 def grads_case(name: str, plan_json: str, *, options: dict | None = None) -> dict:
     """Loss and full gradients of one train_step (rank 0 returns them)."""
     from autopar.plan import Plan
-    from autopar.runtime.module import ParallelModule
+    from autopar.parallel_module import ParallelModule
 
     ex, cap = _example(name)
     plan = Plan.from_json(plan_json)

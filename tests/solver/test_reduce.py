@@ -8,7 +8,7 @@ import pytest
 
 import solver
 from solver import Edge, Node, Problem, Segment
-from solver.families import build_families, decompose
+from solver.checkpoint_groups import build_families, decompose
 from solver.reduce import reduce_problem
 
 MiB = 2**20
@@ -94,7 +94,7 @@ def test_twin_layers_form_one_counted_group():
 def test_decompose_realises_every_feasible_count_vector():
     """Layer (group 0) contains attn (1) and mlp (2): k0 + k1 <= n and k0 + k2 <= n."""
     n = 4
-    from solver.families import FamilyGroup
+    from solver.checkpoint_groups import FamilyGroup
     fam = FamilyGroup(n=n, groups=(0, 1, 2), covers=((0, 1), (0, 2)),
                       instances=tuple({0: 3 * i, 1: 3 * i + 1, 2: 3 * i + 2} for i in range(n)))
     for k in itertools.product(range(n + 1), repeat=3):

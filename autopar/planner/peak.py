@@ -13,12 +13,12 @@ that rank's shards:
   internals and the op's allocations by the fraction of the op's tensors the rank holds;
 - parameters, their gradients and AdamW state are the stored shard; the gradients of
   parameters replicated where their uses were split live in flat buckets of
-  :data:`BUCKET_BYTES` (``autopar.runtime.grads``), allocated at each bucket's first gradient;
+  :data:`GRAD_BUCKET_BYTES` (``autopar.lowering``, the size ``autopar.runtime.grads`` fills), allocated at each bucket's first gradient;
 - each edge whose placement changes gets a copy node just before its consumer (the collective's
   output, with the step list's largest intermediate as transient); a consumer that saved its
   input now saves the copy (a gathered ZeRO-3 weight is kept until its backward);
 - consecutive recomputed plan nodes of one checkpoint segment (``NodePlan.segment``) form one
-  checkpointed region (``autopar.runtime.checkpoint``); adjacent segments are separate regions.
+  checkpointed region (``autopar.runtime.recompute``); adjacent segments are separate regions.
 
 - a matmul the plan splits into overlap chunks (``NodePlan.chunks``) and the codegen really
   splits (:func:`_chunkable`) keeps each chunk's output with its graph and sums the chunks'
@@ -27,7 +27,7 @@ that rank's shards:
 This is ``Plan.peak_bytes`` of a single-stage plan; pipelined plans replay each stage under its
 schedule (``autopar.planner.stage_memory``). :func:`plan_peak` replays a plan as it stands, for
 a plan edited after planning. ``tests/autopar/test_memory_bound.py`` checks the figures against
-``autopar.runtime.memory.LiveMemory`` on every zoo model and plan family.
+``autopar.runtime.live_memory.LiveMemory`` on every zoo model and plan family.
 """
 from __future__ import annotations
 
@@ -38,9 +38,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate
 
 from autopar import placement as pl
-
-#: Bytes per gradient bucket, as ``autopar.runtime.grads.GradSync`` makes them.
-BUCKET_BYTES = 25 * 2**20
+from autopar.lowering import GRAD_BUCKET_BYTES
+from autopar.lowering.graph import tensor_vals
 
 
 def _nbytes(shape, t: torch.Tensor) -> int:
@@ -54,12 +53,6 @@ def _local(t: torch.Tensor, pls, mesh_shape) -> int:
         return _nbytes(pl.local_shape(tuple(t.shape), pls, mesh_shape), t)
     except ValueError:
         return _nbytes(t.shape, t)
-
-
-def _vals(node) -> list:
-    v = node.meta.get("val")
-    flat = v if isinstance(v, (list, tuple)) else [v]
-    return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
 class _Ctx:
@@ -94,11 +87,11 @@ class _Ctx:
             return 1.0
         glob = loc = 0
         for j, a in enumerate(node.all_input_nodes):
-            v = _vals(a)
+            v = tensor_vals(a)
             if v:
                 glob += _nbytes(v[0].shape, v[0])
                 loc += _local(v[0], self.in_pl(name, j), self.shape)
-        for i, t in enumerate(_vals(node)):
+        for i, t in enumerate(tensor_vals(node)):
             glob += _nbytes(t.shape, t)
             loc += _local(t, self.out_pl(name, i), self.shape)
         return loc / glob if glob else 1.0
@@ -107,7 +100,7 @@ class _Ctx:
 def _scaled_node(ctx: _Ctx, n):
     """``n`` (a ``profiler.memory.StepNode``) with this rank's sizes."""
     f = ctx.frac(n.name)
-    vals = _vals(ctx.nodes[n.name]) if n.name in ctx.nodes else []
+    vals = tensor_vals(ctx.nodes[n.name]) if n.name in ctx.nodes else []
     storages = {}
     for k, b in n.storages.items():
         if k[0] == n.name and 0 <= k[1] < len(vals):
@@ -123,7 +116,7 @@ def _scaled_node(ctx: _Ctx, n):
         # The rank's mask, its rows over every key in the attention's dtype, saved.
         rows = pl.local_shape(tuple(vals[0].shape), s.outputs[0], ctx.shape)[-2]
         key = (n.name, len(vals))
-        keys = _vals(ctx.nodes[n.name].all_input_nodes[1])[0].shape[-2]
+        keys = tensor_vals(ctx.nodes[n.name].all_input_nodes[1])[0].shape[-2]
         storages[key] = int(rows * keys * vals[0].element_size())
         saved.append(key)
         n = dataclasses.replace(n, float_size={**n.float_size, key: vals[0].element_size()})
@@ -143,14 +136,14 @@ def _chunked(ctx: _Ctx, n, k: int, recomputed: bool):
     node = ctx.nodes.get(n.name)
     if node is None or k <= 1 or not _chunkable(ctx, node, k):
         return n
-    from autopar.runtime.overlap import ACTIVATION_ARG
+    from autopar.lowering.chunks import ACTIVATION_ARG
 
     pos = ACTIVATION_ARG[node.target]
     ins = node.all_input_nodes
-    loc = [_local(_vals(a)[0], ctx.in_pl(n.name, j), ctx.shape) if _vals(a) else 0 for j, a in enumerate(ins)]
+    loc = [_local(tensor_vals(a)[0], ctx.in_pl(n.name, j), ctx.shape) if tensor_vals(a) else 0 for j, a in enumerate(ins)]
     act = loc[ins.index(node.args[pos])]
     extra = 2 * (sum(loc) - act) + act
-    vals = _vals(node)
+    vals = tensor_vals(node)
     out = sum(_local(t, ctx.out_pl(n.name, i), ctx.shape) for i, t in enumerate(vals))
     if recomputed:
         return dataclasses.replace(n, bwd_alloc=n.bwd_alloc + out + extra, bwd_max_op=n.bwd_max_op + out + extra)
@@ -167,14 +160,14 @@ def _chunkable(ctx: _Ctx, node, k: int) -> bool:
     dim of the local activation, not the last, that no placement or step of the chunked edge
     touches and that divides by ``k``)."""
     from autopar.costs.reshard import reshard
-    from autopar.runtime.overlap import ACTIVATION_ARG, blocked_dims, chunk_dim, chunked_edge
+    from autopar.lowering.chunks import ACTIVATION_ARG, blocked_dims, chunk_dim, chunked_edge
 
     pos = ACTIVATION_ARG.get(node.target)
     if pos is None or pos >= len(node.args) or node.args[pos] not in node.all_input_nodes:
         return False
     x = node.args[pos]
     xi = node.all_input_nodes.index(x)
-    x_val, out_val = _vals(x), _vals(node)
+    x_val, out_val = tensor_vals(x), tensor_vals(node)
     out_pl = ctx.out_pl(node.name, 0)
     x_pl = ctx.in_pl(node.name, xi) or ctx.out_pl(x.name, 0)
     if not x_val or len(out_val) != 1 or out_pl is None or x_pl is None:
@@ -234,7 +227,7 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders) -> list:
             src, dst = ctx.out_pl(a.name, _out_index(a, node)), ctx.in_pl(n.name, j)
             if src is None or dst is None or pl.fmt(src) == pl.fmt(dst):
                 continue
-            v = _vals(a)
+            v = tensor_vals(a)
             if not v:
                 continue
             t = v[_out_index(a, node)] if _out_index(a, node) < len(v) else v[0]
@@ -270,7 +263,7 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders) -> list:
 def _out_index(producer, consumer) -> int:
     import operator
 
-    if consumer.target is operator.getitem and len(_vals(producer)) > 1:
+    if consumer.target is operator.getitem and len(tensor_vals(producer)) > 1:
         return int(consumer.args[1])
     return 0
 
@@ -279,7 +272,7 @@ def _placeholders(ctx: _Ctx, placeholders) -> dict:
     out = {}
     for name, ph in placeholders.items():
         node = ctx.nodes.get(name)
-        v = _vals(node) if node is not None else []
+        v = tensor_vals(node) if node is not None else []
         stored = ctx.out_pl(name, 0)
         nbytes = _local(v[0], stored, ctx.shape) if v else ph.nbytes
         out[name] = dataclasses.replace(ph, nbytes=nbytes)
@@ -364,7 +357,7 @@ def _regions(steps, copies: dict[str, str], recompute) -> list[list[str]]:
 
 
 def rank_peak(gp, strategy_of: dict, mesh, *, recompute=frozenset(), optimizer: str = "adamw",
-              dtype: str = "float32", foreach: bool | None = None, bucket_bytes: int = BUCKET_BYTES,
+              dtype: str = "float32", foreach: bool | None = None, bucket_bytes: int = GRAD_BUCKET_BYTES,
               chunks: dict | None = None, zero=None, reshard_after_forward: bool = False):
     """The ``profiler.memory.MemoryEstimate`` of one rank's training step under the choice
     ``strategy_of`` (fx node name -> ``autopar.strategies.Strategy``) with the nodes in
@@ -414,7 +407,7 @@ def _plan_mesh(plan):
                         links=tuple(mesh.links[a] for a in axes))
 
 
-def plan_peak(plan, gp, *, foreach: bool | None = None, bucket_bytes: int = BUCKET_BYTES) -> int:
+def plan_peak(plan, gp, *, foreach: bool | None = None, bucket_bytes: int = GRAD_BUCKET_BYTES) -> int:
     """The predicted per-rank peak (bytes) of ``plan`` as it stands, replayed from the profile
     ``gp`` of the graph it was made for: :func:`rank_peak` for a single-stage plan, the largest
     of ``autopar.planner.stage_memory.pipeline_peaks`` for a pipelined one. Use it to refresh ``plan.peak_bytes`` after

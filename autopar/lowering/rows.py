@@ -1,6 +1,6 @@
-"""Which ops act row-wise along a chunk dim d (:func:`_row_roles`), so that a chunk chain
+"""Which ops act row-wise along a chunk dim d (:func:`row_roles`), so that a chunk chain
 (:mod:`autopar.codegen.chunking`) can run them once per chunk of d, and the planner's chain walk
-(``autopar.planner.overlap._chained``) can cross them: the same rules on both sides.
+(the planner's ``autopar.planner.overlap``) can cross them: the same rules on both sides.
 
 A rule is added only where it is exact: the op run on each chunk of d (its "chunk" inputs cut
 along d, its "shared" inputs whole) and concatenated along d equals the op run whole
@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopar.codegen import executors as ex
-from autopar.runtime.overlap import ACTIVATION_ARG
+from autopar.lowering.chunks import ACTIVATION_ARG
+from autopar.lowering.graph import is_getitem, mutated_args, tensor_vals
 
 aten = torch.ops.aten
-_CHAIN_MATMULS = (aten.linear.default, aten.mm.default, aten.addmm.default)
+CHAIN_MATMULS = (aten.linear.default, aten.mm.default, aten.addmm.default)
 _NORMS = (aten.layer_norm.default,)
 _SOFTMAX = (aten._softmax.default, aten._log_softmax.default, aten.softmax.int, aten.log_softmax.int)
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
 _SDPA = aten.scaled_dot_product_attention.default
 _REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
@@ -25,7 +25,7 @@ _SHAPE_OPS = (aten.to.dtype, aten._to_copy.default, aten.unsqueeze.default, aten
               aten.slice.Tensor, aten.transpose.int, aten.permute.default, aten.expand.default) + _REDUCTIONS
 #: Dropped by the lowering (a check of the captured graph's global shapes): not a consumer that
 #: needs a chain value whole.
-_DROPPED = (aten._assert_tensor_metadata.default,)
+DROPPED = (aten._assert_tensor_metadata.default,)
 
 
 def loss_args(node) -> list | None:
@@ -33,7 +33,7 @@ def loss_args(node) -> list | None:
     that a chain may run per chunk of the batch dim (a sum of per-chunk sums, over the targets
     kept for a mean: ``ChainEmitter._chunked_loss``): no class weights (their mean divides by the
     targets' weights), a mean or sum reduction, keyword arguments none. None for any other node.
-    The planner's chain walk takes such a loss as a chain's end (``planner.overlap._chained``)."""
+    The planner's chain walk takes such a loss as a chain's end (``autopar.planner.overlap``)."""
     if node.op != "call_function" or node.target is not aten.cross_entropy_loss.default or node.kwargs \
             or len(node.args) < 2:
         return None
@@ -41,17 +41,12 @@ def loss_args(node) -> list | None:
     return a if a[2] is None and a[3] in (1, 2) else None
 
 
-def _vals(node) -> list:
-    v = node.meta.get("val")
-    return [t for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
-
-
 def _one(n) -> torch.Tensor | None:
-    v = _vals(n)
+    v = tensor_vals(n)
     return v[0] if len(v) == 1 else None
 
 
-def _row_roles(node, d: int, k: int) -> list[str] | None:
+def row_roles(node, d: int, k: int) -> list[str] | None:
     """Per input node of ``node``: ``"chunk"`` (its rows along ``d`` map to the output's rows) or
     ``"shared"`` (every chunk reads it whole: a weight, a bias, a broadcast); None when ``node``
     does not act row-wise along ``d`` (then it cannot run per chunk).
@@ -64,20 +59,20 @@ def _row_roles(node, d: int, k: int) -> list[str] | None:
     its batch or head dim, splits along another dim and their getitems, and reshapes that keep the
     dims before d (a chunk of d is then one contiguous block of each leading index, before and
     after; GPT-2's (B, S, D) <-> (B * S, D) with d = 0)."""
-    outs, ins, t = _vals(node), node.all_input_nodes, node.target
+    outs, ins, t = tensor_vals(node), node.all_input_nodes, node.target
     if t is aten.cat.default:
         return _cat_roles(node, d)
     tags = getattr(t, "tags", ())
     if torch.Tag.pointwise in tags:
         # The rows may come in any argument (RMSNorm's ``weight * hidden``): every input is
         # checked against the output's shape, not against the first argument's.
-        if torch.Tag.nondeterministic_seeded in tags or ex.mutated_args(t) or len(outs) != 1 or outs[0].dim() <= d \
+        if torch.Tag.nondeterministic_seeded in tags or mutated_args(t) or len(outs) != 1 or outs[0].dim() <= d \
                 or not ins or any(_one(n) is None for n in ins):
             return None
         return _broadcast_roles(ins, d, outs[0].dim(), outs[0].shape[d])
     x = node.args[ACTIVATION_ARG.get(t, 0)] if node.args else None
-    if not isinstance(x, fx.Node) or (ex.is_getitem(node) and len(_vals(x)) > 1):
-        return ["chunk"] if ex.is_getitem(node) and isinstance(x, fx.Node) else None
+    if not isinstance(x, fx.Node) or (is_getitem(node) and len(tensor_vals(x)) > 1):
+        return ["chunk"] if is_getitem(node) and isinstance(x, fx.Node) else None
     xv = _one(x)
     if xv is None or xv.dim() <= d or any(_one(n) is None for n in ins) or ins.count(x) != 1:
         return None
@@ -90,14 +85,14 @@ def _row_roles(node, d: int, k: int) -> list[str] | None:
     if len(outs) != 1 or outs[0].dim() <= d:
         return None
     nd, out = outs[0].dim(), outs[0]
-    if t in _RESHAPES:
+    if t in RESHAPES:
         ok = tuple(xv.shape[:d]) == tuple(out.shape[:d]) and xv.shape[d] % k == 0 and out.shape[d] % k == 0
         return ["chunk"] if ok and len(ins) == 1 else None
     if t in _SHAPE_OPS:
         return ["chunk"] if len(ins) == 1 and _keeps_rows(node, d, xv, out) else None
     if xv.dim() != nd:
         return None
-    if t in _CHAIN_MATMULS or t in _NORMS or t in _SOFTMAX:
+    if t in CHAIN_MATMULS or t in _NORMS or t in _SOFTMAX:
         if d >= nd - 1 or (t in _NORMS and d >= nd - len(node.args[1])) or (t in _SOFTMAX and node.args[1] % nd == d):
             return None  # the op mixes rows along d
         return ["chunk" if n is x else "shared" for n in ins]
@@ -146,7 +141,7 @@ def _keeps_rows(node, d: int, xv, out) -> bool:
 def _cat_roles(node, d: int) -> list[str] | None:
     """Concatenation along a dim other than d: every input must carry the output's rows (a cat
     does not broadcast, so no input can be shared)."""
-    outs = _vals(node)
+    outs = tensor_vals(node)
     tensors = node.args[0]
     if len(outs) != 1 or outs[0].dim() <= d or not all(isinstance(n, fx.Node) for n in tensors):
         return None

@@ -28,6 +28,7 @@ from autopar import placement as pl
 from autopar import precision
 from autopar.codegen import build
 from autopar.costs.reshard import reshard as plan_reshard
+from autopar.lowering import GRAD_BUCKET_BYTES
 from autopar.runtime.grads import GradSync
 from autopar.runtime.reshard import apply_steps
 
@@ -66,7 +67,7 @@ class ParallelModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, captured, plan, device_mesh, *, debug: bool = False,
-                 executor: str = "auto", inputs_sharded: bool = False, bucket_bytes: int = 25 * 2**20,
+                 executor: str = "auto", inputs_sharded: bool = False, bucket_bytes: int = GRAD_BUCKET_BYTES,
                  backend: str = "eager", loss_fn=None):
         super().__init__()
         if backend not in ("eager", "inductor"):
@@ -149,7 +150,7 @@ class ParallelModule(nn.Module):
             raise NotImplementedError("inputs_sharded=True is not supported with pipeline stages: pass the "
                                       "global batch (the first stage cuts micro-batches and shards)")
         stages = split_stages(gm, self.plan, self._sig.slots)
-        from autopar.codegen.lower import canonical_fqns
+        from autopar.lowering.graph import canonical_fqns
 
         canon = canonical_fqns(self._captured)
         uses: dict[str, set] = {}  # by the first name of a (possibly tied) tensor
@@ -223,7 +224,7 @@ class ParallelModule(nn.Module):
 
     # ------------------------------------------------------------------ state
     def _install_state(self, model, captured, sig):
-        from autopar.codegen.lower import canonical_fqns
+        from autopar.lowering.graph import canonical_fqns
 
         object.__setattr__(self, "_state_names", _state_names(model))
         full = dict(model.named_parameters(remove_duplicate=False))
@@ -633,8 +634,8 @@ class ParallelModule(nn.Module):
         holds placeholders for the other stages' parameters; see ``_from_owner_stage``). The
         DTensors of tensors fetched from another rank are copies: saving works, loading into
         them does not reach the owner."""
-        from autopar.checkpoint import _dtensor
-        from autopar.codegen.lower import canonical_fqns
+        from autopar.checkpoint import as_dtensor
+        from autopar.lowering.graph import canonical_fqns
 
         canon = canonical_fqns(self._captured)
         slot_of = {}
@@ -645,7 +646,7 @@ class ParallelModule(nn.Module):
         for k, v in state.items():  # the same order on every rank
             s = slot_of[k]
             local = self._from_owner_stage(s, v.to_local())
-            out[k] = v if local is None else _dtensor(local, v.placements, tuple(s.shape), v.device_mesh)
+            out[k] = v if local is None else as_dtensor(local, v.placements, tuple(s.shape), v.device_mesh)
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -688,7 +689,9 @@ class ParallelModule(nn.Module):
         return self._sig
 
 
-def _owns(module: ParallelModule, name: str) -> bool:
+def owns(module: ParallelModule, name: str) -> bool:
+    """Whether this rank steps parameter ``name`` (read by several pipeline stages): the rank of the
+    earliest stage that reads it. Its other holders keep a replica that is never saved."""
     uses = module._stage_uses.get(name)
     if not uses:
         return False
@@ -727,7 +730,7 @@ def global_grad_sq_norm(module: ParallelModule) -> torch.Tensor:
         if id(p) in seen or p.grad is None:
             continue
         seen.add(id(p))
-        if module._pipe is not None and not _owns(module, s.name):
+        if module._pipe is not None and not owns(module, s.name):
             continue  # counted by the first stage that uses it
         axes = tuple(a for a, q in enumerate(module.storage_placements(s)) if isinstance(q, Shard))
         sq = p.grad.detach().float().pow(2).sum()

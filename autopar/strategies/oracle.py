@@ -27,7 +27,6 @@ from torch.utils import _pytree as pytree
 
 from autopar import placement as pl
 from autopar.strategies.base import Strategy, requires_grad
-from autopar.strategies.combine import grad_of
 from autopar.strategies.registry import run_local
 
 
@@ -264,7 +263,7 @@ def cut(node, strategy: Strategy, values: Sequence[Any], ref, mesh, gen: torch.G
     _, out_grads, in_grads, _ = ref
     diff = [g is not None and pls is not None for g, pls in zip(in_grads, strategy.input_grads)]
     pieces = [_pieces(v, pls, mesh, gen) for v, pls in zip(_picked(node, values), strategy.inputs)]
-    grad_pieces = [shard(g, grad_of(pls), mesh, gen) if g is not None else None
+    grad_pieces = [shard(g, pl.grad_placements(pls), mesh, gen) if g is not None else None
                    for g, pls in zip(out_grads, strategy.outputs)]
     return pieces, grad_pieces, diff
 
