@@ -28,6 +28,10 @@ def compile(model, mesh=None, example_inputs=(), **kwargs):  # noqa: A001 - the 
 
 
 def __getattr__(name):
+    if name == "PlanOptions":
+        from autopar.options import PlanOptions
+
+        return PlanOptions
     if name == "FAMILIES":  # the names ``force=`` takes, defined once with the families
         from autopar.planner.families import FAMILIES
 
@@ -40,4 +44,4 @@ def __getattr__(name):
 
 
 __all__ = ["Mesh", "Link", "Device", "CLUSTERS", "Plan", "PlanError", "plan", "compile", "calibrate",
-           "FAMILIES", "InfeasibleBudget"]
+           "FAMILIES", "InfeasibleBudget", "PlanOptions"]

@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from autopar.options import PlanOptions
 from autopar.plan import Plan, PlanError
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "autopar", "plans")
@@ -85,9 +86,8 @@ def _resolve_mesh(mesh, quiet: bool):
     raise TypeError(f"mesh must be None, an autopar.Mesh or a torch DeviceMesh, got {type(mesh).__name__}")
 
 
-def _cache_path(cache_dir: str, graph_hash: str, mesh, budget, options: dict) -> str:
-    key = json.dumps({"g": graph_hash, "mesh": mesh.to_dict(), "budget": budget, "opt": options},
-                     sort_keys=True, default=str)
+def _cache_path(cache_dir: str, graph_hash: str, mesh, opts: PlanOptions) -> str:
+    key = json.dumps({"g": graph_hash, "mesh": mesh.to_dict(), "opt": opts.to_dict()}, sort_keys=True, default=str)
     return os.path.join(cache_dir, hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
 
 
@@ -115,21 +115,22 @@ def verify_same_plan(plan: Plan, device) -> None:
                         f"load the same plan file or let rank 0 plan")
 
 
-def compile(model, mesh=None, example_inputs=(), *, example_kwargs=None, loss_fn=None, target=None,  # noqa: A001
-            memory_budget=None, optimizer: str = "adamw", plan: Plan | str | None = None,
+def compile(model, mesh=None, example_inputs=(), *, options: PlanOptions | None = None,  # noqa: A001
+            example_kwargs=None, loss_fn=None, target=None, plan: Plan | str | None = None,
             cache_dir: str | None = DEFAULT_CACHE, backend: str = "eager", debug: bool = False,
-            quiet: bool = False, **options):
+            quiet: bool = False, **kwargs):
     """Plan ``model`` for the job's mesh and return this rank's ``ParallelModule``.
 
-    ``plan`` may be a :class:`Plan` or a path to a plan JSON file (then no solve happens); otherwise
-    rank 0 plans (or reads the plan cache keyed by graph hash, mesh, budget and options) and
-    broadcasts it. ``backend="inductor"`` hands the per-rank graph to ``torch.compile``.
+    The search reads ``options`` (:class:`autopar.PlanOptions`; keywords replace its fields), the
+    same object and defaults as :func:`autopar.plan`. ``plan`` may be a :class:`Plan` or a path to
+    a plan JSON file (then no solve happens); otherwise rank 0 plans (or reads the plan cache keyed
+    by graph hash, mesh and options) and broadcasts it. ``backend="inductor"`` hands the per-rank
+    graph to ``torch.compile``.
     """
     import profiler
-    from autopar.options import keyword_names, plan_options, refuse_unknown
     from autopar.parallel_module import ParallelModule
 
-    refuse_unknown("compile", options, keyword_names(compile) + plan_options())
+    opts = PlanOptions.make("compile", options, **kwargs)
     init_distributed()
     # compile searches what plan() searches: pipelines (also over a factor of a mesh axis) and
     # ZeRO-1/2 included; ParallelModule runs all of it (autopar.validate.runtime_gaps is empty
@@ -148,8 +149,7 @@ def compile(model, mesh=None, example_inputs=(), *, example_kwargs=None, loss_fn
         text, failure = None, None
         if dist.get_rank() == 0:
             try:
-                text = _plan_on_rank0(gp, amesh, memory_budget, optimizer, options, cache_dir, quiet,
-                                      type(model).__name__)
+                text = _plan_on_rank0(gp, amesh, opts, cache_dir, quiet, type(model).__name__)
             except Exception as err:  # tell the other ranks instead of leaving them waiting
                 failure, text = err, failure_text(err)
         got = _broadcast_text(text, device)
@@ -240,13 +240,12 @@ def warn_if_other_devices(plan: Plan, device_type: str, device_name: str | None 
                       stacklevel=3)
 
 
-def _plan_on_rank0(gp, amesh, memory_budget, optimizer, options, cache_dir, quiet, model_name) -> str:
+def _plan_on_rank0(gp, amesh, opts: PlanOptions, cache_dir, quiet, model_name) -> str:
     from autopar.planner import plan_profile
 
     path = None
     if cache_dir:
-        path = _cache_path(cache_dir, gp.captured.graph_hash(), amesh, memory_budget,
-                           {"optimizer": optimizer, **{k: v for k, v in options.items()}})
+        path = _cache_path(cache_dir, gp.captured.graph_hash(), amesh, opts)
         if os.path.exists(path):
             try:
                 cached = Plan.load(path)
@@ -255,7 +254,7 @@ def _plan_on_rank0(gp, amesh, memory_budget, optimizer, options, cache_dir, quie
             except PlanError as err:
                 _log(f"ignoring unreadable cached plan ({err}); planning again", quiet)
     _log("solving the plan ...", quiet)
-    p = plan_profile(gp, amesh, memory_budget=memory_budget, optimizer=optimizer, **options)
+    p = plan_profile(gp, amesh, options=opts)
     p.model = model_name
     text = p.to_json()
     if path:

@@ -11,7 +11,7 @@ import inspect
 import sys
 
 from autopar import report
-from autopar.units import parse_bytes, parse_mesh
+from autopar.units import parse_mesh
 
 
 class UserError(Exception):
@@ -70,27 +70,26 @@ def _check_takes(fn, what: str, overrides: dict) -> None:
 
 
 def _check_plan_options(a) -> None:
-    """The option values of ``autopar plan``, checked before any model is built or profiled."""
-    from autopar.planner import FAMILIES
-    from profiler.memory import OPTIMIZER_STATES
+    """The option values of ``autopar plan``, checked before any model is built or profiled: they
+    become the ``autopar.PlanOptions`` that ``autopar.plan`` and ``autopar.compile`` read."""
+    from autopar.options import PlanOptions
 
     _check_sizes(a)
-    if a.force is not None and a.force not in FAMILIES:
-        raise UserError(f"unknown --force family {a.force!r}: use one of {', '.join(FAMILIES)}")
-    if a.optimizer not in OPTIMIZER_STATES:
-        raise UserError(f"unknown --optimizer {a.optimizer!r}: use one of {', '.join(OPTIMIZER_STATES)}")
-    if not a.time_limit > 0:
-        raise UserError(f"--time-limit must be a positive number of seconds, got {a.time_limit}")
-    from autopar.precision import GRAD_REDUCE, PRECISIONS
-
-    if a.precision is not None and a.precision not in PRECISIONS:
-        raise UserError(f"unknown --precision {a.precision!r}: use one of {', '.join(PRECISIONS)}")
-    if a.grad_reduce not in GRAD_REDUCE:
-        raise UserError(f"unknown --grad-reduce {a.grad_reduce!r}: use one of {', '.join(GRAD_REDUCE)}")
-    if getattr(a, "layout", None) is not None:
-        a.layout = parse_layout_flag(a.layout)
+    layout = getattr(a, "layout", None)
+    if layout is not None:
         if a.force is not None:
             raise UserError("give either --force (a plan family) or --layout (a hand-written layout), not both")
+        layout = a.layout = parse_layout_flag(layout)
+    given = {"memory_budget": ("--memory", a.memory), "force": ("--force", a.force),
+             "optimizer": ("--optimizer", a.optimizer), "time_limit": ("--time-limit", a.time_limit),
+             "precision": ("--precision", a.precision), "grad_reduce": ("--grad-reduce", a.grad_reduce),
+             "layout": ("--layout", layout)}
+    for field, (flag, value) in given.items():  # one at a time, so that the error names its flag
+        try:
+            PlanOptions(**{field: value})
+        except (TypeError, ValueError) as err:
+            raise UserError(f"{flag}: {err}") from None
+    a.options = PlanOptions(**{field: value for field, (_, value) in given.items()})
 
 
 def parse_layout_flag(text: str) -> dict:
@@ -154,15 +153,10 @@ def cmd_plan(a) -> int:
 
     _check_plan_options(a)
     mesh = _mesh(a)
-    try:
-        budget = parse_bytes(a.memory)
-    except ValueError as err:
-        raise UserError(str(err)) from None
     ex = load_spec(a.spec, batch=a.batch, seq=a.seq)
     try:
-        p = autopar.plan(ex.model, mesh, ex.args, example_kwargs=ex.kwargs, loss_fn=ex.loss_fn, target=ex.target,
-                         memory_budget=budget, force=a.force, optimizer=a.optimizer, time_limit=a.time_limit,
-                         precision=a.precision, grad_reduce=a.grad_reduce, layout=a.layout)
+        p = autopar.plan(ex.model, mesh, ex.args, options=a.options, example_kwargs=ex.kwargs, loss_fn=ex.loss_fn,
+                         target=ex.target)
     except autopar.InfeasibleBudget as err:
         raise UserError(str(err)) from None
     except ValueError as err:

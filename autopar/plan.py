@@ -128,7 +128,10 @@ class Plan:
     solver: dict = dataclasses.field(default_factory=dict)
     """Solver statistics: status, gap, variables, constraints, build/solve seconds."""
     options: dict = dataclasses.field(default_factory=dict)
-    """Planner options the plan was made with (force=, batch...)."""
+    """What the search recorded about the plan it found: its family, ZeRO axes, micro-batch size,
+    stage times and memory, the physical mesh of a factored one, ..."""
+    search: dict = dataclasses.field(default_factory=dict)
+    """The ``autopar.PlanOptions`` the plan was searched with (``PlanOptions.to_dict()``)."""
     timings: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """Wall-clock seconds of planning (profile, build, solve). Not part of the plan: never written
     to JSON, so two plannings of the same problem give byte-identical files."""
@@ -368,7 +371,7 @@ def _validate(data: Any) -> Plan:
                     if key in r:
                         _number(r[key], f"considered.{k}[{i}].{key}")
         out["considered"] = c
-    for key in ("solver", "options"):
+    for key in ("solver", "options", "search"):
         if key in body:
             _need(isinstance(body[key], dict), key, "expected an object")
             out[key] = body[key]

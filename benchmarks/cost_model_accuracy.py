@@ -110,7 +110,7 @@ def _reprice(gp, text: str, mesh) -> tuple[float, dict]:
     choice = {}
     for node in built.problem.nodes:
         want = plan.nodes[node.id]
-        for k, st in enumerate(built.options[node.id].strategies):
+        for k, st in enumerate(built.priced[node.id].strategies):
             if st.name == want.strategy and [pl.fmt(o) for o in st.outputs] == want.outputs and \
                     [None if x is None else pl.fmt(x) for x in st.inputs] == want.inputs:
                 choice[node.id] = k

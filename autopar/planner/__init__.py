@@ -27,10 +27,10 @@ import solver
 from autopar import placement as pl
 from autopar import precision as _precision
 from autopar.mesh import Mesh
+from autopar.options import PlanOptions
 from autopar.plan import InfeasibleBudget, NodePlan, Plan
 from autopar.planner.build import Built, Config, build, choices
 from autopar.planner.families import FAMILIES
-from autopar.units import parse_bytes
 
 __all__ = ["plan", "plan_profile", "build_cached", "FAMILIES", "InfeasibleBudget"]
 
@@ -45,80 +45,44 @@ def _as_mesh(mesh) -> Mesh:
     raise TypeError(f"mesh must be an autopar.Mesh, a torch DeviceMesh or a shape, got {type(mesh).__name__}")
 
 
-def _check_optimizer(optimizer: str) -> None:
-    from profiler.memory import OPTIMIZER_STATES
-
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"unknown optimizer {optimizer!r}: its state per parameter is not known; use one of "
-                         f"{', '.join(sorted(OPTIMIZER_STATES))}")
-
-
-def plan(model, mesh, example_inputs=(), *, example_kwargs=None, loss_fn=None, target=None,
-         memory_budget=None, optimizer: str = "adamw", precision: str | None = None, dtype: str | None = None,
-         grad_reduce: str = "fp32", force: str | None = None,
-         checkpoint: bool = True, pipeline: bool | str = "auto", time_limit: float = 60.0,
-         layout: dict | None = None, zero: str | int = "auto", **options: Any) -> Plan:
-    """Plan ``model`` for ``mesh`` (see the module docstring). ``force`` restricts the search to a
-    plan family (``autopar.planner.FAMILIES``); ``memory_budget`` is bytes or a size string;
-    ``checkpoint``: offer activation checkpointing of repeated layers (True), not (False), or
-    checkpoint every repeated layer (``"all"``). ``precision``: ``"fp32"`` or ``"bf16-mixed"``
-    (default: bf16-mixed on GPU clusters, fp32 on CPUs; ``dtype=`` is the older name), and
-    ``grad_reduce``: the dtype of gradient reductions under bf16-mixed (``"fp32"`` or ``"bf16"``);
-    see :mod:`autopar.precision`. ``layout``: a hand-written layout to price
-    (``{"pp": 2, "dp": 32, "tp": 8, "zero": 0, "recompute": "full", "microbatches": 48,
-    "schedule": "1f1b"}``; keys left out are searched; :mod:`autopar.planner.layout`)."""
+def plan(model, mesh, example_inputs=(), *, options: PlanOptions | None = None, example_kwargs=None, loss_fn=None,
+         target=None, **kwargs: Any) -> Plan:
+    """Plan ``model`` for ``mesh`` (see the module docstring) under ``options``
+    (:class:`autopar.PlanOptions`; keywords replace its fields: ``memory_budget=``, ``force=``,
+    ``precision=``, ``layout=``, ...). ``example_kwargs``, ``loss_fn`` and ``target`` describe the
+    step to capture (:func:`profiler.profile`)."""
     import profiler
-    from autopar.options import keyword_names, plan_options, refuse_unknown
 
     # Options are checked before the (slow) capture and profile: a typo fails at once.
-    refuse_unknown("plan", options, keyword_names(plan) + plan_options())
-    _check_family(force)
-    _check_optimizer(optimizer)
-    _precision.resolve(precision, dtype, getattr(_as_mesh(mesh), "cluster", None))  # a bad value fails now
-    _precision.check_grad_reduce(grad_reduce)
-    if layout is not None:
-        from autopar.planner import layout as _layout
-
-        _layout.parse(layout)  # a bad key fails before the profile
+    opts = PlanOptions.make("plan", options, **kwargs)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     t0 = time.perf_counter()
     gp = profiler.profile(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, target=target)
     t_prof = time.perf_counter() - t0
-    p = plan_profile(gp, mesh, memory_budget=memory_budget, optimizer=optimizer, precision=precision, dtype=dtype,
-                     grad_reduce=grad_reduce, force=force, layout=layout, zero=zero,
-                     checkpoint=checkpoint, pipeline=pipeline, time_limit=time_limit, **options)
+    p = plan_profile(gp, mesh, options=opts)
     p.timings["profile_seconds"] = t_prof
     p.model = type(model).__name__
     return p
 
 
-def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", precision=None, dtype=None,
-                 grad_reduce="fp32", force=None,
-                 checkpoint=True, pipeline="auto", time_limit=60.0, pin=None, layout=None, zero="auto",
-                 **options) -> Plan:
-    """Plan from an existing ``profiler.GraphProfile`` (the planner's steps 2-5). ``zero``:
-    ``"auto"`` (ZeRO-2 for replicated parameters is tried too when the budget binds), or the
-    stage, 0, 1 or 2, of every plan."""
-    from autopar.options import EXTRA_PLAN_OPTIONS, keyword_names, refuse_unknown
-
+def plan_profile(gp, mesh, *, options: PlanOptions | None = None, **kwargs) -> Plan:
+    """Plan from an existing ``profiler.GraphProfile`` (the planner's steps 2-5) under ``options``
+    (:class:`autopar.PlanOptions`; keywords replace its fields)."""
     t_start = time.perf_counter()
-    refuse_unknown("plan_profile", options, keyword_names(plan_profile) + EXTRA_PLAN_OPTIONS)
+    opts = PlanOptions.make("plan_profile", options, **kwargs)
     mesh = _as_mesh(mesh)
-    budget = parse_bytes(memory_budget)
-    _check_family(force)
-    _check_optimizer(optimizer)
-    every = checkpoint == "all"  # checkpoint every layer (a family's checkpointed variant)
-    dtype = _precision.resolve(precision, dtype, mesh.cluster)
-    cfg = Config(mesh=mesh, optimizer=optimizer, dtype=dtype, grad_reduce=_precision.check_grad_reduce(grad_reduce),
-                 family=force if force != "pp-tp" else None,
-                 memory_budget=budget, checkpoint=bool(checkpoint), time_limit=time_limit, pin=dict(pin or {}))
-    if "chunks" in options:  # overlap chunk counts offered, e.g. chunks=(1,) to plan without chunking
-        cfg.chunks = tuple(int(k) for k in options.pop("chunks"))
-    if layout is not None:
-        if force is not None:
-            raise ValueError("give either force= (a plan family) or layout= (a hand-written layout), not both")
-        best = _plan_layout(gp, cfg, layout)
+    force, pipeline, budget = opts.force, opts.pipeline, opts.memory_budget
+    every = opts.checkpoint == "all"  # checkpoint every layer (a family's checkpointed variant)
+    cfg = Config(mesh=mesh, optimizer=opts.optimizer, dtype=_precision.resolve(opts.precision, None, mesh.cluster),
+                 grad_reduce=opts.grad_reduce, family=force if force != "pp-tp" else None,
+                 memory_budget=budget, checkpoint=bool(opts.checkpoint), time_limit=opts.time_limit,
+                 pin=dict(opts.pin or {}))
+    if opts.chunks is not None:  # overlap chunk counts offered, e.g. chunks=(1,) to plan without chunking
+        cfg.chunks = opts.chunks
+    if opts.layout is not None:
+        best = _plan_layout(gp, cfg, opts.layout)
+        best.search = opts.to_dict()
         best.timings["plan_seconds"] = time.perf_counter() - t_start
         return best
     named_pp = [a for a, name in enumerate(mesh.axis_names) if name == "pp" and mesh.shape[a] > 1]
@@ -126,9 +90,7 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", precision=N
         raise ValueError(f"mesh {_shape(mesh)} names axis {named_pp[0]} 'pp': that axis is a pipeline's, so "
                          f"pipeline={pipeline!r} / force={force!r} cannot plan it; pass pipeline=True (and no "
                          f"force other than 'pp-tp'), or give the axis another name")
-    if zero not in ("auto", 0, 1, 2):
-        raise ValueError(f"zero must be 'auto', 0, 1 or 2 (ZeRO-3 is a placement: force='zero3' or "
-                         f"layout={{'zero': 3}}), got {zero!r}")
+    zero = opts.zero
     cfg.zero = 0 if zero == "auto" else int(zero)
     from autopar.microbatch import loss_reduction, training_batch_norms
 
@@ -160,9 +122,7 @@ def plan_profile(gp, mesh, *, memory_budget=None, optimizer="adamw", precision=N
     ok.sort(key=lambda p: (p.step_time, p.zero, p.peak_bytes))  # a tie goes to the plan with less ZeRO
     best = ok[0]
     best.alternatives = _runner_ups(best, ok[1:])
-    best.options.update({k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))})
-    if pin:
-        best.options["pin"] = dict(pin)
+    best.search = opts.to_dict()
     best.timings["plan_seconds"] = time.perf_counter() - t_start  # every candidate, build + solve
     return best
 
@@ -267,11 +227,6 @@ def _runner_ups(best: Plan, others: list, top: int = 5) -> list[dict]:
         seen.add(fam)
         out.append({"family": fam, "step_time": c.step_time, "peak_bytes": c.peak_bytes})
     return out[:top]
-
-
-def _check_family(force) -> None:
-    if force is not None and force not in FAMILIES:
-        raise ValueError(f"unknown plan family {force!r}; choose one of {', '.join(FAMILIES)}")
 
 
 def _solve_flat(gp, cfg: Config, every: bool = False, beat: float | None = None):
@@ -450,7 +405,7 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
         return out
 
     for name in built.order:
-        opt = built.options[name]
+        opt = built.priced[name]
         s = opt.strategies[pick[name]]
         nodes[name] = NodePlan(strategy=s.name, inputs=[f(x) for x in s.inputs], outputs=[f(x) for x in s.outputs],
                                input_grads=[f(x) for x in s.input_grads],
@@ -583,7 +538,7 @@ def _considered(gp, built: Built, sol, top: int = 6) -> dict[str, list[dict]]:
         total = node.time + resh
         order = [chosen] + [int(i) for i in np.argsort(total, kind="stable") if i != chosen][: top - 1]
         layer = getattr(gp.nodes.get(nid), "module_path", "") or ""
-        strats = built.options[nid].strategies
+        strats = built.priced[nid].strategies
         out[nid] = [{"strategy": node.labels[s], "outputs": ",".join(pl.fmt(x) for x in strats[s].outputs),
                      "time": float(node.time[s]), "comm": float(node.comm[s]), "reshard": float(resh[s]),
                      "mem": float(node.mem[s]), "act": float(node.act[s]), "total": float(total[s]),
@@ -627,7 +582,7 @@ def simulated_peak(gp, cfg: Config, built: Built, pick, recompute, chunks=None):
 
     from autopar.planner.build import zero_spec
 
-    strategy_of = {n: built.options[n].strategies[pick[n]] for n in built.order}
+    strategy_of = {n: built.priced[n].strategies[pick[n]] for n in built.order}
     return rank_peak(gp, strategy_of, cfg.mesh, recompute=recompute, optimizer=cfg.optimizer, dtype=cfg.dtype,
                      chunks=chunks, zero=zero_spec(cfg), reshard_after_forward=cfg.reshard_after_forward)
 
@@ -641,7 +596,7 @@ def _memory_split(built: Built, pick, gp, est=None, ilp_peak: float = 0.0) -> di
     params = other = act = 0.0
     work = 0.0
     for name in built.order:
-        opt = built.options[name]
+        opt = built.priced[name]
         t = pick[name]
         if kinds.get(name) == "param":
             params += opt.mem[t]
@@ -691,7 +646,7 @@ def _layer_rows(gp, plan: Plan, built: Built, pick) -> list[dict]:
         r["comm"] += np_.comm
         r["recompute"] |= np_.recompute
         r["nodes"] += 1
-        opt = built.options[name]
+        opt = built.priced[name]
         r["memory"] += float(opt.mem[pick[name]] + opt.act[pick[name]])
         if name in fqn_of:
             r["placements"][fqn_of[name][len(key) + 1:] if fqn_of[name].startswith(key + ".") else fqn_of[name]] = \

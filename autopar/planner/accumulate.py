@@ -55,9 +55,9 @@ def solve_accumulated(gp, cfg: Config, m: int):
             for n in built.order:
                 if built.leader[n] == leader:
                     recompute.setdefault(n, sid)
-        recompute.update((n, sid) for n in layer_members(gp, sid) if n in built.options and n not in recompute)
+        recompute.update((n, sid) for n in layer_members(gp, sid) if n in built.priced and n not in recompute)
     nodes = list(built.order)
-    peaks = pipeline_peaks(gp, {n: built.options[n].strategies[pick[n]] for n in nodes}, cfg.mesh,
+    peaks = pipeline_peaks(gp, {n: built.priced[n].strategies[pick[n]] for n in nodes}, cfg.mesh,
                            Pipeline(axis=0, stages=[nodes], microbatches=m, schedule="1f1b"),
                            recompute=recompute, zero=zero_spec(cfg), optimizer=cfg.optimizer, dtype=cfg.dtype,
                            chunks=chunk_counts(built.overlap, pick))

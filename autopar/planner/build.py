@@ -51,7 +51,7 @@ SHARD_TIE_BREAK = 1e-7
 
 @dataclasses.dataclass(kw_only=True)
 class Config:
-    """Planner options that shape the problem."""
+    """What shapes the problem (read from ``autopar.PlanOptions`` and the mesh)."""
 
     mesh: Mesh
     """The (sub-)mesh the sharding is solved on."""
@@ -101,7 +101,7 @@ class Config:
 
 
 @dataclasses.dataclass
-class Option:
+class PricedNode:
     """One node's candidate strategies with their prices (vectors over its strategies)."""
 
     name: str
@@ -119,7 +119,7 @@ class Built:
     """The problem and what is needed to read its solution back."""
 
     problem: solver.Problem
-    options: dict[str, Option]
+    priced: dict[str, PricedNode]
     leader: dict[str, str]
     """node -> the node whose choice decides it (itself for leaders)."""
     follow: dict[str, np.ndarray]
@@ -170,7 +170,7 @@ def _kinds(captured) -> dict[str, str]:
     return kinds
 
 
-# ---------------------------------------------------------------------------------- 1. options
+# ---------------------------------------------------------------------------------- 1. priced strategies
 def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: float = 1.0,
            saved: float | None = None) -> tuple[float, ...]:
     """(time, comm, mem, act, work, recompute) of one strategy of one node; ``scale``: the share of
@@ -449,7 +449,7 @@ def _no_weight_gather(allowed: list, node, weights: set[str], tp_axes: tuple[int
     return kept or allowed
 
 
-def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dict[str, Option], list[str]]:
+def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dict[str, PricedNode], list[str]]:
     """Strategies and prices of every node (placeholders and ops), in graph order; with ``micro``,
     at the micro-batch size (strategies that do not divide a micro-batch are left out)."""
     from autopar.planner.families import predicate
@@ -474,10 +474,10 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
     # under-counted Llama-2-7B's saved activations by 26% (28.6 GiB a layer against 21.3).
     saved_at = gp.saved_bytes_by_node(cfg.dtype) if cfg.dtype.endswith("-mixed") and hasattr(
         gp, "saved_bytes_by_node") else None
-    options, order = {}, []
+    priced, order = {}, []
     memo: dict[tuple, list[Strategy]] = {}
-    priced_memo: dict[tuple, Option] = {}
-    # Signatures per graph: one planning builds a graph's options many times (the flat problem,
+    priced_memo: dict[tuple, PricedNode] = {}
+    # Signatures per graph: one planning prices a graph's nodes many times (the flat problem,
     # forced families, every pipeline candidate and micro-batch count).
     sigs = gm.meta.setdefault("autopar_signatures", {})
     for node in gm.graph.nodes:
@@ -543,15 +543,15 @@ def node_options(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
         pkey = None if key is None else (key, id(allowed[0]), len(allowed), _prof_key(prof), scale, saved)
         opt = priced_memo.get(pkey) if pkey is not None else None
         if opt is None:
-            priced = np.array([_price(node, s, prof, kind, cfg, scale, saved) for s in allowed],
+            prices = np.array([_price(node, s, prof, kind, cfg, scale, saved) for s in allowed],
                               dtype=float).reshape(-1, 6)
-            opt = Option(node.name, allowed, *[priced[:, i].copy() for i in range(6)])
+            opt = PricedNode(node.name, allowed, *[prices[:, i].copy() for i in range(6)])
             if pkey is not None:
                 priced_memo[pkey] = opt
-        # Twins share one Option (and so one strategy list): later passes memoise on its identity.
-        options[node.name] = opt
+        # Twins share one PricedNode (and so one strategy list): later passes memoise on its identity.
+        priced[node.name] = opt
         order.append(node.name)
-    return options, order
+    return priced, order
 
 
 def _prof_key(prof) -> tuple:
@@ -573,25 +573,25 @@ def _out_index(producer, consumer) -> int:
     return 0
 
 
-def _out_pl(opt: Option, s: int, idx: int):
+def _out_pl(opt: PricedNode, s: int, idx: int):
     outs = opt.strategies[s].outputs
     return outs[idx] if idx < len(outs) else outs[0]
 
 
-def merge_followers(gm, options: dict[str, Option], enabled: bool):
+def merge_followers(gm, priced: dict[str, PricedNode], enabled: bool):
     """Map each node to its leader and a leader-strategy -> own-strategy index map."""
     leader, follow, memo = {}, {}, {}
     for node in gm.graph.nodes:
-        if node.name not in options:
+        if node.name not in priced:
             continue
         name = node.name
-        leader[name], follow[name] = name, np.arange(len(options[name].strategies))
-        inputs = [n for n in node.all_input_nodes if n.name in options]
+        leader[name], follow[name] = name, np.arange(len(priced[name].strategies))
+        inputs = [n for n in node.all_input_nodes if n.name in priced]
         if not enabled or node.op != "call_function" or len(inputs) != 1 or len(node.users) == 0:
             continue
         prod = inputs[0]
         lead, fmap = leader[prod.name], follow[prod.name]
-        popt, opt = options[prod.name], options[name]
+        popt, opt = priced[prod.name], priced[name]
         idx = _out_index(prod, node)
         # Twins in repeated layers share option objects: map each (producer, follower) pair once.
         key = (id(popt), id(opt), idx, fmap.tobytes())
@@ -603,7 +603,7 @@ def merge_followers(gm, options: dict[str, Option], enabled: bool):
     return leader, follow
 
 
-def _follow_map(popt: Option, opt: Option, fmap: np.ndarray, idx: int) -> np.ndarray | None:
+def _follow_map(popt: PricedNode, opt: PricedNode, fmap: np.ndarray, idx: int) -> np.ndarray | None:
     """For each leader choice, the follower's best strategy that takes the producer's output as
     is; None when some producer placement has no such strategy."""
     by_input: dict[str, list[int]] = {}
@@ -727,7 +727,7 @@ class _AsRun:
         return self._bwd
 
 
-def edges(gm, options, leader, follow, mesh: Mesh, micro: "Micro | None" = None, params=(), cfg=None,
+def edges(gm, priced, leader, follow, mesh: Mesh, micro: "Micro | None" = None, params=(), cfg=None,
           itemsizes=None):
     """Resharding edges between groups, plus the cost of edges inside a group folded into the
     group's own time vector (returned as ``inner``: leader -> extra seconds per choice); with
@@ -735,20 +735,20 @@ def edges(gm, options, leader, follow, mesh: Mesh, micro: "Micro | None" = None,
     parameters, whose gradients are bucketed (``comms``). ``cfg`` and ``itemsizes`` (the mixed
     replay's ``GraphProfile.output_itemsizes``): under bf16-mixed each edge is priced in the
     dtypes it runs in."""
-    uses = comms.param_uses(gm, options, params)
+    uses = comms.param_uses(gm, priced, params)
     pricer = _EdgePricer(mesh, comms.effective_bucket_bytes(gm, params))
     pricer.zero = zero_spec(cfg) if cfg is not None else None
     edge_memo: dict[tuple, np.ndarray] = {}
     acc: dict[tuple[str, str], np.ndarray] = {}
     inner: dict[str, np.ndarray] = defaultdict(lambda: 0.0)
     for node in gm.graph.nodes:
-        if node.name not in options:
+        if node.name not in priced:
             continue
-        opt, lu, fu = options[node.name], leader[node.name], follow[node.name]
+        opt, lu, fu = priced[node.name], leader[node.name], follow[node.name]
         for j, prod in enumerate(node.all_input_nodes):
-            if prod.name not in options:
+            if prod.name not in priced:
                 continue
-            popt, ls, fs = options[prod.name], leader[prod.name], follow[prod.name]
+            popt, ls, fs = priced[prod.name], leader[prod.name], follow[prod.name]
             idx = _out_index(prod, node)
             vals = tensor_vals(prod)
             t = vals[idx] if idx < len(vals) else (vals[0] if vals else None)
@@ -759,7 +759,7 @@ def edges(gm, options, leader, follow, mesh: Mesh, micro: "Micro | None" = None,
                                                   prod.name in params)
                 if (fi, bi) != (t.element_size(), t.element_size()):
                     t = _AsRun(t, fi, bi)
-            # Twins share options and follow maps: one matrix per distinct (producer, consumer) pair.
+            # Twins share priced strategies and follow maps: one matrix per distinct (producer, consumer) pair.
             n_uses = uses.get(prod.name, 0)
             ekey = (id(popt), id(opt), idx, j, fs.tobytes(), fu.tobytes(), tuple(t.shape), t.dtype,
                     t.element_size(), getattr(t, "_bwd", None), micro and micro.kind(prod.name), n_uses)
@@ -780,15 +780,15 @@ def edges(gm, options, leader, follow, mesh: Mesh, micro: "Micro | None" = None,
     return acc, inner, pricer
 
 
-def sink_costs(gm, options, leader, follow, pricer: _EdgePricer) -> dict[str, np.ndarray]:
+def sink_costs(gm, priced, leader, follow, pricer: _EdgePricer) -> dict[str, np.ndarray]:
     """The graph's outputs (the loss, updated buffers) must end replicated: the resharding to
     all-``Replicate`` is charged to the producing group."""
     extra: dict[str, np.ndarray] = defaultdict(lambda: 0.0)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     for prod in out.all_input_nodes:
-        if prod.name not in options:
+        if prod.name not in priced:
             continue
-        popt, ls, fs = options[prod.name], leader[prod.name], follow[prod.name]
+        popt, ls, fs = priced[prod.name], leader[prod.name], follow[prod.name]
         t = tensor_vals(prod)[0]
         rep = "R" * len(pricer.mesh.shape)
         extra[ls] = extra[ls] + np.array(
@@ -797,13 +797,13 @@ def sink_costs(gm, options, leader, follow, pricer: _EdgePricer) -> dict[str, np
 
 
 # ---------------------------------------------------------------------------------- 4. problem
-def _group_vectors(options, leader, follow, inner, extra):
+def _group_vectors(priced, leader, follow, inner, extra):
     """Sum each leader's followers into one option vector set per group."""
     groups: dict[str, dict[str, np.ndarray]] = {}
-    for name, opt in options.items():
+    for name, opt in priced.items():
         lead = leader[name]
         fm = follow[name]
-        g = groups.setdefault(lead, {k: np.zeros(len(options[lead].strategies))
+        g = groups.setdefault(lead, {k: np.zeros(len(priced[lead].strategies))
                                      for k in ("time", "comm", "mem", "act", "work", "recompute")})
         for k in ("time", "comm", "mem", "act", "recompute"):
             g[k] += getattr(opt, k)[fm]
@@ -815,7 +815,7 @@ def _group_vectors(options, leader, follow, inner, extra):
     return groups
 
 
-def _ties(gm, gp, options, leader) -> tuple[tuple[str, ...], ...]:
+def _ties(gm, gp, priced, leader) -> tuple[tuple[str, ...], ...]:
     """Tie groups: twin nodes of repeated layers (the profiler's alignment) and the parameters
     they read at the same argument position (a layer's weights are placeholders outside it)."""
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -825,10 +825,10 @@ def _ties(gm, gp, options, leader) -> tuple[tuple[str, ...], ...]:
         names = tuple(names)
         if len(set(names)) != len(names) or any(n in seen for n in names):
             return
-        if any(n not in options or leader[n] != n for n in names):
+        if any(n not in priced or leader[n] != n for n in names):
             return
-        ref = [st.outputs for st in options[names[0]].strategies]
-        if all(options[n] is options[names[0]] or [st.outputs for st in options[n].strategies] == ref
+        ref = [st.outputs for st in priced[names[0]].strategies]
+        if all(priced[n] is priced[names[0]] or [st.outputs for st in priced[n].strategies] == ref
                for n in names[1:]):
             ties.append(names)
             seen.update(names)
@@ -850,7 +850,7 @@ def _ties(gm, gp, options, leader) -> tuple[tuple[str, ...], ...]:
     return tuple(ties)
 
 
-def _segments(gm, gp, options, leader, follow, mesh_shape) -> tuple:
+def _segments(gm, gp, priced, leader, follow, mesh_shape) -> tuple:
     nodes_by_name = {n.name: n for n in gm.graph.nodes}
     segs = []
     for gi, group in enumerate(getattr(gp, "layers", None) or []):
@@ -866,12 +866,12 @@ def _segments(gm, gp, options, leader, follow, mesh_shape) -> tuple:
             keep, keep_bytes = [], []
             for n in layer:
                 for prod in nodes_by_name[n].all_input_nodes:
-                    if prod.name in members or prod.name not in options or prod.op == "placeholder":
+                    if prod.name in members or prod.name not in priced or prod.op == "placeholder":
                         continue
                     lead = leader[prod.name]
                     if lead in keep or lead in inside:
                         continue
-                    popt, fm = options[prod.name], follow[prod.name]
+                    popt, fm = priced[prod.name], follow[prod.name]
                     t = tensor_vals(prod)[0]
                     keep.append(lead)
                     keep_bytes.append(np.array([_local_bytes(t, _out_pl(popt, s, 0), mesh_shape) for s in fm]))
@@ -900,22 +900,22 @@ def zero_spec(cfg: Config):
     return (cfg.zero, zero_axes(cfg)) if cfg.zero in (1, 2) else None
 
 
-def _forbid_weight_reshards(gm, gp, options, leader, follow, acc, inner, tp_axes) -> None:
+def _forbid_weight_reshards(gm, gp, priced, leader, follow, acc, inner, tp_axes) -> None:
     """Megatron tensor parallelism uses every weight as it is stored: the choices where a matrix
     weight (or a view of one) would be resharded on a tensor-parallel axis between its node and a
     reader (a column-sharded weight gathered, or turned into a row-sharded one) are priced out."""
     weights = _weight_views(gm, _kinds(gp.captured))
     for node in gm.graph.nodes:
-        if node.name not in options or node.op != "call_function":
+        if node.name not in priced or node.op != "call_function":
             continue
         for slot, w in enumerate(node.all_input_nodes):
-            if w.name not in weights or w.name not in options:
+            if w.name not in weights or w.name not in priced:
                 continue
             src, dst = leader[w.name], leader[node.name]
-            w_pl = [tuple(options[w.name].strategies[k].outputs[0][a] for a in tp_axes) if
-                    options[w.name].strategies[k].outputs else None for k in follow[w.name]]
-            x_pl = [None if options[node.name].strategies[k].inputs[slot] is None else
-                    tuple(options[node.name].strategies[k].inputs[slot][a] for a in tp_axes)
+            w_pl = [tuple(priced[w.name].strategies[k].outputs[0][a] for a in tp_axes) if
+                    priced[w.name].strategies[k].outputs else None for k in follow[w.name]]
+            x_pl = [None if priced[node.name].strategies[k].inputs[slot] is None else
+                    tuple(priced[node.name].strategies[k].inputs[slot][a] for a in tp_axes)
                     for k in follow[node.name]]
             if src == dst:  # one group: the leader's choice fixes both
                 bad = np.array([a is not None and b is not None and a != b for a, b in zip(w_pl, x_pl)], dtype=float)
@@ -935,39 +935,39 @@ def build(gp, cfg: Config) -> Built:
     from autopar.planner.micro import Micro  # imports this module's helpers
 
     micro = Micro(gm, gp, cfg) if cfg.micro_batches != 1 else None
-    options, order = node_options(gm, gp, cfg, micro)
-    leader, follow = merge_followers(gm, options, cfg.merge_followers)
+    priced, order = priced_nodes(gm, gp, cfg, micro)
+    leader, follow = merge_followers(gm, priced, cfg.merge_followers)
     if micro is not None:
         micro.leader = leader
     itemsizes = gp.output_itemsizes(cfg.dtype) if cfg.dtype == "bf16-mixed" else None
-    acc, inner, pricer = edges(gm, options, leader, follow, cfg.mesh, micro, params=gp.captured.params, cfg=cfg,
+    acc, inner, pricer = edges(gm, priced, leader, follow, cfg.mesh, micro, params=gp.captured.params, cfg=cfg,
                                itemsizes=itemsizes)
     tp_axes = tuple(a for a in tp_axes_of(cfg.family, cfg.mesh.ndim) if cfg.mesh.shape[a] > 1)
     if tp_axes:
-        _forbid_weight_reshards(gm, gp, options, leader, follow, acc, inner, tp_axes)
+        _forbid_weight_reshards(gm, gp, priced, leader, follow, acc, inner, tp_axes)
     # Once the edge matrices exist, before groups sum them: chunked overlap adds its discount.
     # Pipeline stage problems (priced per micro-batch) are not chunked: the discount is derived
     # from full-batch op figures, and stage modules run their edges whole.
     from autopar.planner.overlap import add_overlap
 
-    sites = add_overlap(gm, gp, options, leader, follow, acc, inner, cfg, cfg.chunks) if micro is None else []
-    extra = sink_costs(gm, options, leader, follow, pricer)
-    groups = _group_vectors(options, leader, follow, inner, extra)
+    sites = add_overlap(gm, gp, priced, leader, follow, acc, inner, cfg, cfg.chunks) if micro is None else []
+    extra = sink_costs(gm, priced, leader, follow, pricer)
+    groups = _group_vectors(priced, leader, follow, inner, extra)
     nodes = []
     for lead in order:
         if leader[lead] != lead:
             continue
         g = groups[lead]
-        labels = tuple(s.name for s in options[lead].strategies)
+        labels = tuple(s.name for s in priced[lead].strategies)
         nodes.append(solver.Node(id=lead, labels=labels, time=g["time"], comm=g["comm"], mem=g["mem"],
                                  act=g["act"], work=g["work"], recompute=g["recompute"]))
     edge_list = tuple(solver.Edge(src=s, dst=d, cost=m) for (s, d), m in acc.items())
-    segs = _segments(gm, gp, options, leader, follow, cfg.mesh.shape) if cfg.checkpoint else ()
-    problem = solver.Problem(nodes=tuple(nodes), edges=edge_list, ties=_ties(gm, gp, options, leader),
+    segs = _segments(gm, gp, priced, leader, follow, cfg.mesh.shape) if cfg.checkpoint else ()
+    problem = solver.Problem(nodes=tuple(nodes), edges=edge_list, ties=_ties(gm, gp, priced, leader),
                              segments=segs, memory_budget=cfg.memory_budget, time_limit=cfg.time_limit,
                              mip_gap=cfg.mip_gap,
                              name=type(gp.captured).__name__)
-    return Built(problem=problem, options=options, leader=leader, follow=follow, order=order,
+    return Built(problem=problem, priced=priced, leader=leader, follow=follow, order=order,
                  step_edges={} if micro is None else micro.step, overlap=sites)
 
 

@@ -127,13 +127,13 @@ def zero_scatter_seconds(stored: str, grad: str, shape, itemsize: int, mesh: Mes
     return out
 
 
-def param_uses(gm, options, params) -> dict[str, int]:
+def param_uses(gm, priced, params) -> dict[str, int]:
     """Parameter placeholder -> how many planned ops read it. Each use's edge carries that share
     of the parameter's bucketed reduction, so uses that agree pay it once in all."""
     out = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.name in params:
-            out[node.name] = max(1, sum(1 for u in node.users if u.name in options))
+            out[node.name] = max(1, sum(1 for u in node.users if u.name in priced))
     return out
 
 

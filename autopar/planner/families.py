@@ -23,7 +23,7 @@ Megatron tensor parallelism (the ``megatron*`` and ``tp`` families, and the ``tp
 layout) is column/row-parallel compute, not only a storage layout: on a tensor-parallel axis an op
 that reads a matrix parameter (directly or through a view of it) reads it sharded as stored, so no
 weight is gathered there and the matmuls run on their shards (:func:`tp_axes_of`, applied by
-``autopar.planner.build.node_options``); activations are replicated in the TP group between the
+``autopar.planner.build.priced_nodes``); activations are replicated in the TP group between the
 column- and row-parallel matmuls, or split by rows where that pays (Megatron's sequence
 parallelism for the norms and dropouts).
 

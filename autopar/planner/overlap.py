@@ -236,12 +236,12 @@ def _comp(prof, strat, out, cfg, stage=(0.0, 0.0, 0.0, 0.0)):
             ((prof.bwd_flops + bf) / div, (prof.bwd_bytes + bb) / div, dt))
 
 
-def _candidates(gm, options):
+def _candidates(gm, priced):
     """(node, activation producer, its position among the node's inputs, consumer or None)."""
     out = []
     for v in gm.graph.nodes:
         pos = ACTIVATION_ARG.get(v.target)
-        if pos is None or v.name not in options or pos >= len(v.args):
+        if pos is None or v.name not in priced or pos >= len(v.args):
             continue
         x = v.args[pos]
         ins = v.all_input_nodes
@@ -315,14 +315,14 @@ def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer, chained=No
     return D[ri, ci], K[ri, ci]
 
 
-def add_overlap(gm, gp, options, leader, follow, acc, inner, cfg, chunks=CHUNKS) -> list[Site]:
+def add_overlap(gm, gp, priced, leader, follow, acc, inner, cfg, chunks=CHUNKS) -> list[Site]:
     """Fold the chunking discount ``D`` (module docstring) into the edge matrices ``acc`` (keyed
     (producer leader, consumer leader)) and the in-group edge costs ``inner``, in place; return the
     sites whose k :func:`chunk_counts` reads back."""
     if not any(k > 1 for k in chunks):
         return []
     pricer = _Pricer(cfg, chunks)
-    cands = _candidates(gm, options)
+    cands = _candidates(gm, priced)
     out_side = {v.name for v, _, _, c in cands if c is not None}
     names, rows = {v.name for v, _, _, _ in cands}, {}
     memo: dict[tuple, tuple] = {}
@@ -331,15 +331,15 @@ def add_overlap(gm, gp, options, leader, follow, acc, inner, cfg, chunks=CHUNKS)
         prof = gp.nodes.get(v.name)
         if prof is None:
             continue
-        opt = options[v.name]
+        opt = priced[v.name]
         for role, other in (("output", consumer), ("input", x)):
-            if other is None or other.name not in options:
+            if other is None or other.name not in priced:
                 continue
             # The producer chunks this edge itself when it can (its single consumer is v); a
             # parameter as the activation has no batch-like dim worth chunking.
             if role == "input" and (x.name in out_side or x.name in gp.captured.params):
                 continue
-            oopt = options[other.name]
+            oopt = priced[other.name]
             chained = _chained(v, x, role, names, rows, gp)
             key = (id(opt), id(oopt), role, xi, tuple(tensor_vals(v)[0].shape), tuple(tensor_vals(x)[0].shape),
                    prof.fwd_flops, prof.bwd_flops, prof.fwd_bytes, prof.bwd_bytes, chained)

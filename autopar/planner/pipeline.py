@@ -377,7 +377,7 @@ def _unit_figures(built, sol, units, m: int):
     t, once = np.zeros(n), np.zeros(n)
     own = dict.fromkeys(built.leader.values(), 0.0)
     for x in built.order:  # every node in its own layer, even a follower whose leader is in another
-        tx = float(built.options[x].time[pick[x]])
+        tx = float(built.priced[x].time[pick[x]])
         t[unit_of[x]] += tx
         own[built.leader[x]] += tx
     for node in built.problem.nodes:  # the rest of a group's time: resharding inside it, the sink
@@ -403,10 +403,10 @@ def _unit_figures(built, sol, units, m: int):
     mem, act, out_bytes = np.zeros(n), np.zeros(n), np.zeros(n)
     for k, u in enumerate(units):
         names = [x for x in u if x in pick]
-        mem[k] = sum(float(built.options[x].mem[pick[x]]) for x in names)
-        act[k] = sum(float(built.options[x].act[pick[x]]) for x in names if built.leader[x] not in recomputed)
-        last = [x for x in names if built.options[x].strategies[0].inputs != ()]
-        out_bytes[k] = float(built.options[last[-1]].work[pick[last[-1]]]) if last else 0.0
+        mem[k] = sum(float(built.priced[x].mem[pick[x]]) for x in names)
+        act[k] = sum(float(built.priced[x].act[pick[x]]) for x in names if built.leader[x] not in recomputed)
+        last = [x for x in names if built.priced[x].strategies[0].inputs != ()]
+        out_bytes[k] = float(built.priced[last[-1]].work[pick[last[-1]]]) if last else 0.0
     act += kept
     return t, once, mem, act, out_bytes
 
@@ -483,11 +483,11 @@ def _replayed_peak(gp, cfg: Config, built, sol, units, bounds, sched: str, m: in
             seg_of.setdefault(leader, sid)
     recompute = {n: seg_of[built.leader[n]] for n in built.order if built.leader[n] in seg_of}
     for sid in sol.checkpointed:  # as ``to_plan`` marks them: the whole layer, one region
-        recompute.update((n, sid) for n in layer_members(gp, sid) if n in built.options and n not in recompute)
+        recompute.update((n, sid) for n in layer_members(gp, sid) if n in built.priced and n not in recompute)
     planned = set(built.order)
     stages = [[n for k in range(lo, hi) for n in units[k] if n in planned] for lo, hi in bounds]
     pipe = Pipeline(axis=axis, stages=stages, microbatches=m, schedule=sched, virtual_stages=v)
-    strategy_of = {n: built.options[n].strategies[pick[n]] for n in built.order}
+    strategy_of = {n: built.priced[n].strategies[pick[n]] for n in built.order}
     # Under a budget the replay stops at the first rank above it: the candidate is out then.
     from autopar.planner.build import zero_spec
 
@@ -512,6 +512,6 @@ def _shared_params(gp, built, sol, units, sub_shape) -> list[tuple[set[int], flo
         if len(users) < 2:
             continue
         val = tensor_vals(node)[0]
-        placed = built.options[node.name].strategies[pick[node.name]].outputs[0]
+        placed = built.priced[node.name].strategies[pick[node.name]].outputs[0]
         out.append((users, float(np.prod(pl.local_shape(tuple(val.shape), placed, sub_shape))) * val.element_size()))
     return out

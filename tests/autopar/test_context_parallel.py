@@ -90,14 +90,14 @@ def test_cp_is_priced_at_the_busiest_rank_and_its_mask():
     """The causal rows split costs the busiest rank (2N - 1) / N of an even share where the
     flash kernel skips masked blocks (bf16 on GPUs), 2 where an explicit mask makes every rank
     compute its rows against every key (fp32, CPUs); the mask is saved (rows x keys)."""
-    from autopar.planner.build import Config, node_options
+    from autopar.planner.build import Config, priced_nodes
     from autopar.strategies.attention import causal_load
 
     assert causal_load(1.75, True) == 1.75 and causal_load(1.75, False) == 2.0 and causal_load(1.0, False) == 1.0
     gp = _gp(8192, 1)
     priced = {}
     for cluster, dtype in (("h100", "float32"), ("h100", "bf16-mixed"), ("cpu", "bf16-mixed")):
-        opts, _ = node_options(gp.captured.gm, gp, Config(mesh=Mesh((4,), cluster=cluster), dtype=dtype))
+        opts, _ = priced_nodes(gp.captured.gm, gp, Config(mesh=Mesh((4,), cluster=cluster), dtype=dtype))
         o = opts[SDPA]
         by = {s.name: k for k, s in enumerate(o.strategies)}
         priced[cluster, dtype] = (o.time[by["cp"]] / o.time[by["heads"]], o.act[by["cp"]])

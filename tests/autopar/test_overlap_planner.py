@@ -114,14 +114,14 @@ def test_objective_saves_exactly_the_pipeline_formula(link):
     # matmul, the last the loss, which the chain runs per chunk.
     for name, k in ks.items():
         overlap = chain_time
-        st, prof = b.options[name].strategies[pick[name]], gp.nodes[name]
+        st, prof = b.priced[name].strategies[pick[name]], gp.nodes[name]
         # A chained site's messages hide behind the next stage's work too: the next matmul, or
         # the loss.
         nxt = gp.nodes[next(iter(nodes[name].users)).name]
         ff, fb, bf, bb = nxt.fwd_flops, nxt.fwd_bytes, nxt.bwd_flops, nxt.bwd_bytes
         consumer = next(iter(nodes[name].users))
         j = consumer.all_input_nodes.index(nodes[name])
-        su = b.options[consumer.name].strategies[pick[consumer.name]]
+        su = b.priced[consumer.name].strategies[pick[consumer.name]]
         out, dst, gdst = st.outputs[0], su.inputs[j], su.input_grads[j]
         t = {}
         for kk in (1, k):

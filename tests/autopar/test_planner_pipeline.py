@@ -103,13 +103,13 @@ def test_micro_batches_keep_every_sharded_dim_divisible():
     _, sub = pp._sub_mesh(Mesh((2, 4), cluster="h100"), 0)
     users = {n.name: len(n.users) for n in gp.captured.gm.graph.nodes}
     inp = next(n for n in gp.captured.user_inputs if users.get(n))  # token ids (8, 16)
-    split = lambda built: {pl.fmt(s.outputs[0]) for s in built.options[inp].strategies}  # noqa: E731
+    split = lambda built: {pl.fmt(s.outputs[0]) for s in built.priced[inp].strategies}  # noqa: E731
     assert "S(0)" in split(build(gp, Config(mesh=sub, micro_batches=2)))   # micro-batch 4 splits 4 ways
     built = build(gp, Config(mesh=sub, micro_batches=4))                   # micro-batch 2 does not
     assert "S(0)" not in split(built)
     micro = Micro(gp.captured.gm, gp, Config(mesh=sub, micro_batches=4))
     for node in gp.captured.gm.graph.nodes:
-        opt = built.options.get(node.name)
+        opt = built.priced.get(node.name)
         if opt is None or node.name not in micro.scaled:
             continue
         for s in opt.strategies:
