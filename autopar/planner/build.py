@@ -281,11 +281,6 @@ def _pinned(strats: list[Strategy], node, kind, gp, pin: dict[str, str]) -> list
     return strats
 
 
-#: Strategy lists by (node signature, mesh shape), shared across builds (the flat problem and the
-#: pipeline candidates of one planning, and successive plannings of one model).
-_STRATEGY_CACHE: dict[tuple, list] = {}
-
-
 def _signature(node, kind) -> tuple:
     """Nodes with equal signatures (twins in repeated layers) have the same strategy list."""
     def sig(a):
@@ -475,7 +470,6 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
     saved_at = gp.saved_bytes_by_node(cfg.dtype) if cfg.dtype.endswith("-mixed") and hasattr(
         gp, "saved_bytes_by_node") else None
     priced, order = {}, []
-    memo: dict[tuple, list[Strategy]] = {}
     priced_memo: dict[tuple, PricedNode] = {}
     # Signatures per graph: one planning prices a graph's nodes many times (the flat problem,
     # forced families, every pipeline candidate and micro-batch count).
@@ -486,21 +480,16 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
         if node.op == "placeholder" and not node.users:
             continue  # e.g. the unused twin of a tied weight: the graph reads it through its alias
         kind = kinds.get(node.name)
+        # The one strategy cache is strategies_for's, keyed by everything a rule reads (which input
+        # node each argument is included: mul(y, y) has one input, mul(y, z) two).
+        strats = strategies_for(node, cfg.mesh.shape)
         try:
             sig = sigs.get((node.name, kind))
             if sig is None:
                 sig = sigs[(node.name, kind)] = _signature(node, kind)
             key = (sig, tuple(cfg.mesh.shape))
-            strats = memo.get(key) or _STRATEGY_CACHE.get(key)
         except Exception:  # an unhashable argument: no memo for this node
-            key, strats = None, None
-        if strats is None:
-            strats = strategies_for(node, cfg.mesh.shape)
-            if key is not None:
-                memo[key] = strats
-                if len(_STRATEGY_CACHE) > 200_000:
-                    _STRATEGY_CACHE.clear()
-                _STRATEGY_CACHE[key] = strats
+            key = None
         allowed = _allowed(strats, node, kind, pred)
         allowed = _pinned(allowed, node, kind, gp, cfg.pin)
         if ep_axes:
