@@ -167,7 +167,7 @@ def _megatron_plan(gp, mesh, mm, chunks=None):
     import numpy as np
 
     import solver
-    from autopar.planner import to_plan
+    from autopar.planner.readback import to_plan
     from autopar.planner.build import Config, build
 
     cfg = Config(mesh=mesh, family="tp", **({"chunks": chunks} if chunks else {}))

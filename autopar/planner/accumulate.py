@@ -26,7 +26,9 @@ from autopar.planner.build import Config
 
 def solve_accumulated(gp, cfg: Config, m: int):
     """The plan of ``cfg`` run as ``m`` accumulated micro-batches, or :class:`InfeasibleBudget`."""
-    from autopar.planner import _checkpoint_every, _size, build_cached, layer_members, to_plan
+    from autopar.planner.budget import checkpoint_every, size_text
+    from autopar.planner.cache import build_cached
+    from autopar.planner.readback import layer_members, to_plan
     from autopar.planner.build import choices, zero_spec
     from autopar.planner.micro import batch_size
     from autopar.planner.overlap import chunk_counts
@@ -42,7 +44,7 @@ def solve_accumulated(gp, cfg: Config, m: int):
     built = build_cached(gp, micro_cfg)  # a ValueError names an op no strategy of which divides
     sol = solver.solve(built.problem)
     if cfg.checkpoint_every:
-        sol = _checkpoint_every(built.problem, sol)
+        sol = checkpoint_every(built.problem, sol)
     units = _stage_units(gp)
     t, once, _, _, _ = _unit_figures(built, sol, units, m)
     sync = float(once.sum())
@@ -63,8 +65,8 @@ def solve_accumulated(gp, cfg: Config, m: int):
                            chunks=chunk_counts(built.overlap, pick))
     peak = float(peaks[0].peak)
     if cfg.memory_budget is not None and peak > cfg.memory_budget:
-        return InfeasibleBudget(f"{m} accumulated micro-batches peak at {_size(peak)} per device, over the budget "
-                                f"of {_size(cfg.memory_budget)}: recompute (recompute='full'), more micro-batches "
+        return InfeasibleBudget(f"{m} accumulated micro-batches peak at {size_text(peak)} per device, over the budget "
+                                f"of {size_text(cfg.memory_budget)}: recompute (recompute='full'), more micro-batches "
                                 f"or more devices")
     plan = to_plan(gp, micro_cfg, built, sol, sharding_axes=list(range(cfg.mesh.ndim)), step_time=step,
                    peak_bytes=peak)

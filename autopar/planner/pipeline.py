@@ -174,7 +174,8 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
     after ``SEARCH_SECONDS`` (the plan says how many pairs were left). ``per_stage``: micro-batch
     counts tried, as multiples of the stage count. The result has one plan
     per candidate that got one (its best count and schedule), in candidate order."""
-    from autopar.planner import InfeasibleBudget, build_cached
+    from autopar.plan import InfeasibleBudget
+    from autopar.planner.cache import build_cached
     from autopar.report import human_bytes
 
     units = _stage_units(gp)
@@ -222,9 +223,9 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
             continue
         sol = solver.solve(built.problem)
         if cfg.checkpoint_every:
-            from autopar.planner import _checkpoint_every
+            from autopar.planner.budget import checkpoint_every
 
-            sol = _checkpoint_every(built.problem, sol)
+            sol = checkpoint_every(built.problem, sol)
         bound = _best_schedule(gp, free_cfg, built, sol, units, axis, m)
         if bound is not None:
             entries.append((_estimate(bound, cfg.memory_budget), bound["step"], ci, m, c_cfg, built, sol,
@@ -280,7 +281,7 @@ def _sub_mesh(mesh, axis: int):
 
 def _finish(gp, cfg: Config, units, axis: int, best: dict):
     """The plan of the best (count, schedule) ``best`` found for a pipeline over ``axis``."""
-    from autopar.planner import to_plan
+    from autopar.planner.readback import to_plan
     from autopar.planner.labels import axes_label, axis_roles
 
     other, sub = _sub_mesh(cfg.mesh, axis)
@@ -471,7 +472,7 @@ def _replayed_peak(gp, cfg: Config, built, sol, units, bounds, sched: str, m: in
     """The largest per-rank peak of the candidate (``autopar.planner.stage_memory.pipeline_peaks``)
     and, per rank of the pipeline axis, its split at that rank's peak (``params``: parameters,
     buffers, gradients and optimizer state; ``activations``: the rest), which add up to it."""
-    from autopar.planner import layer_members
+    from autopar.planner.readback import layer_members
     from autopar.planner.overlap import chunk_counts
     from autopar.planner.stage_memory import pipeline_peaks
 

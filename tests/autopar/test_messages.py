@@ -279,13 +279,13 @@ def test_explain_suggests_layer_names_for_an_unknown_layer(gpt2):
 def test_runner_ups_are_listed_once_each():
     from types import SimpleNamespace
 
-    from autopar.planner import _runner_ups
+    from autopar.planner.search import runner_ups
 
     def cand(fam, t):
         return SimpleNamespace(options={"family": fam}, step_time=t, peak_bytes=1.0)
 
     best = cand("searched 2x2", 1.0)
-    ups = _runner_ups(best, [cand("pp(2) x dp(2)", 2.0), cand("pp(2) x dp(2)", 3.0), cand("searched 2x2", 4.0),
+    ups = runner_ups(best, [cand("pp(2) x dp(2)", 2.0), cand("pp(2) x dp(2)", 3.0), cand("searched 2x2", 4.0),
                              cand("pp(2) x tp(2)", 5.0)])
     assert [(a["family"], a["step_time"]) for a in ups] == [("pp(2) x dp(2)", 2.0), ("pp(2) x tp(2)", 5.0)]
     # a plan file written with repeats lists each runner-up once

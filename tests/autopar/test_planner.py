@@ -91,13 +91,16 @@ def test_budget_loop_tries_the_ilps_most_frugal_plan(monkeypatch):
     loop solves at the ILP's own floor, its most frugal plan, and then bisects the rows between
     that one and the one that did not fit for a faster plan that still fits. Here the replay is
     made to over-state the first plan twofold."""
-    import autopar.planner as P
+    import autopar.planner.budget as B
+    import autopar.planner.readback as R
+    from autopar.planner.build import Config
+    from autopar.planner.cache import build_cached
 
     gp = _gp("gpt2", batch=8, seq=128, layers=2, hidden=128, heads=4, vocab=1024)
     mesh = Mesh((2, 2), cluster="a100")
     top = plan_profile(gp, mesh, precision="fp32", pipeline=False)
     budget = top.peak_bytes * 0.8
-    real_replay, real_solve, replays, rows = P.simulated_peak, solver.solve, [], []
+    real_replay, real_solve, replays, rows = R.simulated_peak, solver.solve, [], []
 
     def replay(*args, **kwargs):
         est = real_replay(*args, **kwargs)
@@ -108,23 +111,23 @@ def test_budget_loop_tries_the_ilps_most_frugal_plan(monkeypatch):
         rows.append(problem.memory_budget)
         return real_solve(problem)
 
-    monkeypatch.setattr(P, "simulated_peak", replay)
-    monkeypatch.setattr(P.solver, "solve", solve)
+    monkeypatch.setattr(R, "simulated_peak", replay)
+    monkeypatch.setattr(solver, "solve", solve)
     p = plan_profile(gp, mesh, precision="fp32", memory_budget=budget, pipeline=False, zero=0)
     assert p.peak_bytes <= budget and p.peak_bytes in replays[1:]
-    built = P.build_cached(gp, P.Config(mesh=mesh, memory_budget=1.0))
+    built = build_cached(gp, Config(mesh=mesh, memory_budget=1.0))
     with pytest.raises(solver.Infeasible) as floor:
         real_solve(built.problem)
     # Solved at the budget, below the floor (infeasible), at the floor, then bisected upwards.
     assert rows[0] == budget and rows[1] < floor.value.min_budget
     assert rows[2] == pytest.approx(floor.value.min_budget, rel=1e-5)
-    assert all(r > rows[2] for r in rows[3:]) and len(rows) <= P._BUDGET_ROUNDS + 1
+    assert all(r > rows[2] for r in rows[3:]) and len(rows) <= B._BUDGET_ROUNDS + 1
     assert len(rows) > 3  # the bisection ran
     # Against a plan from elsewhere (a pipeline) faster than the ILP's bound at the budget, no
     # flat plan can win: the loop stops at its first plan that fits, with no bisection.
     replays.clear()
     rows.clear()
-    again = P._solve_flat(gp, P.Config(mesh=mesh, memory_budget=budget), beat=0.0)
+    again = B.solve_flat(gp, Config(mesh=mesh, memory_budget=budget), beat=0.0)
     assert again.peak_bytes <= budget and len(rows) == 3, rows
 
 

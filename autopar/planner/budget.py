@@ -1,0 +1,127 @@
+"""The budget loop: the flat plan over every mesh axis, solved until its replayed peak fits.
+
+The ILP's memory row is a linear bound of the step's peak; the plan's peak is its per-rank
+replay. :func:`solve_flat` re-rows and re-solves until a plan fits (and bisects for a faster one).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import solver
+from autopar.plan import InfeasibleBudget, Plan
+from autopar.planner.build import Config
+from autopar.planner.cache import build_cached
+from autopar.planner.readback import to_plan
+
+def memory_binds(candidates: list) -> bool:
+    """No candidate fits, or the fastest one recomputes activations."""
+    ok = [c for c in candidates if isinstance(c, Plan)]
+    if not ok:
+        return any(isinstance(c, InfeasibleBudget) for c in candidates)
+    best = min(ok, key=lambda p: (p.step_time, p.peak_bytes))
+    return any(np_.recompute for np_ in best.nodes.values())
+
+
+def solve_flat(gp, cfg: Config, every: bool = False, beat: float | None = None):
+    """The single-stage plan over every mesh axis, or the :class:`InfeasibleBudget` error; with
+    ``every``, the chosen strategies with every checkpoint segment recomputed; ``beat``: the step
+    time of a plan found elsewhere (the best pipeline), against which the flat plan need not be
+    improved once the ILP's bound at the full budget is no faster.
+
+    Under a budget the ILP's memory row is a linear bound of the step's peak, and the plan's
+    peak is its per-rank replay (``simulated_peak``). Where the replay exceeds the budget, the
+    row is tightened by the excess (from the ILP's own figure of that plan, so every round moves
+    the solution), never below the ILP's floor (its most frugal plan, which the solver names when
+    a row is below it); once some row gives a plan that fits, the rows between it and the
+    lowest one that did not are bisected for a faster plan that still fits. Every row is at most
+    the budget, so the first solve's objective (less its MIP gap) bounds every flat plan the loop
+    can find: when that is no faster than ``beat``, the loop stops at the first plan that fits."""
+    t0 = time.perf_counter()
+    built = build_cached(gp, cfg)
+    t_build = time.perf_counter() - t0
+    budget = cfg.memory_budget
+    problem = built.problem  # re-rowed below without touching the (cached) build
+    fit = last = None
+    lo = floor = None            # rows: the highest whose plan fits; the ILP's least feasible
+    hi = math.inf                # the lowest row whose plan did not fit
+    row = budget
+    bound = None                 # no flat plan under the budget is faster than this
+    for _ in range(_BUDGET_ROUNDS):
+        try:
+            sol = solver.solve(dataclasses.replace(problem, memory_budget=row) if budget is not None else problem)
+        except solver.Infeasible as err:
+            if last is None:
+                dominant = "; ".join(err.dominant) or "nothing in particular"
+                return InfeasibleBudget(
+                    f"no plan fits the memory budget of {size_text(cfg.memory_budget)} per device on mesh "
+                    f"{shape_text(cfg.mesh)}: the smallest feasible budget is {size_text(err.min_budget)} "
+                    f"(dominated by {dominant}). Raise the budget, use more devices, or a smaller batch")
+            if floor is not None:
+                break
+            floor = row = err.min_budget * (1 + 1e-6)  # the ILP's most frugal plan is worth a try
+            continue
+        if bound is None:
+            bound = float(sol.objective) * (1 - max(float(sol.gap or 0.0), 0.0))
+        if every:
+            sol = checkpoint_every(problem, sol)
+        p = to_plan(gp, cfg, built, sol, sharding_axes=list(range(cfg.mesh.ndim)), build_seconds=t_build)
+        last = (p, sol)
+        if budget is None or (p.peak_bytes <= budget and row == budget):
+            return p
+        if p.peak_bytes <= budget:
+            lo = row
+            if fit is None or p.step_time < fit.step_time:
+                fit = p
+        else:
+            # any row at or above the ILP's own figure of this plan gives this plan back again
+            hi = min(hi, row, float(sol.peak_bytes))
+        if fit is not None:
+            if hi - lo <= _BUDGET_BISECT * budget or (beat is not None and bound >= beat):
+                break
+            row = (lo + hi) / 2
+        else:
+            row = min(row, float(sol.peak_bytes)) - (p.peak_bytes - budget) - 1e-3 * budget
+            if floor is not None:
+                if row <= floor:
+                    break  # even the most frugal plan the ILP has does not fit
+            row = max(row, 1.0)  # below what the ILP can reach, the solver says so and names its floor
+    if fit is not None:
+        return fit
+    p, sol = last
+    return InfeasibleBudget(
+        f"no plan found whose simulated per-device peak fits the memory budget of {size_text(budget)} on mesh "
+        f"{shape_text(cfg.mesh)} (the last one tried peaks at {size_text(p.peak_bytes)}, where the ILP's linear memory "
+        f"row counted {size_text(float(sol.peak_bytes))}). Raise the budget, use more devices, or a smaller batch")
+
+
+#: Solves the budget loop of ``solve_flat`` runs at most, and the width (a share of the budget)
+#: at which its bisection stops.
+_BUDGET_ROUNDS = 6
+
+
+_BUDGET_BISECT = 0.02
+
+
+def checkpoint_every(problem, sol):
+    """``sol`` with every segment that shares no node with an earlier one checkpointed."""
+    taken, segs = set(), []
+    for seg in problem.segments:
+        if not taken & set(seg.nodes):
+            taken |= set(seg.nodes)
+            segs.append(seg.id)
+    ev = solver.evaluate(problem, sol.choice, tuple(segs))
+    return dataclasses.replace(sol, checkpointed=tuple(segs), objective=ev.objective, split=ev.split,
+                               peak_bytes=ev.peak_bytes)
+
+
+def size_text(b) -> str:
+    """Bytes in messages, in the unit that fits (``autopar.report.human_bytes``)."""
+    from autopar.report import human_bytes
+
+    return "unbounded" if b is None else human_bytes(b, digits=2)
+
+
+def shape_text(mesh) -> str:
+    return "x".join(map(str, mesh.shape)) or "1"

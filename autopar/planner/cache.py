@@ -1,0 +1,54 @@
+"""Built problems reused across one planning's solves (the flat plan, every budget round, the
+pipeline candidates, a re-plan under a new budget). Strategy lists are cached once, by
+``autopar.strategies.strategies_for``."""
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+from autopar.planner.build import Built, Config, build
+
+#: Built problems by (profile, config without the budget and solver limits), least recent first.
+_BUILDS: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+
+_BUILDS_SIZE = 8
+
+
+_SOLVER_FIELDS = ("memory_budget", "time_limit", "mip_gap")
+#: Config fields that shape the search around the problem, not the problem: not in the build key.
+
+
+_SEARCH_FIELDS = ("micro_choices", "schedule_choices", "virtual_choices", "checkpoint_every")
+
+
+def build_cached(gp, cfg: Config) -> Built:
+    """``build(gp, cfg)``, reusing an earlier build of the same profile and config that differed
+    only in the budget or the solver's limits (those only enter ``Problem``'s own fields): a
+    memory frontier or a re-plan under a new budget rebuilds nothing."""
+    import weakref
+
+    key = (id(gp),) + tuple((f.name, _hashable(getattr(cfg, f.name))) for f in dataclasses.fields(cfg)
+                            if f.name not in _SOLVER_FIELDS + _SEARCH_FIELDS)
+    hit = _BUILDS.get(key)
+    if hit is None or hit[0]() is not gp:
+        built = build(gp, cfg)
+        try:
+            _BUILDS[key] = (weakref.ref(gp), built)
+        except TypeError:  # a profile that cannot be weakly referenced: no memo
+            return built
+        while len(_BUILDS) > _BUILDS_SIZE:
+            _BUILDS.popitem(last=False)
+        return built
+    _BUILDS.move_to_end(key)
+    built = hit[1]
+    problem = dataclasses.replace(built.problem, **{f: getattr(cfg, f) for f in _SOLVER_FIELDS})
+    return dataclasses.replace(built, problem=problem)
+
+
+def _hashable(value):
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value

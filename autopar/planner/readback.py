@@ -1,0 +1,227 @@
+"""Reading a solution back: the chosen strategies, checkpointed layers and chunk counts as a
+plain-data :class:`autopar.plan.Plan`, with its replayed peak, its breakdown and what was
+considered."""
+from __future__ import annotations
+
+import numpy as np
+
+from autopar import placement as pl
+from autopar.plan import NodePlan, Plan
+from autopar.planner.build import Built, Config, choices
+from autopar.planner.summary import layer_rows, memory_split
+
+def _family_name(cfg: Config, gp, plan_nodes, params) -> str:
+    """The label of a flat plan: the forced family, ``"replicated: no parallelism"`` when every
+    rank does the same work, else ``"searched RxC"``."""
+    from autopar.planner.labels import axis_roles, is_replicated
+
+    if cfg.family:
+        return cfg.family
+    shape = cfg.mesh.shape
+    if is_replicated(axis_roles(gp.captured, plan_nodes, params, len(shape)), shape):
+        return "replicated: no parallelism"
+    sharded_params = any("S" in p for p in params.values())
+    return f"searched {'x'.join(map(str, shape))}" + (" (sharded params)" if sharded_params else "")
+
+
+def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=0.0, pipeline=None,
+            step_time=None, peak_bytes=None, family=None) -> Plan:
+    """Read the solution back into a plain-data :class:`Plan`."""
+    pick = choices(built, sol)
+    checkpointed = set()
+    segs = {s.id: s for s in built.problem.segments}
+    segment_of: dict[str, str] = {}  # checkpointed leader -> its segment (one region each)
+    for sid in sol.checkpointed:
+        checkpointed |= set(segs[sid].nodes)
+        for leader in segs[sid].nodes:
+            segment_of.setdefault(leader, sid)
+    nodes: dict[str, NodePlan] = {}
+    text: dict[int, str | None] = {}  # id(placements) -> printed; strategy lists share their tuples
+
+    def f(x):
+        out = text.get(id(x), False)
+        if out is False:
+            out = text[id(x)] = None if x is None else pl.fmt(x)
+        return out
+
+    for name in built.order:
+        opt = built.priced[name]
+        s = opt.strategies[pick[name]]
+        nodes[name] = NodePlan(strategy=s.name, inputs=[f(x) for x in s.inputs], outputs=[f(x) for x in s.outputs],
+                               input_grads=[f(x) for x in s.input_grads],
+                               recompute=built.leader[name] in checkpointed and name in _segment_members(built, checkpointed),
+                               segment=segment_of.get(built.leader[name]),
+                               time=float(opt.time[pick[name]]), comm=float(opt.comm[pick[name]]))
+    _recompute_layer_members(gp, nodes, sol.checkpointed)
+    from autopar.planner.overlap import chunk_counts
+
+    for name, k in chunk_counts(built.overlap, pick).items():
+        nodes[name].chunks = k
+    cap = gp.captured
+    params = {}
+    n_axes = len(sharding_axes)
+    for ph, fqn in cap.params.items():
+        if ph not in nodes:
+            continue
+        for alias in (fqn, *(getattr(cap, "param_aliases", {}) or {}).get(ph, ())):
+            params[alias] = nodes[ph].outputs[0]
+    for fqn in cap.params.values():  # parameters the graph never reads stay replicated
+        params.setdefault(fqn, "R" * n_axes)
+    recompute = {n: np_.segment for n, np_ in nodes.items() if np_.recompute}  # name -> its segment
+    est = None
+    if peak_bytes is None:  # a flat plan: the per-rank liveness simulation is its peak
+        est = simulated_peak(gp, cfg, built, pick, recompute,
+                             chunks={n: np_.chunks for n, np_ in nodes.items() if np_.chunks > 1})
+        peak_bytes = est.peak
+    mem = memory_split(built, pick, gp, est, float(sol.peak_bytes))
+    bd = {"compute": float(sol.split.get("compute", 0.0)), "comm": float(sol.split.get("comm", 0.0)),
+          "reshard": float(sol.split.get("reshard", 0.0)), "recompute": float(sol.split.get("recompute", 0.0))}
+    bd.update({k if k.startswith("peak_") else f"mem_{k}": float(v) for k, v in mem.items()})
+    p = Plan(graph_hash=graph_hash(cap), model=type(gp.captured).__name__, mesh=cfg.mesh.to_dict(),
+             sharding_axes=list(sharding_axes), nodes=nodes, params=params, memory_budget=cfg.memory_budget,
+             optimizer=cfg.optimizer, dtype=cfg.dtype, grad_reduce=cfg.grad_reduce, zero=cfg.zero, pipeline=pipeline,
+             step_time=float(sol.objective if step_time is None else step_time),
+             peak_bytes=float(sol.peak_bytes if peak_bytes is None else peak_bytes), breakdown=bd,
+             solver={"status": str(sol.status), "gap": float(sol.gap), "variables": int(sol.num_variables),
+                     "constraints": int(sol.num_constraints), "checkpointed": list(sol.checkpointed)},
+             options={"family": family or _family_name(cfg, gp, nodes, params)})
+    if cfg.reshard_after_forward and pipeline is None:
+        p.reshard_after_forward = True
+        extra = _regather_seconds(gp, cfg, p)
+        if step_time is None:  # (a caller's own step time has it already)
+            p.step_time += extra
+        p.breakdown["regather"] = extra
+    p.timings.update(build_seconds=float(build_seconds), solve_seconds=float(sol.solve_seconds))
+    p.layers = layer_rows(gp, p, built, pick)
+    p.considered = _considered(gp, built, sol)
+    return p
+
+
+def _regather_seconds(gp, cfg: Config, plan: Plan) -> float:
+    """Seconds of the backward gathers of reshard-after-forward: one per ZeRO-3 weight and
+    placement it is gathered to (the codegen's shared edge) for ops outside checkpointed regions
+    (those keep their inputs), at the dtype it is gathered in, synchronous as the runtime runs
+    them (``autopar.runtime.reshard.Gathered``)."""
+    import torch
+
+    from autopar.costs.reshard import reshard
+
+    kinds = _kinds_of(gp)
+    seen, total = set(), 0.0
+    for node in gp.captured.gm.graph.nodes:
+        np_ = plan.nodes.get(node.name)
+        if node.op != "call_function" or np_ is None or np_.recompute:
+            continue
+        for j, a in enumerate(node.all_input_nodes):
+            if kinds.get(a.name) != "param" or a.name not in plan.nodes or j >= len(np_.inputs) or np_.inputs[j] is None:
+                continue
+            src, dst = plan.nodes[a.name].outputs[0], np_.inputs[j]
+            v = a.meta.get("val")
+            if src == dst or not isinstance(v, torch.Tensor) or (a.name, dst) in seen:
+                continue
+            item = 2 if cfg.dtype == "bf16-mixed" and v.is_floating_point() else v.element_size()
+            r = reshard(src, dst, tuple(v.shape), item, cfg.mesh)
+            if any(s.kind == "all_gather" for s in r.steps):
+                seen.add((a.name, dst))
+                total += float(r.cost)
+    return total
+
+
+def _kinds_of(gp) -> dict[str, str]:
+    from autopar.planner.build import _kinds
+
+    return _kinds(gp.captured)
+
+
+_HASHES: dict[int, tuple] = {}
+
+
+def graph_hash(cap) -> str:
+    """``cap.graph_hash()``, computed once per captured graph (the flat plan and every pipeline
+    candidate of one planning read it; it walks the whole graph)."""
+    import weakref
+
+    hit = _HASHES.get(id(cap))
+    if hit is not None and hit[0]() is cap:
+        return hit[1]
+    try:
+        ref = weakref.ref(cap)
+    except TypeError:  # not weak-referenceable: no memo
+        return cap.graph_hash()
+    for key in [k for k, (r, _) in _HASHES.items() if r() is None]:
+        del _HASHES[key]
+    value = cap.graph_hash()
+    _HASHES[id(cap)] = (ref, value)
+    return value
+
+
+def _considered(gp, built: Built, sol, top: int = 6) -> dict[str, list[dict]]:
+    """Per decided node (one per tie group), its best strategies with the cost terms, the
+    neighbours at their chosen strategies."""
+    from collections import defaultdict
+
+    nbrs = defaultdict(list)
+    for e in built.problem.edges:
+        nbrs[e.src].append((e.cost, e.dst))
+        nbrs[e.dst].append((e.cost.T, e.src))
+    tied_later = {n for t in built.problem.ties for n in t[1:]}
+    position = {n.name: i for i, n in enumerate(gp.captured.gm.graph.nodes)}  # graph order, for explain
+    out = {}
+    for node in built.problem.nodes:
+        nid = node.id
+        if nid in tied_later:
+            continue
+        chosen = sol.choice[nid]
+        resh = np.zeros(node.size)
+        for m, o in nbrs[nid]:
+            resh += m[:, sol.choice[o]]
+        total = node.time + resh
+        order = [chosen] + [int(i) for i in np.argsort(total, kind="stable") if i != chosen][: top - 1]
+        layer = getattr(gp.nodes.get(nid), "module_path", "") or ""
+        strats = built.priced[nid].strategies
+        out[nid] = [{"strategy": node.labels[s], "outputs": ",".join(pl.fmt(x) for x in strats[s].outputs),
+                     "time": float(node.time[s]), "comm": float(node.comm[s]), "reshard": float(resh[s]),
+                     "mem": float(node.mem[s]), "act": float(node.act[s]), "total": float(total[s]),
+                     "chosen": s == chosen, "layer": layer, "order": position.get(nid, -1)} for s in order]
+    return out
+
+
+def _recompute_layer_members(gp, nodes: dict, checkpointed) -> None:
+    """Every node of a checkpointed layer is recomputed with it, also one whose decision follows
+    a node outside the layer (a view of a value from outside: Llama's per-layer unsqueeze of the
+    shared rotary cos / sin, the fp32 cast of the incoming residual). The ILP prices a segment as
+    one region that keeps only its inputs from outside (``build._segments``); a member left out
+    would cut the codegen's region in two around it, and the second part would keep what the
+    first computed for it (Llama-2-7B, 2x4: the q, k and v projections of every layer, 24 GiB a
+    rank, a replayed peak 20 GiB above the ILP's row)."""
+    for sid in checkpointed:
+        for name in layer_members(gp, sid):
+            np_ = nodes.get(name)
+            if np_ is not None and not np_.recompute:
+                np_.recompute, np_.segment = True, sid
+
+
+def layer_members(gp, segment_id: str) -> list[str]:
+    """The node names of the repeated layer behind checkpoint segment ``layer{g}.{i}``
+    (``build._segments``' ids); empty for any other id."""
+    layers = getattr(gp, "layers", None) or []
+    gi, _, li = segment_id.removeprefix("layer").partition(".")
+    if not (gi.isdigit() and li.isdigit()) or int(gi) >= len(layers) or int(li) >= len(layers[int(gi)].layers):
+        return []
+    return list(layers[int(gi)].layers[int(li)])
+
+
+def _segment_members(built: Built, checkpointed_leaders: set) -> set:
+    return {n for n in built.order if built.leader[n] in checkpointed_leaders}
+
+
+def simulated_peak(gp, cfg: Config, built: Built, pick, recompute, chunks=None):
+    """The per-rank ``profiler.memory.MemoryEstimate`` of the chosen strategies, with the overlap
+    ``chunks`` (name -> k) chosen (``autopar.planner.peak.rank_peak``)."""
+    from autopar.planner.peak import rank_peak
+
+    from autopar.planner.build import zero_spec
+
+    strategy_of = {n: built.priced[n].strategies[pick[n]] for n in built.order}
+    return rank_peak(gp, strategy_of, cfg.mesh, recompute=recompute, optimizer=cfg.optimizer, dtype=cfg.dtype,
+                     chunks=chunks, zero=zero_spec(cfg), reshard_after_forward=cfg.reshard_after_forward)

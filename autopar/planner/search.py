@@ -1,0 +1,101 @@
+"""The candidates of one planning: the whole-axis pipelines, the flat plan, the pipelines over
+factors of an axis, or the completions of a hand-written layout; the runner-ups kept."""
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.plan import InfeasibleBudget, Plan
+from autopar.planner.budget import solve_flat
+from autopar.planner.build import Config
+
+def search_candidates(gp, cfg: Config, force, pipeline, every: bool, named_pp: list) -> list:
+    """Every candidate plan (or the error that stopped it): the whole-axis pipelines, the flat
+    plan, then the pipelines over factors of an axis."""
+    mesh = cfg.mesh
+    pipes = []
+    if (pipeline and force in (None, "pp-tp")) and mesh.ndim >= 2:
+        from autopar.planner.pipeline import pipeline_candidates
+
+        # A logical mesh that names an axis "pp" is pipelined over that axis (its other axes carry
+        # the sharding); a physical one over any axis, or over a factor of one (PP x DP x TP).
+        pipes = pipeline_candidates(gp, cfg, axes=named_pp or None)
+    # The whole-axis pipelines first: the flat plan's budget loop need not look for a faster flat
+    # plan that fits once the ILP's bound says no flat plan beats the best pipeline. Then the
+    # pipelines over factors of an axis, pruned by the best plan so far.
+    beat = min((c.step_time for c in pipes if not isinstance(c, Exception)), default=None)
+    found = []
+    if force != "pp-tp" and not named_pp:
+        found.append(solve_flat(gp, cfg, every=every, beat=beat))
+    if (pipeline and force in (None, "pp-tp")) and mesh.ndim >= 2 and not named_pp:
+        from autopar.planner.pipeline import factored_candidates
+
+        best = min((c.step_time for c in found + pipes if not isinstance(c, Exception)), default=None)
+        pipes += factored_candidates(gp, cfg, beat=best)
+    return found + pipes
+
+
+def plan_layout(gp, cfg: Config, layout) -> Plan:
+    """The plan of a hand-written layout (:mod:`autopar.planner.layout`): for every completion of
+    its degrees, its logical mesh with the layout's roles as the family, the pipeline options it
+    names, and the fastest of those plans; runner-ups listed as alternatives."""
+    from autopar.planner import layout as L
+    from autopar.planner.pipeline import search
+
+    lay = L.parse(layout)
+    found, errors = [], []
+    for pp, dp, ep, cp, tp in L.completions(lay, cfg.mesh.size, cfg.mesh.gpus_per_node):
+        if pp == 1 and (lay.schedule or lay.virtual_stages not in (None, 1)):
+            continue  # a schedule names a pipeline
+        mesh = L.logical_mesh(cfg.mesh, pp, dp, ep, cp, tp)
+        c = dataclasses.replace(cfg, mesh=mesh, family=L.family(mesh.axis_names, lay.zero),
+                                zero=lay.zero if lay.zero in (1, 2) else 0,
+                                reshard_after_forward=bool(lay.reshard_after_forward),
+                                checkpoint=lay.recompute != "none", checkpoint_every=lay.recompute == "full",
+                                micro_choices=(lay.microbatches,) if lay.microbatches else (),
+                                schedule_choices=(lay.schedule,) if lay.schedule else (),
+                                virtual_choices=(lay.virtual_stages,) if lay.virtual_stages else ())
+        try:
+            if pp > 1:
+                got = search(gp, c, [(mesh, 0)])
+                got = got[0] if got else InfeasibleBudget(f"no pipeline of {pp} stages fits")
+            elif lay.microbatches not in (None, 1):
+                from autopar.planner.accumulate import solve_accumulated
+
+                got = solve_accumulated(gp, c, lay.microbatches)
+            else:
+                got = solve_flat(gp, c, every=lay.recompute == "full")
+        except ValueError as err:  # a degree no tensor divides (a batch of 64 over dp 128)
+            got = err
+        if isinstance(got, Exception):
+            errors.append((f"{L.describe(pp, dp, ep, cp, tp, lay)}: {got}", got))
+            continue
+        got.options["family"] = L.describe(pp, dp, ep, cp, tp, lay)
+        got.options["layout"] = dict(lay.to_dict(), pp=pp, dp=dp, tp=tp, **{k: v for k, v in (("ep", ep), ("cp", cp)) if v > 1})
+        if c.zero:  # the sharding mesh's data-parallel axes (the roles leave the pipeline axis out)
+            from autopar.planner.families import dp_axes_of
+
+            got.options["zero_axes"] = list(dp_axes_of(c.family))
+        if cfg.mesh.shape != mesh.shape:
+            got.options["physical_mesh"] = list(cfg.mesh.shape)
+        found.append(got)
+    if not found:
+        cls = InfeasibleBudget if all(isinstance(e, InfeasibleBudget) for _, e in errors) else ValueError
+        raise cls("no plan for layout " + str(lay.to_dict()) + ": " + "; ".join(t for t, _ in errors))
+    found.sort(key=lambda p: (p.step_time, p.peak_bytes))
+    best = found[0]
+    best.alternatives = runner_ups(best, found[1:])
+    return best
+
+
+def runner_ups(best: Plan, others: list, top: int = 5) -> list[dict]:
+    """The fastest plan of each other family label, fastest first (a label is listed once, and
+    not at all when it is the winner's own: the winner is the best plan of its label)."""
+    seen = {best.options.get("family", "?")}
+    out = []
+    for c in others:
+        fam = c.options.get("family", "?")
+        if fam in seen:
+            continue
+        seen.add(fam)
+        out.append({"family": fam, "step_time": c.step_time, "peak_bytes": c.peak_bytes})
+    return out[:top]
