@@ -116,14 +116,11 @@ class PlanOptions:
         if options is not None and not isinstance(options, PlanOptions):
             raise TypeError(f"{where}(): options must be an autopar.PlanOptions, got {type(options).__name__}; "
                             f"build one with autopar.PlanOptions(...) or pass the options as keywords")
-        if "dtype" in kwargs:
-            dtype = kwargs.pop("dtype")
-            if kwargs.get("precision") is not None and dtype is not None and kwargs["precision"] != dtype:
+        dtype = kwargs.pop("dtype", None)
+        if dtype is not None:
+            if kwargs.get("precision") not in (None, dtype):
                 raise ValueError(f"{where}(): give precision= or its older name dtype=, not both")
-            if dtype is not None:
-                kwargs.setdefault("precision", dtype)
-                if kwargs["precision"] is None:
-                    kwargs["precision"] = dtype
+            kwargs["precision"] = dtype
         refuse_unknown(where, kwargs, option_names())
         return dataclasses.replace(options, **kwargs) if options is not None else cls(**kwargs)
 
