@@ -165,6 +165,12 @@ def cmd_plan(a) -> int:
         raise UserError(str(err)) from None  # a layout the model cannot take: named, one line
     p.options["spec"] = a.spec
     print(p.summary())
+    if getattr(a, "lowered", False):
+        import profiler
+        from autopar.lowering.program import lower_plan
+
+        gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+        print("\n" + str(lower_plan(gp.captured, p)))
     if a.output:
         p.save(a.output)
         print(f"\nplan written to {a.output}")
@@ -232,6 +238,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--layout", help="price a hand-written layout instead of searching, e.g. "
                     "pp=2,dp=32,tp=8,zero=1,recompute=full,microbatches=48,schedule=1f1b (keys left out are searched)")
     sp.add_argument("-o", "--output", help="write the plan JSON here")
+    sp.add_argument("--lowered", action="store_true", help="also print the lowered per-rank program: every "
+                    "edge's collectives and the copies they share, parameter gradients, buckets, regions")
     sp.set_defaults(fn=cmd_plan)
 
     sp = sub.add_parser("show", help="print a plan file (optionally an HTML report)")

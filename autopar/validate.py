@@ -160,7 +160,48 @@ def plan_problems(captured, plan: Plan) -> list[str]:
     """Every way ``plan`` does not fit ``captured`` (a ``profiler.capture.Captured``); empty when
     it fits. Each string names the plan field."""
     mesh_shape = _sharding_shape(plan)
-    return _param_problems(captured, plan, mesh_shape) + _node_problems(captured, plan, mesh_shape)
+    problems = _param_problems(captured, plan, mesh_shape) + _node_problems(captured, plan, mesh_shape)
+    return problems or lowered_problems(captured, plan)
+
+
+def lowered_problems(captured, plan: Plan, lowered=None) -> list[str]:
+    """What is wrong with the lowered program of ``plan`` (``autopar.lowering.program``): an edge
+    whose steps do not take its source placement to its destination (or the gradient's back), a
+    copy read in two placements, a parameter gradient left Partial where it is stored sharded, a
+    bucket holding a gradient that is not Partial on the bucket's axes. Empty when it is sound."""
+    from autopar.costs.reshard import apply_step
+    from autopar.lowering.program import LoweringError, lower_plan
+
+    if lowered is None:
+        try:
+            lowered = lower_plan(captured, plan)
+        except (LoweringError, ValueError) as err:
+            return [str(err)]
+    out = []
+
+    def lands(steps, src, dst) -> bool:
+        state = tuple(src)
+        for st in steps:
+            state = apply_step(state, st)
+        return pl.fmt(state) == pl.fmt(dst)
+
+    for e in lowered.edges:
+        if not lands(e.forward, e.src, e.dst):
+            out.append(f"edge {e.label}: forward steps do not take {pl.fmt(e.src)} to {pl.fmt(e.dst)}")
+        if e.backward and not lands(e.backward, e.grad_dst, e.grad_src):
+            out.append(f"edge {e.label}: gradient steps do not take {pl.fmt(e.grad_dst)} to {pl.fmt(e.grad_src)}")
+    for c in lowered.copies:
+        kinds = {(pl.fmt(lowered.edges[k].dst), pl.fmt(lowered.edges[k].grad_dst)) for k in c.edges}
+        if len(kinds) > 1 or any(lowered.edges[k].producer != c.producer for k in c.edges):
+            out.append(f"copy {c.id} of {c.producer} is read in several placements: {sorted(kinds)}")
+    for p in lowered.params.values():
+        for a, (s, g) in enumerate(zip(p.stored, p.grad)):
+            if isinstance(g, Partial) and not pl.fmt((s,)) == "R":
+                out.append(f"params.{p.fqn}: gradient Partial on axis {a} where it is stored {pl.fmt((s,))}")
+        if p.bucket is not None and lowered.buckets[p.bucket].axes != p.partial_axes:
+            out.append(f"params.{p.fqn}: in a bucket over axes {lowered.buckets[p.bucket].axes} but Partial on "
+                       f"{p.partial_axes}")
+    return out
 
 
 def validate_plan_for(captured, plan: Plan, *, graph_hash: bool = True) -> None:

@@ -109,7 +109,6 @@ class _Lowering:
         self.executors: dict[str, str] = {}
         self.reshards: list[str] = []
         self.strategies = _strategies_module() if executor in ("auto", "strategy") else None
-        self.region_id, self.region_open, self.region_stage, self.region_segment = 0, False, None, None
         pipe = getattr(plan, "pipeline", None)
         self.stage_of = {n: k for k, st in enumerate(pipe.stages) for n in st} if pipe is not None else {}
         self.pre_edged: set[tuple[str, str]] = set()  # (producer, consumer) edges a ChunkedOp ran
@@ -226,47 +225,30 @@ class _Lowering:
 
     # ------------------------------------------------------------------ parameter gradients
     def param_grads(self) -> dict[str, Placements]:
-        """Where each parameter's gradient accumulates (see module docstring), per placeholder;
-        tied placeholders share one answer (they accumulate into one ``.grad``)."""
-        partial: dict[str, list[bool]] = {}
-        stored: dict[str, Placements] = {}
-        phs: dict[str, list[str]] = {}
-        for node in self.cap.gm.graph.nodes:
-            if node.op != "placeholder" or self.kinds.get(node.name, ("",))[0] != "param":
-                continue
-            canon = self.canon.get(self.kinds[node.name][1], self.kinds[node.name][1])
-            stored[canon] = self.placeholder_pl(node)
-            phs.setdefault(canon, []).append(node.name)
-            flags = partial.setdefault(canon, [False] * self.n)
-            for user in node.users:
-                if user.op == "output" or user.target in _SKIP:
-                    continue
-                pls, grads = self.inputs_of(user)
-                i = user.all_input_nodes.index(node)
-                g = grads[i] if grads[i] is not None else pl.grad_placements(pls[i] if pls[i] is not None else stored[canon])
-                for a, p in enumerate(g):
-                    flags[a] |= isinstance(p, Partial)
-        out = {}
-        for canon, sp in stored.items():
-            gp = tuple(Partial() if partial[canon][a] and isinstance(s, Replicate) else s for a, s in enumerate(sp))
-            for ph in phs[canon]:
-                out[ph] = gp
-        return out
+        """Where each parameter's gradient accumulates, per placeholder (the lowered program's
+        :attr:`autopar.lowering.program.Param.grad`)."""
+        return {ph: p.grad for ph, p in self.lowered.params.items()}
 
     # ------------------------------------------------------------------ edges
-    def edge_steps(self, prod, node, src, dst, gsrc, gdst) -> tuple[tuple, tuple, tuple]:
-        """(forward steps, gradient steps, global shape) of the edge ``prod -> node``."""
+    def lowered_edge(self, prod, node, src, dst, gsrc, gdst):
+        """The lowered program's edge ``prod -> node`` with these placements (None: nothing moves)."""
         dst = src if dst is None else dst
         gdst = pl.grad_placements(dst) if gdst is None else gdst
-        val = tensor_vals(prod)[self._src_index(prod, node)]
-        shape, item = tuple(val.shape), val.element_size()
-        try:
-            fwd = plan_reshard(src, dst, shape, item, self.ctx.mesh).steps if src != dst else ()
-            bwd = (plan_reshard(gdst, gsrc, shape, item, self.ctx.mesh).steps
-                   if _differentiable(val) and gsrc != gdst else ())
-        except ValueError as err:
-            raise CodegenError(f"edge {prod.name} -> {node.name}: {err}") from None
-        return tuple(fwd), tuple(bwd), shape
+        for e in self.edges_by_pair.get((prod.name, node.name if node.op != "output" else "output"), ()):
+            if e.src == tuple(src) and e.dst == tuple(dst) and e.grad_src == tuple(gsrc) and e.grad_dst == tuple(gdst):
+                return e
+        if tuple(src) == tuple(dst) and tuple(gsrc) == tuple(gdst):
+            return None
+        raise CodegenError(f"edge {prod.name} -> {node.name} {pl.fmt(src)}->{pl.fmt(dst)} is not in the lowered "
+                           f"program (autopar.lowering.program): the codegen and the lowering disagree")
+
+    def edge_steps(self, prod, node, src, dst, gsrc, gdst) -> tuple[tuple, tuple, tuple]:
+        """(forward steps, gradient steps, global shape) of the edge ``prod -> node``, as lowered."""
+        e = self.lowered_edge(prod, node, src, dst, gsrc, gdst)
+        if e is None:
+            val = tensor_vals(prod)[self._src_index(prod, node)]
+            return (), (), tuple(val.shape)
+        return e.forward, e.backward, e.shape
 
     def edge(self, prod, value: fx.Node, node, src, dst, gsrc, gdst) -> fx.Node:
         """``value`` (``prod``'s output, placed ``src``) as ``node`` wants it: ``dst`` forward,
@@ -275,19 +257,23 @@ class _Lowering:
         gdst = pl.grad_placements(dst) if gdst is None else gdst
         if src == dst and gsrc == gdst:
             return value
-        # Mixed precision (autopar.precision): a parameter moved for a 16-bit op moves in bf16, and
-        # its gradient is reduced in the reduction dtype; one moved copy per placement and dtype.
-        is_param = self.kinds.get(prod.name, ("",))[0] == "param"
-        cast = self.compute_dtype is not None and is_param and precision.feeds_lower_precision(node)
-        key = (prod.name, dst, gdst, cast)
-        if prod.op == "placeholder" and key in self.edge_cache:
-            return self.edge_cache[key]
-        fwd, bwd, shape = self.edge_steps(prod, node, src, dst, gsrc, gdst)
-        if not fwd and not bwd:
+        e = self.lowered_edge(prod, node, src, dst, gsrc, gdst)
+        if e is None:
             return value
-        fwd_dtype = self.compute_dtype if cast and fwd else None
+        # One copy per lowered Copy: consumers wanting the same placement share it (a parameter's
+        # per placement and dtype; an activation's within one region and stage).
+        own_value = value is self.env.get(prod)
+        if own_value and e.copy in self.edge_cache:
+            return self.edge_cache[e.copy]
+        fwd, bwd, shape = e.forward, e.backward, e.shape
+        is_param = e.param
+        # Mixed precision (autopar.precision): a parameter moved for a 16-bit op moves in bf16, and
+        # its gradient is reduced in the reduction dtype.
+        fwd_dtype = self.compute_dtype if e.cast and fwd else None
         bwd_dtype = (self.reduce_dtype or torch.float32) if is_param and self.compute_dtype is not None else None
         owned_fwd, owned_bwd = self._owned(prod, value, node)
+        if self.lowered.shared(e):  # several consumers read the copy and hand back one summed gradient
+            owned_fwd = owned_bwd = False
         mod = ReshardModule(fwd, bwd, self.ctx, shape,
                             f"{prod.name} -> {node.name} {pl.fmt(src)}->{pl.fmt(dst)}", owned_fwd, owned_bwd,
                             fwd_dtype, bwd_dtype)
@@ -301,8 +287,8 @@ class _Lowering:
         out.meta["val"] = tensor_vals(prod)[self._src_index(prod, node)]
         out.meta["autopar_reshard"] = mod.label
         out.meta["autopar_pl"] = dst
-        if prod.op == "placeholder":
-            self.edge_cache[key] = out
+        if own_value:
+            self.edge_cache[e.copy] = out
         return out
 
     def _owned(self, prod, value, node) -> tuple[bool, bool]:
@@ -393,6 +379,15 @@ class _Lowering:
 
     # ------------------------------------------------------------------ nodes
     def run(self) -> fx.GraphModule:
+        from autopar.lowering.program import LoweringError, lower_plan
+
+        try:
+            self.lowered = lower_plan(self.cap, self.plan, self.ctx.mesh)
+        except LoweringError as err:
+            raise CodegenError(str(err)) from None
+        self.edges_by_pair: dict[tuple[str, str], list] = {}
+        for e in self.lowered.edges:
+            self.edges_by_pair.setdefault((e.producer, e.consumer), []).append(e)
         self.pgrads = self.param_grads()
         from autopar.codegen.chunking import ChainEmitter
 
@@ -445,27 +440,14 @@ class _Lowering:
         self._tag_region(node, last)
 
     def _tag_region(self, node, last) -> None:
-        """Tag the per-rank nodes of a recomputed plan node with its checkpoint region (see
-        :mod:`autopar.runtime.recompute`); other nodes end the current region."""
-        np_ = self.plan.nodes.get(node.name)
-        if np_ is None and is_getitem(node):  # an element of a multi-output node: as its producer
-            np_ = self.plan.nodes.get(node.args[0].name)
-        if np_ is None or not np_.recompute or mutated_args(node.target):
-            self.region_open = False
+        """Tag the per-rank nodes of a recomputed plan node with its checkpoint region, as the
+        lowered program's ``regions`` cut them (see :mod:`autopar.runtime.recompute`)."""
+        rid = self.lowered.regions.get(node.name)
+        if rid is None:
             return
-        stage = self.stage_of.get(node.name)
-        # Regions never cross a stage boundary, nor a checkpoint segment's: each planned segment
-        # (a layer) is recomputed on its own, so backward holds one layer's activations at a time.
-        seg = np_.segment
-        if (not self.region_open or stage != self.region_stage
-                or (seg is not None and self.region_segment is not None and seg != self.region_segment)):
-            self.region_id += 1
-            self.region_open, self.region_stage, self.region_segment = True, stage, seg
-        elif seg is not None:
-            self.region_segment = seg
         n = last._next
         while n is not self.graph._root:
-            n.meta["autopar_region"] = self.region_id
+            n.meta["autopar_region"] = rid
             n = n._next
 
     def _lower_call(self, node):

@@ -10,6 +10,10 @@ package holds those facts once, and all three read them:
   collectives launch asynchronously;
 - :mod:`autopar.lowering.rows`: which ops act row-wise along a dim, so that a chunk chain crosses
   them (the codegen's chains and the planner's chain walk);
+- :mod:`autopar.lowering.program`: the lowered per-rank program of a plan (:class:`Lowered`): every
+  edge's collectives and the copies consumers share, every parameter's gradient placement and
+  bucket, the recomputed regions and stage cuts. The codegen emits from it; the planner's
+  collective list, memory replay and regather pricing read it; ``autopar.validate`` checks it;
 - :data:`GRAD_BUCKET_BYTES`: the size of the gradient buckets the runtime fills and the planner
   prices.
 

@@ -11,11 +11,13 @@ Two users:
   them at the dispatcher); its seconds are what the ILP charged, apart from the bucket alphas,
   which the ILP amortises (see docs/cost_model.md, "Gradients").
 
-Runtime facts mirrored here (``autopar.codegen.lower`` and ``autopar.runtime.grads``):
+The list is a walk over the lowered program (``autopar.lowering.program``), the same object the
+codegen emits from, priced; the facts it reads there:
 
 1. An edge ``producer -> consumer`` runs the forward steps ``reshard(src, dst)`` and the backward
    steps ``reshard(grad_dst, grad_src)``, each step a collective on one mesh axis (``slice`` and
-   ``zero_partial`` are local). A parameter read twice in one placement is resharded once.
+   ``zero_partial`` are local). Consumers that want a value in one placement share one copy:
+   a parameter's per placement and dtype, an activation's within one region and stage.
 2. A parameter's gradient stays Partial on every axis where the parameter is stored replicated
    and a use left its gradient Partial; those axes are summed after backward, one all-reduce per
    bucket of about :data:`GRAD_BUCKET_BYTES` over all of its axes at once (DDP's scheme).
@@ -32,7 +34,7 @@ from typing import Sequence
 from autopar import placement as pl
 from autopar import precision
 from autopar.costs.collectives import collective_time
-from autopar.costs.reshard import reshard, step_cost
+from autopar.costs.reshard import apply_step, step_cost
 from autopar.lowering import GRAD_BUCKET_BYTES
 from autopar.lowering.graph import tensor_vals
 from autopar.mesh import Mesh
@@ -160,117 +162,77 @@ def _local_bytes(shape, placements: str, mesh: Mesh, itemsize: int) -> int:
 
 
 # ---------------------------------------------------------------------------------- listing
-def _steps(src: str, dst: str, shape, itemsize, mesh: Mesh, phase: str, where: str) -> list[Collective]:
-    """The collectives of the cheapest resharding ``src -> dst`` (the path the runtime runs)."""
-    if src == dst:
-        return []
-    rp = reshard(src, dst, shape, itemsize, mesh)
-    out = []
-    for step, state in zip(rp.steps, rp.states):
-        if step.kind not in _COMM_STEPS or mesh.shape[step.axis] == 1:
-            continue
-        b = _local_bytes(shape, pl.fmt(state), mesh, itemsize)
-        nbytes = b * mesh.shape[step.axis] if step.kind == "all_gather" else b
-        out.append(Collective(kind=step.kind, axes=(step.axis,), nbytes=float(nbytes),
-                              seconds=step_cost(step, state, shape, itemsize, mesh), phase=phase, where=where))
+def _priced(steps, src, shape, itemsize, mesh: Mesh, phase: str, where: str) -> list[Collective]:
+    """The collectives among lowered reshard ``steps`` from ``src``, priced at ``itemsize``."""
+    out, state = [], tuple(src)
+    for step in steps:
+        if step.kind in _COMM_STEPS and mesh.shape[step.axis] > 1:
+            b = _local_bytes(shape, pl.fmt(state), mesh, itemsize)
+            nbytes = b * mesh.shape[step.axis] if step.kind == "all_gather" else b
+            out.append(Collective(kind=step.kind, axes=(step.axis,), nbytes=float(nbytes),
+                                  seconds=step_cost(step, state, shape, itemsize, mesh), phase=phase, where=where))
+        state = apply_step(state, step)
     return out
 
 
 class _Walk:
-    """State of one :func:`plan_collectives` call."""
+    """State of one :func:`plan_collectives` call: a walk over the lowered program
+    (``autopar.lowering.program``) in graph order."""
 
     def __init__(self, captured, plan, mesh: Mesh):
+        from autopar.lowering.program import lower_plan
+
         self.cap, self.plan, self.mesh = captured, plan, mesh
-        self.params = dict(captured.params)
+        self.low = lower_plan(captured, plan, mesh)
+        self.nodes = {n.name: n for n in captured.gm.graph.nodes}
+        self.by_consumer: dict[str, list] = {}
+        for e in self.low.edges:
+            self.by_consumer.setdefault(e.consumer, []).append(e)
+        self.makers = {id(e) for e in self.low.makers()}
         self.out: list[Collective] = []
-        self.param_edges: set = set()
-        self.pgrads = self._param_grads()
         self.region: list[tuple[bool, int]] = []  # (node saves for backward, len(out) after it)
+        self.region_id = None
 
-    def outputs(self, node) -> list[str]:
-        np_ = self.plan.nodes.get(node.name)
-        if np_ is not None and np_.outputs:
-            return list(np_.outputs)
-        if node.target is operator.getitem and node.op == "call_function":
-            src = node.args[0]
-            outs = self.outputs(src)
-            return [outs[node.args[1]] if len(tensor_vals(src)) > 1 else outs[0]]
-        return ["R" * self.mesh.ndim]
-
-    def inputs(self, node) -> tuple[list, list]:
-        """(input placements, input-gradient placements) per ``node.all_input_nodes`` entry."""
-        ins, np_ = node.all_input_nodes, self.plan.nodes[node.name]
-        if len(np_.inputs) == len(ins):
-            return list(np_.inputs), list(np_.input_grads)
-        tensor_ins = [i for i, n in enumerate(ins) if tensor_vals(n)]
-        full_p, full_g = [None] * len(ins), [None] * len(ins)
-        for k, i in enumerate(tensor_ins):
-            full_p[i], full_g[i] = np_.inputs[k], np_.input_grads[k]
-        return full_p, full_g
-
-    def _param_grads(self) -> dict[str, str]:
-        """Placement of each parameter placeholder's accumulated gradient (rule 2)."""
-        out = {}
-        for node in self.cap.gm.graph.nodes:
-            if node.op != "placeholder" or node.name not in self.params or node.name not in self.plan.nodes:
-                continue
-            stored = self.outputs(node)[0]
-            target = list(pl.parse(stored))
-            for user in node.users:
-                if user.op == "output" or user.name not in self.plan.nodes:
-                    continue
-                pls, grads = self.inputs(user)
-                i = user.all_input_nodes.index(node)
-                g = grads[i] or pl.grad_text(pls[i] or stored)
-                for a in bucket_axes(stored, g):
-                    target[a] = pl.parse("P")[0]
-            out[node.name] = pl.fmt(tuple(target))
-        return out
-
-    def edge(self, prod, node, src, dst, gdst, recompute: bool) -> None:
-        dst = src if dst is None else dst
-        gdst = pl.grad_text(dst) if gdst is None else gdst
-        gsrc = self.pgrads.get(prod.name) or pl.grad_text(self.outputs(prod)[0])
-        if prod.op == "placeholder":
-            # The runtime keeps one moved copy per placement (and per dtype under bf16-mixed:
-            # autopar.precision casts a parameter moved for a 16-bit op).
-            cast = (self.plan.dtype == "bf16-mixed" and prod.name in self.params
-                    and precision.feeds_lower_precision(node))
-            key = (prod.name, dst, gdst, cast)
-            if key in self.param_edges:
-                return  # the runtime reuses one resharded copy
-            self.param_edges.add(key)
-        t = tensor_vals(prod)[_out_index(prod, node)]
-        shape, where = tuple(t.shape), f"{prod.name} -> {node.name}"
+    def edge(self, e, recompute: bool) -> None:
+        if id(e) not in self.makers:
+            return  # the copy another consumer made: no collective of its own
+        prod = self.nodes[e.producer]
+        cons = self.nodes[e.consumer] if e.consumer in self.nodes else next(
+            n for n in self.cap.gm.graph.nodes if n.op == "output")
+        t = tensor_vals(prod)[e.out_index]
         item, gitem = precision.edge_itemsizes(self.plan.dtype, getattr(self.plan, "grad_reduce", "fp32"), prod,
-                                               node, t, getattr(self, "itemsizes", None), _out_index(prod, node),
-                                               prod.name in self.params)
-        fwd = _steps(src, dst, shape, item, self.mesh, "forward", where)
+                                               cons, t, getattr(self, "itemsizes", None), e.out_index, e.param)
+        fwd = _priced(e.forward, e.src, e.shape, item, self.mesh, "forward", e.label)
         self.out += fwd
         if recompute:
             self.out += [dataclasses.replace(c, phase="recompute") for c in fwd]
-        if (t.dtype.is_floating_point or t.dtype.is_complex) and gsrc != gdst:
-            self.out += _steps(gdst, gsrc, shape, gitem, self.mesh, "backward", where)
+        self.out += _priced(e.backward, e.grad_dst, e.shape, gitem, self.mesh, "backward", e.label)
 
     def node(self, node) -> None:
-        np_ = self.plan.nodes.get(node.name)
-        if np_ is None and node.target is operator.getitem:  # an element: as its producer
-            np_ = self.plan.nodes.get(node.args[0].name)
-        if np_ is None or not np_.recompute or _mutates(node):
+        from autopar.lowering.program import SKIPPED
+
+        if node.target in SKIPPED:
+            return  # dropped by the lowering: no code, no region boundary
+        rid = self.low.regions.get(node.name)
+        if rid != self.region_id:
             self.end_region()
-        elif self.region and np_.segment is not None and getattr(self, "region_segment", None) not in (None, np_.segment):
-            self.end_region()  # the codegen starts a new region at each checkpoint segment
-        if np_ is not None and np_.recompute and np_.segment is not None:
-            self.region_segment = np_.segment
-        if np_ is None or node.name not in self.plan.nodes:
+            self.region_id = rid
+        np_ = self.plan.nodes.get(node.name)
+        if np_ is None and node.target is not operator.getitem:
             return
-        rec = bool(np_.recompute) and not _mutates(node)
-        self.visit(node, np_, rec)
+        rec = rid is not None
+        if not self.region:
+            self.region_start = len(self.out)
+        for e in sorted(self.by_consumer.get(node.name, ()), key=lambda e: e.index):
+            self.edge(e, rec)
+        if np_ is not None and node.target is not operator.getitem:
+            self.in_op(node, np_, rec)
         if rec:
             self.region.append((_saves(node), len(self.out)))
 
     def end_region(self) -> None:
-        """Rule 4 with PyTorch's early stop: backward reruns a region only as far as its last
+        """A recomputed node runs its forward collectives, and those of its input edges, again
+        in backward, with PyTorch's early stop: backward reruns a region only as far as its last
         op that saved tensors; the recomputed collectives of the ops after it are not issued."""
         if not self.region:
             return
@@ -278,23 +240,6 @@ class _Walk:
         start = self.region[last][1] if last >= 0 else self.region_start
         self.out[start:] = [c for c in self.out[start:] if c.phase != "recompute"]
         self.region = []
-
-    def visit(self, node, np_, rec: bool) -> None:
-        if not self.region:
-            self.region_start = len(self.out)
-        if node.target is operator.getitem:  # the element may move to its own placement
-            src_node = node.args[0]
-            k = int(node.args[1]) if len(tensor_vals(src_node)) > 1 else 0
-            src, dst = self.outputs(src_node)[k], self.outputs(node)[0]
-            if src != dst and tensor_vals(node):
-                self.edge(src_node, node, src, dst, None, rec)
-            return
-        pls, grads = self.inputs(node)
-        for i, prod in enumerate(node.all_input_nodes):
-            if not tensor_vals(prod) or len(tensor_vals(prod)) > 1:
-                continue  # a whole tuple passes as it is
-            self.edge(prod, node, self.outputs(prod)[_out_index(prod, node)], pls[i], grads[i], rec)
-        self.in_op(node, np_, rec)
 
     def in_op(self, node, np_, recompute: bool) -> None:
         strat = _strategy(node, np_.strategy, self.mesh.shape)
@@ -311,50 +256,29 @@ class _Walk:
 
     def loss(self) -> None:
         self.end_region()
-        out = next(n for n in self.cap.gm.graph.nodes if n.op == "output")
-        loss = getattr(self.cap, "loss_node", None) or _first_output(out)
-        src, rep = self.outputs(loss)[0], "R" * self.mesh.ndim
-        if src != rep:
-            self.edge(loss, out, src, rep, rep, False)
+        for e in self.by_consumer.get("output", ()):
+            self.edge(e, False)
 
     def buckets(self, bucket_bytes: int) -> None:
-        """Rule 2, as ``GradSync`` forms its buckets; under ZeRO-1/2 also the reduce-scatters of
-        ZeRO-2 buckets and the after-step all-gathers of the shards (``autopar.zero``), as
-        ``ParallelModule`` issues them."""
+        """The lowered gradient buckets, as ``GradSync`` reduces them; under ZeRO-1/2 also the
+        after-step all-gathers of the shards (``autopar.zero``), as ``ParallelModule`` issues them."""
         from autopar import zero as Z
-        from autopar.lowering.graph import canonical_fqns
 
+        for k, b in enumerate(self.low.buckets):
+            self.bucket(b.axes, b.nbytes, k, b.scatter)
         stage = int(getattr(self.plan, "zero", 0) or 0)
-        zero_axes = Z.plan_axes(self.plan, self.mesh.ndim) if stage in (1, 2) else ()
-        canon, seen, by_axes, gathers = canonical_fqns(self.cap), set(), {}, {}
-        for node in self.cap.gm.graph.nodes:
-            if node.name not in self.pgrads:
+        if stage not in (1, 2):
+            return
+        zero_axes = Z.plan_axes(self.plan, self.mesh.ndim)
+        gathers: dict[tuple, list[int]] = {}
+        seen = set()
+        for p in self.low.params.values():
+            if p.fqn in seen or not p.requires_grad:
                 continue
-            fqn = self.params[node.name]
-            name = canon.get(fqn, fqn)
-            if name in seen or not tensor_vals(node)[0].requires_grad:
-                continue
-            seen.add(name)
-            target = self.pgrads[node.name]
-            axes = tuple(a for a, p in enumerate(pl.parse(target)) if _is(p, "P"))
-            t = tensor_vals(node)[0]
-            stored = self.outputs(node)[0]
-            local = _local_bytes(tuple(t.shape), stored, self.mesh, t.element_size())
-            lay = Z.layout(tuple(t.shape), pl.parse(stored), self.mesh.shape, zero_axes) if zero_axes else None
-            scatter = lay.axes if Z.reduce_scatters(lay, stage, pl.parse(target)) else ()
-            if axes:
-                by_axes.setdefault((axes, scatter), []).append(local)
+            seen.add(p.fqn)
+            lay = Z.layout(p.shape, p.stored, self.mesh.shape, zero_axes)
             if lay is not None:
-                gathers.setdefault(lay.axes, []).append(local)
-        for (axes, scatter), sizes in by_axes.items():
-            filled, k = 0, 0
-            for size in reversed(sizes):
-                filled += size
-                if filled >= bucket_bytes:
-                    self.bucket(axes, filled, k, scatter)
-                    filled, k = 0, k + 1
-            if filled:
-                self.bucket(axes, filled, k, scatter)
+                gathers.setdefault(lay.axes, []).append(_local_bytes(p.shape, pl.fmt(p.stored), self.mesh, p.itemsize))
         for axes, sizes in gathers.items():  # in registration order, as ParallelModule._zero_gather
             filled, k = 0, 0
             for i, size in enumerate(sizes):
@@ -396,25 +320,6 @@ def _op_name(node) -> str:
 
 def _saves(node) -> bool:
     return _op_name(node) not in _NO_SAVE
-
-
-def _mutates(node) -> bool:
-    from autopar.lowering.graph import mutated_args
-
-    return bool(mutated_args(node.target))
-
-
-def _out_index(producer, consumer) -> int:
-    if consumer.op == "call_function" and consumer.target is operator.getitem and len(tensor_vals(producer)) > 1:
-        return int(consumer.args[1])
-    return 0
-
-
-def _first_output(node):
-    out = node.args[0]
-    while isinstance(out, (list, tuple)):
-        out = out[0]
-    return out
 
 
 def _strategy(node, name: str, mesh_shape):

@@ -65,6 +65,7 @@ class _Ctx:
         self.raf, self.recomputed = raf, set(recompute)
         # Causal attention split by query rows runs the flash kernel only on GPUs in half
         # precision; elsewhere an explicit mask is made and saved (autopar.strategies.attention).
+        self.dtype = dtype
         self.flash = dtype == "bf16-mixed" and getattr(mesh, "cluster", "cpu") != "cpu"
         self.zero = zero  # (stage, axes) of ZeRO-1/2 over the replicas, or None
         self.nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
@@ -212,50 +213,55 @@ def _copy_transient(ctx: _Ctx, t: torch.Tensor, src, dst) -> tuple[int, int]:
     return total, top
 
 
-def _insert_copies(ctx: _Ctx, steps: list, placeholders) -> list:
-    """A copy node before each consumer whose input placement differs from its producer's."""
+def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
+    """A copy node for each copy the lowered program makes (``autopar.lowering.program.Copy``),
+    just before its first consumer; every consumer of the copy reads, and saves, the copy."""
     from profiler.memory import StepNode
 
     by_name = {n.name: n for n in steps}
+    into: dict[str, list] = {}  # consumer -> its moving forward edges
+    for e in lowered.edges:
+        if e.src != e.dst and e.consumer in ctx.strategy_of:
+            into.setdefault(e.consumer, []).append(e)
+    made: dict[int, str] = {}  # copy id -> its step node's name
     out = []
     for n in steps:
-        node = ctx.nodes.get(n.name)
-        if node is None or n.name not in ctx.strategy_of:
-            out.append(n)
-            continue
-        for j, a in enumerate(node.all_input_nodes):
-            src, dst = ctx.out_pl(a.name, _out_index(a, node)), ctx.in_pl(n.name, j)
-            if src is None or dst is None or pl.fmt(src) == pl.fmt(dst):
-                continue
-            v = tensor_vals(a)
-            if not v:
-                continue
-            t = v[_out_index(a, node)] if _out_index(a, node) < len(v) else v[0]
-            name = f"{a.name}->{n.name}"
-            nbytes = _local(t, dst, ctx.shape)
-            total, top = _copy_transient(ctx, t, src, dst)
+        for e in sorted(into.get(n.name, ()), key=lambda e: e.index) if n.name in ctx.nodes else ():
+            a = ctx.nodes[e.producer]
+            t = tensor_vals(a)[e.out_index]
             prod = by_name.get(a.name)
             src_keys = prod.out_keys if prod is not None else [(a.name, 0)]
-            # the graph's values do not carry requires_grad for activations: the producer's
-            # step node says whether its outputs get a gradient
-            needs = prod.grad_bytes > 0 if prod is not None else t.requires_grad
-            rg = needs and (t.dtype.is_floating_point or t.dtype.is_complex)
-            out.append(StepNode(name=name, storages={(name, 0): nbytes}, float_size={(name, 0): t.element_size()}
-                                if t.is_floating_point() else {}, out_keys=[(name, 0)], saved=[], fwd_alloc=total,
-                                bwd_alloc=total if rg else 0, fwd_max_op=top, bwd_max_op=top if rg else 0,
-                                in_backward=rg, inputs=[a.name], users=[n.name], grad_bytes=nbytes if rg else 0,
-                                grad_float_size=t.element_size(), is_alias=False))
-            gathered = nbytes > _local(t, src, ctx.shape)
-            if ctx.raf and gathered and a.name in placeholders and placeholders[a.name].kind == "param" and \
-                    n.name not in ctx.recomputed:
+            nbytes = _local(t, e.dst, ctx.shape)
+            name = made.get(e.copy)
+            if name is None:
+                name = made[e.copy] = f"{a.name}->{n.name}"
+                total, top = _copy_transient(ctx, t, e.src, e.dst)
+                # the graph's values do not carry requires_grad for activations: the producer's
+                # step node says whether its outputs get a gradient
+                needs = prod.grad_bytes > 0 if prod is not None else t.requires_grad
+                rg = needs and (t.dtype.is_floating_point or t.dtype.is_complex)
+                out.append(StepNode(name=name, storages={(name, 0): nbytes}, float_size={(name, 0): t.element_size()}
+                                    if t.is_floating_point() else {}, out_keys=[(name, 0)], saved=[], fwd_alloc=total,
+                                    bwd_alloc=total if rg else 0, fwd_max_op=top, bwd_max_op=top if rg else 0,
+                                    in_backward=rg, inputs=[a.name], users=[n.name], grad_bytes=nbytes if rg else 0,
+                                    grad_float_size=t.element_size(), is_alias=False))
+                by_name[name] = out[-1]
+                if prod is not None:
+                    prod.users = [name if u == n.name else u for u in prod.users]
+            else:  # a later consumer of a shared copy
+                copy = by_name[name]
+                if n.name not in copy.users:
+                    copy.users.append(n.name)
+                if prod is not None:
+                    prod.users = [u for u in prod.users if u != n.name]
+            gathered = nbytes > _local(t, e.src, ctx.shape)
+            if ctx.raf and gathered and e.param and a.name in placeholders and n.name not in ctx.recomputed:
                 n.saved = [k for k in n.saved if k not in src_keys]  # the shard is resident anyway
                 n.bwd_alloc += nbytes  # gathered again for this op's backward
                 n.bwd_max_op = max(n.bwd_max_op, nbytes)
             else:
                 n.saved = [(name, 0) if k in src_keys else k for k in n.saved]
             n.inputs = [name if x == a.name else x for x in n.inputs]
-            if prod is not None:
-                prod.users = [name if u == n.name else u for u in prod.users]
         out.append(n)
     return out
 
@@ -268,7 +274,7 @@ def _out_index(producer, consumer) -> int:
     return 0
 
 
-def _placeholders(ctx: _Ctx, placeholders) -> dict:
+def _placeholders(ctx: _Ctx, placeholders, lowered) -> dict:
     out = {}
     for name, ph in placeholders.items():
         node = ctx.nodes.get(name)
@@ -276,84 +282,54 @@ def _placeholders(ctx: _Ctx, placeholders) -> dict:
         stored = ctx.out_pl(name, 0)
         nbytes = _local(v[0], stored, ctx.shape) if v else ph.nbytes
         out[name] = dataclasses.replace(ph, nbytes=nbytes)
-        if ctx.zero and ph.kind == "param" and stored is not None and v:
+        if ctx.zero and ph.kind == "param" and stored is not None and v and name in lowered.params:
             from autopar import zero as Z
 
             lay = Z.layout(tuple(v[0].shape), stored, ctx.shape, ctx.zero[1])
             if lay is not None:  # as ParallelModule splits it (autopar.zero)
-                grad = tuple(Partial() if a in _partial_axes(ctx, node, stored) else p for a, p in enumerate(stored))
                 share = 1.0 / lay.replicas
-                out[name] = dataclasses.replace(out[name], state_share=share,
-                                                grad_share=share if Z.reduce_scatters(lay, ctx.zero[0], grad) else 1.0)
+                scatters = Z.reduce_scatters(lay, ctx.zero[0], lowered.params[name].grad)
+                out[name] = dataclasses.replace(out[name], state_share=share, grad_share=share if scatters else 1.0)
     return out
 
 
-def _partial_axes(ctx: _Ctx, node, stored) -> set[int]:
-    """Axes on which a parameter's gradient is Partial after backward: stored Replicate there and
-    some use split it (what ``GradSync`` sums)."""
-    axes = set()
-    for user in node.users if node is not None else ():
-        s = ctx.strategy_of.get(user.name)
-        if s is None:
-            continue
-        j = user.all_input_nodes.index(node)
-        g = s.input_grads[j] if j < len(s.input_grads) and s.input_grads[j] is not None else None
-        g = g if g is not None else (s.inputs[j] if j < len(s.inputs) else None)
-        for a, p in enumerate(g or ()):
-            if isinstance(p, Partial) and isinstance(stored[a], Replicate) and ctx.shape[a] > 1:
-                axes.add(a)
-    return axes
+def _buckets(lowered, placeholders) -> list[list[str]]:
+    """The lowered gradient buckets (``GradSync``'s), as lists of the replay's placeholders."""
+    return [[n for n in b.params if n in placeholders] for b in lowered.buckets]
 
 
-def _buckets(ctx: _Ctx, placeholders, bucket_bytes: int) -> list[list[str]]:
-    """Parameters whose gradient is Partial on some axis (stored Replicate there, a use split
-    it), grouped as ``GradSync`` does: by axes, reverse graph order, ``bucket_bytes`` each."""
-    by_axes: dict[tuple, list[str]] = {}
-    for name, ph in placeholders.items():
-        node = ctx.nodes.get(name)
-        stored = ctx.out_pl(name, 0)
-        if ph.kind != "param" or node is None or stored is None:
-            continue
-        axes = _partial_axes(ctx, node, stored)
-        if axes:  # ZeRO-2's reduce-scattered parameters bucket apart (GradSync)
-            scatter = ph.grad_share < 1
-            by_axes.setdefault((tuple(sorted(axes)), scatter), []).append(name)
-    out = []
-    for names in by_axes.values():
-        cur, size = [], 0
-        for name in reversed(names):
-            cur.append(name)
-            size += placeholders[name].nbytes
-            if size >= bucket_bytes:
-                out.append(cur)
-                cur, size = [], 0
-        if cur:
-            out.append(cur)
-    return out
-
-
-def _regions(steps, copies: dict[str, str], recompute) -> list[list[str]]:
-    """Runs of consecutive recomputed nodes (graph order), cut where the checkpoint segment
-    changes (``recompute``: a set of names, or a map name -> segment id); a reshard copy belongs
-    to its consumer's region (the codegen emits it inside, ``autopar.codegen.lower``)."""
-    seg_of = recompute if isinstance(recompute, dict) else {}
-    out, cur, cur_seg = [], [], None
+def _regions(steps, lowered) -> list[list[str]]:
+    """The lowered checkpoint regions as runs of step nodes; a reshard copy belongs to its
+    consumer's region (the codegen emits it inside)."""
+    owner = {}
+    for e in lowered.edges:
+        owner.setdefault(f"{e.producer}->{e.consumer}", e.consumer)
+    out, cur, cur_id = [], [], None
     for n in steps:
-        owner = n.name if n.name in recompute else copies.get(n.name)
-        if owner is None or owner not in recompute:
-            if cur:
-                out.append(cur)
-            cur, cur_seg = [], None
-            continue
-        seg = seg_of.get(owner)
-        if cur and seg is not None and cur_seg is not None and seg != cur_seg:
+        rid = lowered.regions.get(owner.get(n.name, n.name))
+        if rid != cur_id and cur:
             out.append(cur)
             cur = []
-        cur.append(n.name)
-        cur_seg = seg if seg is not None else cur_seg
+        if rid is not None:
+            cur.append(n.name)
+        cur_id = rid
     if cur:
         out.append(cur)
     return out
+
+
+def lower_choice(ctx: _Ctx, recompute, chunks, stages=None, bucket_bytes: int = GRAD_BUCKET_BYTES):
+    """The lowered program (``autopar.lowering.program``) of the solver's choice ``ctx.strategy_of``
+    with ``recompute`` (names, or name -> segment) and ``chunks`` (name -> k)."""
+    from autopar.lowering.program import Chosen, lower
+
+    seg = recompute if isinstance(recompute, dict) else {}
+    choice = {}
+    for name, s in ctx.strategy_of.items():
+        choice[name] = Chosen(getattr(s, "name", ""), tuple(s.inputs), tuple(s.outputs), tuple(s.input_grads),
+                              name in recompute, seg.get(name), int((chunks or {}).get(name, 1)))
+    return lower(ctx.gp.captured, choice, ctx.mesh, dtype=ctx.dtype, zero=ctx.zero, stages=stages,
+                 bucket_bytes=bucket_bytes)
 
 
 def rank_peak(gp, strategy_of: dict, mesh, *, recompute=frozenset(), optimizer: str = "adamw",
@@ -369,15 +345,14 @@ def rank_peak(gp, strategy_of: dict, mesh, *, recompute=frozenset(), optimizer: 
     precision = "bf16-mixed" if dtype == "bf16-mixed" else "fp32"
     base = gp._step_nodes(precision)  # the measured graph's step nodes (fp32 run or mixed replay)
     chunks = chunks or {}
+    lowered = lower_choice(ctx, recompute, chunks, bucket_bytes=bucket_bytes)
     steps = _insert_copies(ctx, [_chunked(ctx, _scaled_node(ctx, n), chunks.get(n.name, 1), n.name in recompute)
-                                 for n in base], gp._placeholders)
-    copies = {n.name: n.users[0] for n in steps if n.name not in ctx.nodes and n.users}
-    placeholders = _placeholders(ctx, gp._placeholders)
+                                 for n in base], gp._placeholders, lowered)
+    placeholders = _placeholders(ctx, gp._placeholders, lowered)
     if foreach is None:
         foreach = getattr(mesh, "cluster", "cpu") != "cpu"
-    regions = _regions(steps, copies, recompute if isinstance(recompute, dict) else set(recompute))
     return simulate(steps, placeholders, gp.captured.loss_node.name, optimizer=optimizer, precision="fp32",
-                    foreach=foreach, regions=regions, buckets=_buckets(ctx, placeholders, bucket_bytes))
+                    foreach=foreach, regions=_regions(steps, lowered), buckets=_buckets(lowered, placeholders))
 
 
 # ---------------------------------------------------------------------- a plan, after the fact

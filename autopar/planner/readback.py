@@ -85,6 +85,11 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
              solver={"status": str(sol.status), "gap": float(sol.gap), "variables": int(sol.num_variables),
                      "constraints": int(sol.num_constraints), "checkpointed": list(sol.checkpointed)},
              options={"family": family or _family_name(cfg, gp, nodes, params)})
+    if step_time is None:  # a flat plan: copies the lowering shares are paid once
+        saved = _shared_seconds(gp, cfg, p)
+        if saved:
+            p.step_time -= saved
+            p.breakdown["reshard_shared"] = -saved
     if cfg.reshard_after_forward and pipeline is None:
         p.reshard_after_forward = True
         extra = _regather_seconds(gp, cfg, p)
@@ -97,40 +102,49 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
     return p
 
 
-def _regather_seconds(gp, cfg: Config, plan: Plan) -> float:
-    """Seconds of the backward gathers of reshard-after-forward: one per ZeRO-3 weight and
-    placement it is gathered to (the codegen's shared edge) for ops outside checkpointed regions
-    (those keep their inputs), at the dtype it is gathered in, synchronous as the runtime runs
-    them (``autopar.runtime.reshard.Gathered``)."""
-    import torch
-
+def _shared_seconds(gp, cfg: Config, plan: Plan) -> float:
+    """Seconds the ILP priced for edges that read a copy another consumer made: the ILP prices
+    every consumer's reshard on its own edge, the lowered program (``autopar.lowering.program``)
+    makes one copy per value and placement and runs its collectives once, forward and on the
+    summed gradient."""
+    from autopar import precision
     from autopar.costs.reshard import reshard
+    from autopar.lowering.graph import tensor_vals
+    from autopar.lowering.program import lower_plan
 
-    kinds = _kinds_of(gp)
-    seen, total = set(), 0.0
-    for node in gp.captured.gm.graph.nodes:
-        np_ = plan.nodes.get(node.name)
-        if node.op != "call_function" or np_ is None or np_.recompute:
+    low = lower_plan(gp.captured, plan, cfg.mesh)
+    makers = {id(e) for e in low.makers()}
+    nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
+    itemsizes = gp.output_itemsizes(cfg.dtype) if cfg.dtype == "bf16-mixed" else None
+    total = 0.0
+    for e in low.edges:
+        if id(e) in makers or e.consumer not in nodes:
             continue
-        for j, a in enumerate(node.all_input_nodes):
-            if kinds.get(a.name) != "param" or a.name not in plan.nodes or j >= len(np_.inputs) or np_.inputs[j] is None:
-                continue
-            src, dst = plan.nodes[a.name].outputs[0], np_.inputs[j]
-            v = a.meta.get("val")
-            if src == dst or not isinstance(v, torch.Tensor) or (a.name, dst) in seen:
-                continue
-            item = 2 if cfg.dtype == "bf16-mixed" and v.is_floating_point() else v.element_size()
-            r = reshard(src, dst, tuple(v.shape), item, cfg.mesh)
-            if any(s.kind == "all_gather" for s in r.steps):
-                seen.add((a.name, dst))
-                total += float(r.cost)
+        prod, cons = nodes[e.producer], nodes[e.consumer]
+        item, gitem = precision.edge_itemsizes(cfg.dtype, cfg.grad_reduce, prod, cons,
+                                               tensor_vals(prod)[e.out_index], itemsizes, e.out_index, e.param)
+        if e.forward:
+            total += float(reshard(e.src, e.dst, e.shape, item, cfg.mesh).cost)
+        if e.backward:
+            total += float(reshard(e.grad_dst, e.grad_src, e.shape, gitem, cfg.mesh).cost)
     return total
 
 
-def _kinds_of(gp) -> dict[str, str]:
-    from autopar.planner.build import _kinds
+def _regather_seconds(gp, cfg: Config, plan: Plan) -> float:
+    """Seconds of the backward gathers of reshard-after-forward: one per copy of a ZeRO-3 weight
+    the lowered program gathers (``autopar.lowering.program``: one per placement and dtype)
+    for ops outside checkpointed regions (those keep their inputs), at the dtype it is gathered
+    in, synchronous as the runtime runs them (``autopar.runtime.reshard.Gathered``)."""
+    from autopar.costs.reshard import reshard
+    from autopar.lowering.program import lower_plan
 
-    return _kinds(gp.captured)
+    total = 0.0
+    for e in lower_plan(gp.captured, plan, cfg.mesh).makers():
+        if not e.param or e.region is not None or not any(s.kind == "all_gather" for s in e.forward):
+            continue
+        item = 2 if cfg.dtype == "bf16-mixed" and e.itemsize == 4 else e.itemsize
+        total += float(reshard(e.src, e.dst, e.shape, item, cfg.mesh).cost)
+    return total
 
 
 _HASHES: dict[int, tuple] = {}

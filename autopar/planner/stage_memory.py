@@ -15,7 +15,7 @@ import dataclasses
 from autopar.lowering import GRAD_BUCKET_BYTES
 from autopar.lowering.graph import tensor_vals
 from autopar.planner.peak import (_buckets, _chunked, _Ctx, _insert_copies, _local, _placeholders, _regions,
-                                  _scaled_node)
+                                  _scaled_node, lower_choice)
 
 
 def _micro(n, m: int):
@@ -100,18 +100,18 @@ def pipeline_peaks(gp, strategy_of: dict, mesh, pipeline, *, recompute=frozenset
     scaled = depends_on_inputs(cap.gm, set(cap.user_inputs))
     base = gp._step_nodes("bf16-mixed" if dtype == "bf16-mixed" else "fp32")
     chunks, rec = chunks or {}, set(recompute)
+    plan_stage = {n: k for k, st in enumerate(pipeline.stages) for n in st}
+    lowered = lower_choice(ctx, recompute, chunks, stages=plan_stage, bucket_bytes=bucket_bytes)
     steps = _insert_copies(ctx, [_chunked(ctx, _scaled_node(ctx, n), chunks.get(n.name, 1), n.name in rec)
-                                 for n in base], gp._placeholders)
+                                 for n in base], gp._placeholders, lowered)
     steps = [_micro(n, m) if (n.name if n.name in ctx.nodes else n.inputs[0]) in scaled else n for n in steps]
-    placeholders = _placeholders(ctx, gp._placeholders)
+    placeholders = _placeholders(ctx, gp._placeholders, lowered)
     placeholders = {k: dataclasses.replace(ph, nbytes=ph.nbytes // m) if ph.kind == "input" else ph
                     for k, ph in placeholders.items()}
-    plan_stage = {n: k for k, st in enumerate(pipeline.stages) for n in st}
     stage_of = _stage_of(steps, plan_stage)
     n_stages = len(pipeline.stages)
-    copies = {n.name: n.users[0] for n in steps if n.name not in ctx.nodes and n.users}
     regions = []
-    for r in _regions(steps, copies, recompute if isinstance(recompute, dict) else set(recompute)):
+    for r in _regions(steps, lowered):
         for s in sorted({stage_of[x] for x in r}):  # a region never crosses a stage boundary
             regions.append([x for x in r if stage_of[x] == s])
     uses: dict[str, set] = {}
@@ -122,7 +122,7 @@ def pipeline_peaks(gp, strategy_of: dict, mesh, pipeline, *, recompute=frozenset
     world = dict(steps=steps, placeholders=placeholders, stage_of=stage_of, regions=regions, m=m,
                  received=_received(steps, stage_of, placeholders, n_stages), loss=cap.loss_node.name,
                  shared={a for a, st in uses.items() if len(st) > 1}, ctx=ctx, scaled=scaled,
-                 bucketed={a for b in _buckets(ctx, placeholders, bucket_bytes) for a in b})
+                 bucketed={a for b in _buckets(lowered, placeholders) for a in b})
     p = n_stages // max(1, int(pipeline.virtual_stages or 1))  # ranks along the pipeline axis
     if foreach is None:
         foreach = getattr(mesh, "cluster", "cpu") != "cpu"

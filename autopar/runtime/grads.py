@@ -39,6 +39,7 @@ from torch.distributed.tensor import Partial
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.lowering import GRAD_BUCKET_BYTES
+from autopar.lowering.program import fill_buckets
 from autopar.runtime.collectives import _chunk, run_collective
 from autopar.zero import chunk_index
 
@@ -103,15 +104,9 @@ class GradSync:
             elif z is not None and p.requires_grad:
                 self._zero_only.append(p)
         for (axes, scatter), ps in by_axes.items():
-            cur, size = [], 0
-            for p in reversed(ps):  # backward produces the last layers' gradients first
-                cur.append(p)
-                size += p.numel() * p.element_size()
-                if size >= bucket_bytes:
-                    self._add(axes, cur, scatter)
-                    cur, size = [], 0
-            if cur:
-                self._add(axes, cur, scatter)
+            # backward produces the last layers' gradients first (the rule the planner prices)
+            for bucket in fill_buckets([(p, p.numel() * p.element_size()) for p in ps], bucket_bytes):
+                self._add(axes, bucket, scatter)
         for b in self.buckets:
             for p in b.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
