@@ -272,8 +272,12 @@ class _Lowering:
         fwd_dtype = self.compute_dtype if e.cast and fwd else None
         bwd_dtype = (self.reduce_dtype or torch.float32) if is_param and self.compute_dtype is not None else None
         owned_fwd, owned_bwd = self._owned(prod, value, node)
-        if self.lowered.shared(e):  # several consumers read the copy and hand back one summed gradient
-            owned_fwd = owned_bwd = False
+        if self.lowered.shared(e):
+            # Several consumers read the copy: it is no one's to sum in place forward; backward
+            # sums their gradients first, a fresh tensor when every reader's is a fresh product.
+            readers = [self.nodes[self.lowered.edges[k].consumer] for k in self.lowered.copies[e.copy].edges]
+            owned_fwd = False
+            owned_bwd = owned_bwd and all(self._one_edge(prod, r) and self._fresh_grad(r, prod) for r in readers)
         mod = ReshardModule(fwd, bwd, self.ctx, shape,
                             f"{prod.name} -> {node.name} {pl.fmt(src)}->{pl.fmt(dst)}", owned_fwd, owned_bwd,
                             fwd_dtype, bwd_dtype)
@@ -385,6 +389,7 @@ class _Lowering:
             self.lowered = lower_plan(self.cap, self.plan, self.ctx.mesh)
         except LoweringError as err:
             raise CodegenError(str(err)) from None
+        self.nodes = {n.name: n for n in self.cap.gm.graph.nodes}
         self.edges_by_pair: dict[tuple[str, str], list] = {}
         for e in self.lowered.edges:
             self.edges_by_pair.setdefault((e.producer, e.consumer), []).append(e)

@@ -89,7 +89,7 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
         saved = _shared_seconds(gp, cfg, p)
         if saved:
             p.step_time -= saved
-            p.breakdown["reshard_shared"] = -saved
+            p.breakdown["reshard_shared"] = saved  # seconds not paid: taken off the step time
     if cfg.reshard_after_forward and pipeline is None:
         p.reshard_after_forward = True
         extra = _regather_seconds(gp, cfg, p)
