@@ -271,12 +271,31 @@ class _Lower:
         self.params_pl = params
         self.dtype, self.grad_reduce, self.zero, self.bucket_bytes = dtype, grad_reduce, zero, bucket_bytes
         self.stage_of = stages or {}
+        self.recompute_map = self.chunks_map = None
         self.canon = canonical_fqns(captured)
         self.kinds = {ph: "param" for ph in captured.params}
         self.kinds.update({ph: "buffer" for ph in captured.buffers})
         self.kinds.update({ph: "input" for ph in captured.user_inputs})
         self.out_pl: dict[str, list] = {}
         self.cast_ok = precision.compute_dtype(dtype) is not None
+
+    # ---------------------------------------------------------------- marks
+    # A plan's Chosen carries its recompute mark, segment and chunk count; a solver's strategies
+    # do not: the caller passes them as maps (``lower(recompute=..., chunks=...)``).
+    def recomputed(self, name) -> bool:
+        if self.recompute_map is not None:
+            return name in self.recompute_map
+        return bool(getattr(self.choice.get(name), "recompute", False))
+
+    def segment(self, name):
+        if self.recompute_map is not None:
+            return self.recompute_map.get(name) if isinstance(self.recompute_map, Mapping) else None
+        return getattr(self.choice.get(name), "segment", None)
+
+    def chunks(self, name) -> int:
+        if self.chunks_map is not None:
+            return int(self.chunks_map.get(name, 1))
+        return int(getattr(self.choice.get(name), "chunks", 1))
 
     # ---------------------------------------------------------------- placements
     def R(self):
@@ -452,13 +471,13 @@ class _Lower:
                 if open_:
                     out[node.name] = rid
                 continue
-            c = self.choice.get(node.name)
-            if c is None and is_getitem(node):  # an element of a multi-output node: as its producer
-                c = self.choice.get(node.args[0].name)
-            if c is None or not getattr(c, "recompute", False) or mutated_args(node.target):
+            name = node.name
+            if name not in self.choice and is_getitem(node):  # an element of a multi-output node: as its producer
+                name = node.args[0].name
+            if name not in self.choice or not self.recomputed(name) or mutated_args(node.target):
                 open_ = False
                 continue
-            stage, seg = self.stage_of.get(node.name), getattr(c, "segment", None)
+            stage, seg = self.stage_of.get(node.name), self.segment(name)
             if not open_ or stage != r_stage or (seg is not None and r_seg is not None and seg != r_seg):
                 rid += 1
                 open_, r_stage, r_seg = True, stage, seg
@@ -468,19 +487,21 @@ class _Lower:
         return out
 
     # ---------------------------------------------------------------- edges
-    def edges(self, pgrads, regions) -> tuple[list[Edge], list[Copy]]:
-        edges: list[Edge] = []
-        groups: dict[tuple, list[int]] = {}
+    def raw_edges(self, pgrads) -> list[tuple[Edge, object]]:
+        """Every moving edge with its steps, before regions and stages place it: (edge, how its
+        copy may be shared: ``"placeholder"``, True for an activation, False)."""
+        raw: list[tuple[Edge, object]] = []
 
         def add(prod, consumer, index, idx, src, dst, gsrc, gdst, shareable):
             dst = src if dst is None else dst
             gdst = pl.grad_placements(dst) if gdst is None else gdst
-            if tuple(src) == tuple(dst) and tuple(gsrc) == tuple(gdst):
+            same_fwd = tuple(src) == tuple(dst)
+            if same_fwd and tuple(gsrc) == tuple(gdst):
                 return
             val = tensor_vals(prod)[idx]
             shape, item = tuple(val.shape), val.element_size()
             try:
-                fwd = reshard(src, dst, shape, item, self.mesh).steps if tuple(src) != tuple(dst) else ()
+                fwd = reshard(src, dst, shape, item, self.mesh).steps if not same_fwd else ()
                 bwd = (reshard(gdst, gsrc, shape, item, self.mesh).steps
                        if (val.dtype.is_floating_point or val.dtype.is_complex) and tuple(gsrc) != tuple(gdst) else ())
             except ValueError as err:
@@ -490,21 +511,10 @@ class _Lower:
             cname = consumer.name if consumer.op != "output" else "output"
             is_param = self.kinds.get(prod.name) == "param" and prod.op == "placeholder"
             cast = self.cast_ok and is_param and consumer.op == "call_function" and precision.feeds_lower_precision(consumer)
-            region, stage = regions.get(cname), self.stage_of.get(cname)
-            if prod.op == "placeholder":
-                # The runtime keeps one moved copy of an input per placement (and dtype).
-                key = ("ph", prod.name, tuple(dst), tuple(gdst), cast)
-            elif shareable:
-                key = ("act", prod.name, idx, tuple(dst), tuple(gdst), region, stage)
-            else:
-                key = ("own", len(edges))
-            k = len(edges)
-            group = groups.setdefault(key, [])
-            group.append(k)
-            edges.append(Edge(producer=prod.name, consumer=cname, index=index, out_index=idx, src=tuple(src),
-                              dst=tuple(dst), grad_src=tuple(gsrc), grad_dst=tuple(gdst), forward=tuple(fwd),
-                              backward=tuple(bwd), shape=shape, itemsize=item, param=is_param, cast=cast,
-                              copy=-1, region=region, stage=stage))
+            raw.append((Edge(producer=prod.name, consumer=cname, index=index, out_index=idx, src=tuple(src),
+                             dst=tuple(dst), grad_src=tuple(gsrc), grad_dst=tuple(gdst), forward=tuple(fwd),
+                             backward=tuple(bwd), shape=shape, itemsize=item, param=is_param, cast=cast,
+                             copy=-1, region=None, stage=None), "placeholder" if prod.op == "placeholder" else shareable))
 
         for node in self.cap.gm.graph.nodes:
             if node.op != "call_function" or node.target in SKIPPED:
@@ -518,7 +528,7 @@ class _Lower:
                     add(src_node, node, 0, k, src, self.outputs(node)[0], pl.grad_placements(src), None, False)
                 continue
             pls, grads = self.inputs(node)
-            chunked = getattr(self.choice.get(node.name), "chunks", 1) > 1
+            chunked = self.chunks(node.name) > 1
             writes = bool(mutated_args(node.target))
             for i, prod in enumerate(node.all_input_nodes):
                 if not tensor_vals(prod) or len(tensor_vals(prod)) > 1:
@@ -530,7 +540,7 @@ class _Lower:
                 # Activation copies are shared by plain consumers: not a chunked matmul or the
                 # matmul feeding one (their edges run inside the chunks), not an op writing into
                 # its input (its write-back copies that input back).
-                p_chunked = getattr(self.choice.get(prod.name), "chunks", 1) > 1
+                p_chunked = self.chunks(prod.name) > 1
                 shareable = not (chunked or p_chunked or writes)
                 add(prod, node, i, 0, outs[0], pls[i], gsrc, grads[i], shareable)
         out = next((n for n in self.cap.gm.graph.nodes if n.op == "output"), None)
@@ -539,14 +549,42 @@ class _Lower:
             loss = loss if loss is not None else _first_output(out)
             src = self.outputs(loss)[0]
             add(loss, out, 0, 0, src, self.R(), pl.grad_placements(src), self.R(), False)
-        copies = []
-        for members in groups.values():
-            cid = len(copies)
-            for k in members:
-                edges[k] = dataclasses.replace(edges[k], copy=cid)
-            e = edges[members[0]]
-            copies.append(Copy(id=cid, producer=e.producer, dst=e.dst, edges=tuple(members)))
-        return edges, copies
+        return raw
+
+
+def _place(raw: list[tuple[Edge, object]], regions: Mapping, stages: Mapping) -> tuple[list[Edge], list[Copy]]:
+    """The edges in their consumers' regions and stages, grouped into copies: a parameter's per
+    placement and dtype; an activation's, where shareable, per placement within one region and
+    stage; any other edge its own."""
+    edges: list[Edge] = []
+    groups: dict[tuple, list[int]] = {}
+    for e, shareable in raw:
+        region, stage = regions.get(e.consumer), stages.get(e.consumer)
+        if shareable == "placeholder":
+            # One moved copy of an input (a parameter, a buffer, a user input) per placement and dtype.
+            key = ("placeholder", e.producer, e.dst, e.grad_dst, e.cast)
+        elif shareable:
+            key = ("act", e.producer, e.out_index, e.dst, e.grad_dst, region, stage)
+        else:
+            key = ("own", len(edges))
+        groups.setdefault(key, []).append(len(edges))
+        edges.append(_with(e, region=region, stage=stage))
+    copies = []
+    for members in groups.values():
+        cid = len(copies)
+        for k in members:
+            edges[k].__dict__["copy"] = cid  # made here, not yet handed out
+        e = edges[members[0]]
+        copies.append(Copy(id=cid, producer=e.producer, dst=e.dst, edges=tuple(members)))
+    return edges, copies
+
+
+def _with(e: Edge, **changes) -> Edge:
+    """``dataclasses.replace`` without the re-validation (a replay lowers thousands of edges)."""
+    out = object.__new__(Edge)
+    out.__dict__.update(e.__dict__)
+    out.__dict__.update(changes)
+    return out
 
 
 def _first_output(node):
@@ -558,24 +596,44 @@ def _first_output(node):
 
 def lower(captured, choice: Mapping, mesh, *, params: Mapping | None = None, dtype: str = "float32",
           grad_reduce: str = "fp32", zero: tuple | None = None, stages: Mapping | None = None,
-          bucket_bytes: int = GRAD_BUCKET_BYTES) -> Lowered:
+          bucket_bytes: int = GRAD_BUCKET_BYTES, recompute=None, chunks: Mapping | None = None,
+          cache_key=None, keep=None) -> Lowered:
     """The :class:`Lowered` program of ``choice`` (node name -> :class:`Chosen`, or a
     ``Strategy``: placements per node, with ``recompute``/``segment``/``chunks`` where known) on
     ``mesh`` (the sharding mesh, an ``autopar.Mesh``) for ``captured`` (a
     ``profiler.capture.Captured``). ``params``: stored placement by canonical parameter name
     (a plan's ``params``; else the placeholders' chosen outputs). ``zero``: (stage, axes) of
-    ZeRO-1/2; ``stages``: node -> pipeline stage."""
-    low = _Lower(captured, choice, mesh, params=params, dtype=dtype, grad_reduce=grad_reduce, zero=zero,
-                 stages=stages, bucket_bytes=bucket_bytes)
-    for node in captured.gm.graph.nodes:  # every value's placement (raises on a plan for another graph)
-        if node.op == "call_function" and node.target not in SKIPPED or node.op == "placeholder" and node.users:
-            low.outputs(node)
-    pgrads = low.param_grads()
-    params_, buckets = low.params_and_buckets(pgrads)
+    ZeRO-1/2; ``stages``: node -> pipeline stage; ``recompute`` (names, or name -> segment) and
+    ``chunks`` (name -> k), where ``choice`` does not carry them. ``cache_key``: a hashable key that stands for
+    everything here but ``stages`` and the recompute marks (a replay of one sharding under several
+    pipeline cuts reuses the edges; the caller keeps the key honest, and passes in ``keep`` the
+    objects whose ids it holds)."""
+    hit = _CACHE.get(cache_key) if cache_key is not None else None
+    if hit is None:
+        low = _Lower(captured, choice, mesh, params=params, dtype=dtype, grad_reduce=grad_reduce, zero=zero,
+                     stages=stages, bucket_bytes=bucket_bytes)
+        low.chunks_map = chunks
+        for node in captured.gm.graph.nodes:  # every value's placement (raises on a plan for another graph)
+            if node.op == "call_function" and node.target not in SKIPPED or node.op == "placeholder" and node.users:
+                low.outputs(node)
+        pgrads = low.param_grads()
+        params_, buckets = low.params_and_buckets(pgrads)
+        hit = (low, params_, buckets, low.raw_edges(pgrads))
+        if cache_key is not None:
+            _CACHE[cache_key] = hit + (keep,)  # keeps alive the objects whose ids the key holds
+            while len(_CACHE) > 4:
+                _CACHE.pop(next(iter(_CACHE)))
+    low, params_, buckets, raw = hit[:4]
+    low.stage_of, low.choice, low.recompute_map = stages or {}, choice, recompute
     regions = low.regions()
-    edges, copies = low.edges(pgrads, regions)
+    edges, copies = _place(raw, regions, low.stage_of)
     return Lowered(mesh_shape=low.shape, outputs=low.out_pl, edges=edges, copies=copies, params=params_,
                    buckets=buckets, regions=regions, stages=dict(stages or {}))
+
+
+#: The stage-independent part of recent lowerings (placements, gradients, buckets, edges and their
+#: steps), by the caller's ``cache_key``: a pipeline search replays one sharding under many cuts.
+_CACHE: dict = {}
 
 
 def plan_choice(plan) -> dict[str, Chosen]:

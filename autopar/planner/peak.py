@@ -321,15 +321,21 @@ def _regions(steps, lowered) -> list[list[str]]:
 def lower_choice(ctx: _Ctx, recompute, chunks, stages=None, bucket_bytes: int = GRAD_BUCKET_BYTES):
     """The lowered program (``autopar.lowering.program``) of the solver's choice ``ctx.strategy_of``
     with ``recompute`` (names, or name -> segment) and ``chunks`` (name -> k)."""
-    from autopar.lowering.program import Chosen, lower
+    return lower_strategies(ctx.gp, ctx.strategy_of, ctx.mesh, recompute=recompute, chunks=chunks, dtype=ctx.dtype,
+                            zero=ctx.zero, stages=stages, bucket_bytes=bucket_bytes)
 
-    seg = recompute if isinstance(recompute, dict) else {}
-    choice = {}
-    for name, s in ctx.strategy_of.items():
-        choice[name] = Chosen(getattr(s, "name", ""), tuple(s.inputs), tuple(s.outputs), tuple(s.input_grads),
-                              name in recompute, seg.get(name), int((chunks or {}).get(name, 1)))
-    return lower(ctx.gp.captured, choice, ctx.mesh, dtype=ctx.dtype, zero=ctx.zero, stages=stages,
-                 bucket_bytes=bucket_bytes)
+
+def lower_strategies(gp, strategy_of: dict, mesh, *, recompute, chunks, dtype: str = "float32", zero=None,
+                     stages=None, bucket_bytes: int = GRAD_BUCKET_BYTES):
+    """:func:`autopar.lowering.program.lower` of a solver's choice (node -> ``Strategy``). The edges
+    do not depend on the stages or the recompute marks: one sharding replayed under several
+    pipeline cuts and micro-batch counts, and read back, lowers its edges once."""
+    from autopar.lowering.program import lower
+
+    key = (id(gp), tuple((n, id(s)) for n, s in strategy_of.items()), tuple(sorted((chunks or {}).items())),
+           mesh, dtype, zero, bucket_bytes)
+    return lower(gp.captured, strategy_of, mesh, dtype=dtype, zero=zero, stages=stages, bucket_bytes=bucket_bytes,
+                 recompute=recompute, chunks=chunks or {}, cache_key=key, keep=list(strategy_of.values()))
 
 
 def rank_peak(gp, strategy_of: dict, mesh, *, recompute=frozenset(), optimizer: str = "adamw",

@@ -85,14 +85,23 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
              solver={"status": str(sol.status), "gap": float(sol.gap), "variables": int(sol.num_variables),
                      "constraints": int(sol.num_constraints), "checkpointed": list(sol.checkpointed)},
              options={"family": family or _family_name(cfg, gp, nodes, params)})
-    if step_time is None:  # a flat plan: copies the lowering shares are paid once
-        saved = _shared_seconds(gp, cfg, p)
+    lowered = None
+    if pipeline is None:  # the flat plan's lowered program (the replay above lowered it already)
+        from autopar.planner.build import zero_spec
+        from autopar.planner.peak import lower_strategies
+
+        lowered = lower_strategies(gp, {n: built.priced[n].strategies[pick[n]] for n in built.order}, cfg.mesh,
+                                   recompute=recompute, chunks={n: np_.chunks for n, np_ in nodes.items()
+                                                                if np_.chunks > 1},
+                                   dtype=cfg.dtype, zero=zero_spec(cfg))
+    if step_time is None and lowered is not None:  # a flat plan: copies the lowering shares are paid once
+        saved = _shared_seconds(gp, cfg, lowered)
         if saved:
             p.step_time -= saved
             p.breakdown["reshard_shared"] = saved  # seconds not paid: taken off the step time
     if cfg.reshard_after_forward and pipeline is None:
         p.reshard_after_forward = True
-        extra = _regather_seconds(gp, cfg, p)
+        extra = _regather_seconds(cfg, lowered)
         if step_time is None:  # (a caller's own step time has it already)
             p.step_time += extra
         p.breakdown["regather"] = extra
@@ -102,7 +111,7 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
     return p
 
 
-def _shared_seconds(gp, cfg: Config, plan: Plan) -> float:
+def _shared_seconds(gp, cfg: Config, low) -> float:
     """Seconds the ILP priced for edges that read a copy another consumer made: the ILP prices
     every consumer's reshard on its own edge, the lowered program (``autopar.lowering.program``)
     makes one copy per value and placement and runs its collectives once, forward and on the
@@ -110,9 +119,7 @@ def _shared_seconds(gp, cfg: Config, plan: Plan) -> float:
     from autopar import precision
     from autopar.costs.reshard import reshard
     from autopar.lowering.graph import tensor_vals
-    from autopar.lowering.program import lower_plan
 
-    low = lower_plan(gp.captured, plan, cfg.mesh)
     makers = {id(e) for e in low.makers()}
     nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
     itemsizes = gp.output_itemsizes(cfg.dtype) if cfg.dtype == "bf16-mixed" else None
@@ -130,16 +137,15 @@ def _shared_seconds(gp, cfg: Config, plan: Plan) -> float:
     return total
 
 
-def _regather_seconds(gp, cfg: Config, plan: Plan) -> float:
+def _regather_seconds(cfg: Config, low) -> float:
     """Seconds of the backward gathers of reshard-after-forward: one per copy of a ZeRO-3 weight
     the lowered program gathers (``autopar.lowering.program``: one per placement and dtype)
     for ops outside checkpointed regions (those keep their inputs), at the dtype it is gathered
     in, synchronous as the runtime runs them (``autopar.runtime.reshard.Gathered``)."""
     from autopar.costs.reshard import reshard
-    from autopar.lowering.program import lower_plan
 
     total = 0.0
-    for e in lower_plan(gp.captured, plan, cfg.mesh).makers():
+    for e in low.makers():
         if not e.param or e.region is not None or not any(s.kind == "all_gather" for s in e.forward):
             continue
         item = 2 if cfg.dtype == "bf16-mixed" and e.itemsize == 4 else e.itemsize
