@@ -33,13 +33,13 @@ from autopar import precision
 from autopar.codegen import executors as ex
 from autopar.codegen.context import MeshContext, mesh_context
 from autopar.codegen.modules import ReshardModule, WriteBack, _attr_name, check_local
-from autopar.lowering.graph import canonical_fqns, is_getitem, mutated_args, tensor_vals
+from autopar.lowering.graph import is_getitem, mutated_args, tensor_vals
+from autopar.lowering.program import SKIPPED as _SKIP, LoweringError, lower_plan
 from autopar.lowering.rows import CHAIN_MATMULS, DROPPED, RESHAPES
 from autopar.costs.reshard import reshard as plan_reshard
 from autopar.runtime import rng
 
 Placements = ex.Placements
-_SKIP = {torch.ops.aten._assert_tensor_metadata.default}
 
 
 class CodegenError(ValueError):
@@ -101,7 +101,6 @@ class _Lowering:
         self.graph = fx.Graph()
         self.root: dict[str, Any] = {}
         self.env: dict[fx.Node, fx.Node | None] = {}
-        self.out_pl: dict[str, list[Placements]] = {}
         self.kinds: dict[str, tuple[str, str]] = {}
         self.edge_cache: dict[tuple, fx.Node] = {}
         self.taken: set = set()
@@ -121,7 +120,6 @@ class _Lowering:
 
     # ------------------------------------------------------------------ placements
     def _classify(self):
-        self.canon = canonical_fqns(self.cap)
         for ph, fqn in self.cap.params.items():
             self.kinds[ph] = ("param", fqn)
         for ph, fqn in self.cap.buffers.items():
@@ -135,70 +133,20 @@ class _Lowering:
     def _R(self) -> Placements:
         return (Replicate(),) * self.n
 
-    def _parse(self, text, where) -> Placements | None:
-        if text is None:
-            return None
-        p = pl.parse(text)
-        if len(p) != self.n:
-            raise CodegenError(f"{where}: placement {text!r} has {len(p)} entries for {self.n} sharding axes")
-        return p
-
-    def node_plan(self, node):
-        np_ = self.plan.nodes.get(node.name)
-        if np_ is None and node.op not in ("placeholder", "get_attr", "output") and not is_getitem(node) \
-                and tensor_vals(node):
-            raise CodegenError(f"the plan has no entry for node {node.name!r} ({node.target}); it was made for "
-                               f"another graph: re-plan this model")
-        return np_
+    # Placements are read through the lowered program's reader (``autopar.lowering.program``): the
+    # plan's placements of every value, a parameter's as stored, an unplaced input's as its users
+    # want it.
+    def _placements(self, fn, node):
+        try:
+            return fn(node)
+        except LoweringError as err:
+            raise CodegenError(str(err)) from None
 
     def placeholder_pl(self, node) -> Placements:
-        kind, name = self.kinds.get(node.name, ("constant", node.name))
-        np_ = self.plan.nodes.get(node.name)
-        if kind == "param":
-            name = self.canon.get(name, name)  # tied weights are stored once, as their first name
-            if name in self.plan.params:
-                return self._parse(self.plan.params[name], f"params.{name}")
-        if np_ is not None and np_.outputs:
-            return self._parse(np_.outputs[0], f"nodes.{node.name}.outputs[0]")
-        if kind == "param":
-            raise CodegenError(f"the plan stores no placement for parameter {name!r}; re-plan this model")
-        return self._placement_from_users(node)
-
-    def _placement_from_users(self, node) -> Placements:
-        """An input the plan does not place: as its consumers all want it (cutting the batch at
-        the entry costs what cutting it at the first op would), else replicated."""
-        wanted = set()
-        for user in node.users:
-            np_ = self.plan.nodes.get(user.name)
-            if np_ is None or user.op == "output":
-                return self._R()
-            ins = user.all_input_nodes
-            if len(np_.inputs) != len(ins):
-                return self._R()
-            p = np_.inputs[ins.index(node)]
-            if p is None:
-                return self._R()
-            wanted.add(self._parse(p, f"nodes.{user.name}.inputs"))
-        return wanted.pop() if len(wanted) == 1 else self._R()
+        return self._placements(self.lowered.placer.placeholder_pl, node)
 
     def outputs_of(self, node) -> list[Placements]:
-        if node.name in self.out_pl:
-            return self.out_pl[node.name]
-        vals = tensor_vals(node)
-        if node.op == "placeholder":
-            res = [self.placeholder_pl(node)]
-        elif is_getitem(node) and node.name not in self.plan.nodes:
-            src = node.args[0]
-            res = [self.outputs_of(src)[node.args[1]] if len(tensor_vals(src)) > 1 else self.outputs_of(src)[0]]
-        else:
-            np_ = self.node_plan(node)
-            res = [] if np_ is None else [self._parse(o, f"nodes.{node.name}.outputs") for o in np_.outputs]
-            if len(res) < len(vals):
-                if res or vals:
-                    raise CodegenError(f"node {node.name!r} has {len(vals)} tensor outputs but the plan gives "
-                                       f"{len(res)} output placements")
-        self.out_pl[node.name] = res
-        return res
+        return self._placements(self.lowered.placer.outputs, node)
 
     def _src_index(self, prod, node) -> int:
         if is_getitem(node) and len(tensor_vals(prod)) > 1:
@@ -207,21 +155,7 @@ class _Lowering:
 
     def inputs_of(self, node) -> tuple[list, list]:
         """(input placements, input gradient placements) per input node; None: as produced."""
-        ins = node.all_input_nodes
-        np_ = self.plan.nodes.get(node.name)
-        if np_ is None:  # getitem not in the plan: takes its element as it is
-            return [None] * len(ins), [None] * len(ins)
-        tensor_ins = [i for i, n in enumerate(ins) if tensor_vals(n)]
-        pls = [self._parse(p, f"nodes.{node.name}.inputs") for p in np_.inputs]
-        grads = [self._parse(p, f"nodes.{node.name}.input_grads") for p in np_.input_grads]
-        if len(pls) == len(ins):
-            return pls, grads
-        if len(pls) == len(tensor_ins):
-            full_p, full_g = [None] * len(ins), [None] * len(ins)
-            for k, i in enumerate(tensor_ins):
-                full_p[i], full_g[i] = pls[k], grads[k]
-            return full_p, full_g
-        raise CodegenError(f"node {node.name!r} has {len(ins)} inputs but the plan gives {len(pls)} input placements")
+        return self._placements(self.lowered.placer.inputs, node)
 
     # ------------------------------------------------------------------ parameter gradients
     def param_grads(self) -> dict[str, Placements]:
@@ -383,8 +317,6 @@ class _Lowering:
 
     # ------------------------------------------------------------------ nodes
     def run(self) -> fx.GraphModule:
-        from autopar.lowering.program import LoweringError, lower_plan
-
         try:
             self.lowered = lower_plan(self.cap, self.plan, self.ctx.mesh)
         except LoweringError as err:

@@ -180,6 +180,10 @@ class Lowered:
     """Node -> its checkpoint region (recomputed nodes only)."""
     stages: dict[str, int]
     """Node -> pipeline stage (empty for a single-stage plan)."""
+    placer: object = dataclasses.field(default=None, repr=False, compare=False)
+    """The plan's placements as the lowering read them: ``placer.outputs(node)`` (every value's),
+    ``placer.inputs(node)`` (a node's input and input-gradient placements, None: as produced),
+    ``placer.placeholder_pl(node)``; the codegen reads its placements here."""
 
     def __post_init__(self):
         self._by_edge = {(e.producer, e.consumer, e.index): e for e in self.edges}
@@ -628,7 +632,7 @@ def lower(captured, choice: Mapping, mesh, *, params: Mapping | None = None, dty
     regions = low.regions()
     edges, copies = _place(raw, regions, low.stage_of)
     return Lowered(mesh_shape=low.shape, outputs=low.out_pl, edges=edges, copies=copies, params=params_,
-                   buckets=buckets, regions=regions, stages=dict(stages or {}))
+                   buckets=buckets, regions=regions, stages=dict(stages or {}), placer=low)
 
 
 #: The stage-independent part of recent lowerings (placements, gradients, buckets, edges and their
