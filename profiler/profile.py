@@ -178,6 +178,26 @@ class GraphProfile:
                 self._memo[key] = out
         return self._memo[key]
 
+    def transient_bytes_by_node(self, dtype: Any = torch.float32) -> dict[str, int]:
+        """Per node, the most its own run allocates at once beyond what it keeps, as the memory
+        simulation counts it (``profiler.memory``): forward, its largest op (bounded by all it
+        allocates); backward, the gradients it makes for its inputs plus its largest op (bounded
+        likewise). A loss's backward is the largest on a language model: the logits' gradient, in
+        fp32 under mixed precision. Under ``dtype`` (``"bf16-mixed"``: the mixed replay's sizes)."""
+        precision = normalize_precision(dtype)
+        key = ("transient", precision)
+        if key not in self._memo:
+            steps = self._step_nodes(precision)
+            grad = {st.name: st.grad_bytes for st in steps}
+            out = {}
+            for st in steps:
+                made = sum(grad.get(a, 0) for a in dict.fromkeys(st.inputs) if a not in self._placeholders
+                           or self._placeholders[a].kind == "input")
+                out[st.name] = max(min(st.fwd_alloc, st.fwd_max_op),
+                                   min(st.bwd_alloc, made + st.bwd_max_op) if st.in_backward else 0)
+            self._memo[key] = out
+        return self._memo[key]
+
     def _step_nodes(self, precision: str) -> list[StepNode]:
         """The simulation's nodes: the fp32 run, or (once, on demand) the mixed-precision replay."""
         run = precision if precision.endswith("-mixed") else "fp32"

@@ -172,12 +172,13 @@ def _kinds(captured) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------------- 1. priced strategies
 def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: float = 1.0,
-           saved: float | None = None) -> tuple[float, ...]:
+           saved: float | None = None, transient: float = 0.0) -> tuple[float, ...]:
     """(time, comm, mem, act, work, recompute) of one strategy of one node; ``scale``: the share of
     the batch one run of the op sees (``1 / micro_batches`` for ops on the inputs, see ``Micro``);
     ``saved``: the node's saved bytes in the plan's precision (``GraphProfile.saved_bytes_by_node``:
     under mixed precision the norms, softmax and losses keep fp32), else ``prof.saved_bytes``
-    scaled by the element size."""
+    scaled by the element size; ``transient``: the most the node's own run allocates at once
+    (``GraphProfile.transient_bytes_by_node``, one device, the plan's precision)."""
     mesh, shape = cfg.mesh, cfg.mesh.shape
     outs = tensor_vals(node)
     act_scale = 0.5 if cfg.dtype == "bf16-mixed" else 1.0
@@ -238,6 +239,9 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: fl
         rows = pl.local_shape(tuple(outs[0].shape), strat.outputs[0], shape)[-2]
         act += rows * _input_vals(node)[1].shape[-2] * outs[0].element_size() * act_scale * scale
     work = sum(_local_bytes(t, p, shape) for t, p in zip(outs, strat.outputs)) * act_scale * scale
+    # The op's own transient at this strategy's share (a loss's backward: the logits' gradient,
+    # which the replay sees on top of every saved activation at the start of backward).
+    work = max(work, transient * frac * scale)
     return fwd + bwd + comm, comm, 0.0, act, work, fwd
 
 
@@ -469,6 +473,10 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
     # under-counted Llama-2-7B's saved activations by 26% (28.6 GiB a layer against 21.3).
     saved_at = gp.saved_bytes_by_node(cfg.dtype) if cfg.dtype.endswith("-mixed") and hasattr(
         gp, "saved_bytes_by_node") else None
+    # The ops' own transients, in the flat problem's row (a pipeline's stage rows are solved
+    # against p x the budget over all stages, where one op's transient is not what binds).
+    transient_at = gp.transient_bytes_by_node(cfg.dtype) if micro is None and hasattr(
+        gp, "transient_bytes_by_node") else {}
     priced, order = {}, []
     priced_memo: dict[tuple, PricedNode] = {}
     # Signatures per graph: one planning prices a graph's nodes many times (the flat problem,
@@ -529,10 +537,11 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
                 f"choose another family or a batch size divisible by the mesh")
         prof = gp.nodes.get(node.name)
         saved = saved_at.get(node.name) if saved_at is not None else None
-        pkey = None if key is None else (key, id(allowed[0]), len(allowed), _prof_key(prof), scale, saved)
+        transient = float(transient_at.get(node.name, 0))
+        pkey = None if key is None else (key, id(allowed[0]), len(allowed), _prof_key(prof), scale, saved, transient)
         opt = priced_memo.get(pkey) if pkey is not None else None
         if opt is None:
-            prices = np.array([_price(node, s, prof, kind, cfg, scale, saved) for s in allowed],
+            prices = np.array([_price(node, s, prof, kind, cfg, scale, saved, transient) for s in allowed],
                               dtype=float).reshape(-1, 6)
             opt = PricedNode(node.name, allowed, *[prices[:, i].copy() for i in range(6)])
             if pkey is not None:
