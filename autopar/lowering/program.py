@@ -196,10 +196,6 @@ class Lowered:
         """Whether more than one edge reads ``e``'s copy."""
         return len(self.copies[e.copy].edges) > 1
 
-    def first(self, e: Edge) -> bool:
-        """Whether ``e`` makes its copy (the others reuse it)."""
-        return self.copies[e.copy].edges[0] == self.edges.index(e) if self.shared(e) else True
-
     def makers(self) -> list[Edge]:
         """One edge per copy: the edges whose collectives run."""
         return [self.edges[c.edges[0]] for c in self.copies]
@@ -422,21 +418,23 @@ class _Lower:
         stage = int(self.zero[0]) if self.zero else 0
         zero_axes = tuple(self.zero[1]) if self.zero else ()
         by_key: dict[tuple, list[tuple[str, int]]] = {}
-        seen, first_of = set(), {}
+        first_of: dict[str, str] = {}  # canonical name -> its first placeholder (tied ones share a .grad)
+        params = {}
         for node in self.cap.gm.graph.nodes:
             if node.name not in pgrads:
                 continue
             fqn = self.cap.params[node.name]
             canon = self.canon.get(fqn, fqn)
-            t = tensor_vals(node)[0]
-            if canon in seen:
+            t, stored = tensor_vals(node)[0], self.outputs(node)[0]
+            params[node.name] = Param(placeholder=node.name, fqn=canon, stored=stored, grad=pgrads[node.name],
+                                      bucket=None, shape=tuple(t.shape), itemsize=t.element_size(),
+                                      requires_grad=bool(t.requires_grad))
+            if canon in first_of:
                 continue
-            seen.add(canon)
             first_of[canon] = node.name
             axes = tuple(a for a, p in enumerate(pgrads[node.name]) if isinstance(p, Partial))
             if not axes or not t.requires_grad:
                 continue
-            stored = self.outputs(node)[0]
             lay = Z.layout(tuple(t.shape), stored, self.shape, zero_axes) if stage in (1, 2) and zero_axes else None
             scatter = lay.axes if Z.reduce_scatters(lay, stage, pgrads[node.name]) else ()
             by_key.setdefault((axes, tuple(scatter)), []).append(
@@ -449,17 +447,10 @@ class _Lower:
                     bucket_of[n] = len(buckets)
                 buckets.append(Bucket(axes=axes, scatter=scatter, params=tuple(names),
                                       nbytes=sum(sizes[n] for n in names)))
-        params = {}
-        for node in self.cap.gm.graph.nodes:
-            if node.name not in pgrads:
-                continue
-            fqn = self.cap.params[node.name]
-            canon = self.canon.get(fqn, fqn)
-            t = tensor_vals(node)[0]
-            params[node.name] = Param(placeholder=node.name, fqn=canon, stored=self.outputs(node)[0],
-                                      grad=pgrads[node.name], bucket=bucket_of.get(first_of[canon]),
-                                      shape=tuple(t.shape), itemsize=t.element_size(),
-                                      requires_grad=bool(t.requires_grad))
+        for name, p in params.items():
+            k = bucket_of.get(first_of[p.fqn])
+            if k is not None:
+                params[name] = dataclasses.replace(p, bucket=k)
         return params, buckets
 
     # ---------------------------------------------------------------- regions

@@ -362,18 +362,12 @@ def rank_peak(gp, strategy_of: dict, mesh, *, recompute=frozenset(), optimizer: 
 
 
 # ---------------------------------------------------------------------- a plan, after the fact
-class _Chosen:
+def _Chosen(node_plan):
     """A plan node's placements, shaped like the ``autopar.strategies.Strategy`` fields the
-    replay reads (``inputs``, ``outputs``, ``input_grads``: tuples of placements or None)."""
+    replay reads (the lowering's :class:`autopar.lowering.program.Chosen`)."""
+    from autopar.lowering.program import Chosen
 
-    def __init__(self, node_plan):
-        def parse(x):
-            return None if x is None else pl.parse(x)
-
-        self.name = node_plan.strategy
-        self.inputs = tuple(parse(x) for x in node_plan.inputs)
-        self.outputs = tuple(parse(x) for x in node_plan.outputs)
-        self.input_grads = tuple(parse(x) for x in node_plan.input_grads)
+    return Chosen.of_node_plan(node_plan)
 
 
 def _plan_mesh(plan):
