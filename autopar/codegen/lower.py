@@ -219,9 +219,14 @@ class _Lowering:
                 any(st.kind == "all_gather" for st in fwd):
             mod.reshard_after_forward = True  # freed after forward, gathered again in backward
         name = _attr_name(mod.label, self.taken)
+        token = self.tokens.get(e.copy) if own_value else None
+        if token is not None:
+            f = self.lowered.prefetch[e.copy]
+            mod.async_grad = (f.axis, f.dim, f.unit)
+            mod.label += " (prefetched)"
         self.root[name] = mod
         self.reshards.append(f"{name}: {mod.what}, {mod.label}")
-        out = self.graph.call_module(name, (value,))
+        out = self.graph.call_module(name, (value,) if token is None else (value, token))
         out.meta["val"] = tensor_vals(prod)[self._src_index(prod, node)]
         out.meta["autopar_reshard"] = mod.label
         out.meta["autopar_pl"] = dst
@@ -326,6 +331,13 @@ class _Lowering:
         for e in self.lowered.edges:
             self.edges_by_pair.setdefault((e.producer, e.consumer), []).append(e)
         self.pgrads = self.param_grads()
+        # Prefetched ZeRO-3 gathers (autopar.lowering.program.Prefetch): started before the node
+        # their launch names, waited for by their copy's ReshardModule.
+        self.launch_at: dict[str, list[int]] = {}
+        self.tokens: dict[int, fx.Node] = {}
+        if self.mode != "dtensor":
+            for cid, f in self.lowered.prefetch.items():
+                self.launch_at.setdefault(f.launch, []).append(cid)
         from autopar.codegen.chunking import ChainEmitter
 
         # Chunk chains are found before any node is emitted: a chained matmul is no ChunkedOp.
@@ -364,6 +376,8 @@ class _Lowering:
         if node.target in _SKIP:
             self.env[node] = None
             return
+        for cid in self.launch_at.get(node.name, ()):  # before `last`: never inside a region
+            self._launch_gather(cid)
         last = self.graph._root._prev  # the per-rank nodes emitted for `node` follow this one
         self._lower_call(node)
         v = self.env.get(node)
@@ -375,6 +389,17 @@ class _Lowering:
             n.meta.setdefault("autopar_origin", node.name)
             n = n._next
         self._tag_region(node, last)
+
+    def _launch_gather(self, cid: int) -> None:
+        """Start the prefetched gather of copy ``cid`` (:mod:`autopar.runtime.prefetch`)."""
+        from autopar.runtime.prefetch import GatherLaunch
+
+        f, e = self.lowered.prefetch[cid], self.lowered.edges[self.lowered.copies[cid].edges[0]]
+        mod = GatherLaunch(self.ctx, f.axis, f.dim, self.compute_dtype if e.cast else None,
+                           f"{e.producer} -> {e.consumer}")
+        name = _attr_name(f"prefetch_{e.producer}", self.taken)
+        self.root[name] = mod
+        self.tokens[cid] = self.graph.call_module(name, (self.env[self.nodes[e.producer]],))
 
     def _tag_region(self, node, last) -> None:
         """Tag the per-rank nodes of a recomputed plan node with its checkpoint region, as the

@@ -38,9 +38,15 @@ class ReshardModule(nn.Module):
     #: Set by the codegen on a ZeRO-3 parameter's gather when the plan reshards after forward.
     reshard_after_forward = False
 
-    def forward(self, x):
+    #: Set by the codegen on a prefetched ZeRO-3 gather (``autopar.lowering.program.Prefetch``):
+    #: ``(axis, dim, unit)``; its gradient's reduce-scatter then runs asynchronously.
+    async_grad = None
+
+    def forward(self, x, token=None):
+        # token: the gather started ahead (autopar.runtime.prefetch.GatherLaunch), if any.
+        grad = self.async_grad if x.requires_grad and x.is_leaf else None
         out = Reshard.apply(x, self.fwd, self.bwd, self.ctx.device_mesh, self.shape, None,
-                            self.owned_fwd, self.owned_bwd, self.fwd_dtype, self.bwd_dtype)
+                            self.owned_fwd, self.owned_bwd, self.fwd_dtype, self.bwd_dtype, token, grad)
         if self.reshard_after_forward and Gathered.active is not None:
             Gathered.active.add(out, lambda: self.regather(x))
         return out

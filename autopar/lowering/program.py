@@ -16,7 +16,12 @@ means for the program one rank runs is decided here and nowhere else:
   :func:`fill_buckets` (the rule ``autopar.runtime.grads.GradSync`` fills its buckets by);
 - **regions**: the checkpointed (recomputed) regions, a region id per node; a copy belongs to
   its consumer's region;
-- **stages**: the pipeline stage of every planned node.
+- **stages**: the pipeline stage of every planned node;
+- **prefetches** (:class:`Prefetch`): the launch and wait order of ZeRO-3 weight gathers in
+  single-stage plans (FSDP's forward prefetch): the weights first used in one layer form a unit,
+  and a unit's gathers start, asynchronously, when the unit before it starts; each is waited for
+  at its first use. Their gradients' reduce-scatters run asynchronously in backward, each left in
+  flight until the next one starts (``autopar.runtime.prefetch``).
 
 Readers: ``autopar.codegen.lower`` emits the per-rank graph from it; the planner's collective list
 (``autopar.planner.comms.plan_collectives``), its memory replay (``autopar.planner.peak``) and its
@@ -164,6 +169,23 @@ class Bucket:
     """Local bytes of the bucket."""
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prefetch:
+    """A ZeRO-3 weight's gather started ahead of its first use (see the module docstring)."""
+
+    copy: int
+    """The :class:`Copy` it makes."""
+    unit: int
+    """Its prefetch unit: runs of gathered weights, in order of first use, first used in one
+    layer (the outermost module of a ``ModuleList``: ``model.layers.3``); 0 is the first."""
+    launch: str
+    """The node before which the gather starts: the first use of the unit before (the first node
+    of its checkpoint region, when it is in one); for unit 0, its own first use."""
+    axis: int
+    """The sharding-mesh axis it gathers over (its gradient is reduce-scattered over it)."""
+    dim: int
+
+
 @dataclasses.dataclass(kw_only=True)
 class Lowered:
     """What a plan means for one rank's program (see the module docstring)."""
@@ -180,6 +202,8 @@ class Lowered:
     """Node -> its checkpoint region (recomputed nodes only)."""
     stages: dict[str, int]
     """Node -> pipeline stage (empty for a single-stage plan)."""
+    prefetch: dict[int, Prefetch] = dataclasses.field(default_factory=dict)
+    """Copy id -> its :class:`Prefetch`, for the gathers that start ahead (single-stage plans)."""
     placer: object = dataclasses.field(default=None, repr=False, compare=False)
     """The plan's placements as the lowering read them: ``placer.outputs(node)`` (every value's),
     ``placer.inputs(node)`` (a node's input and input-gradient placements, None: as produced),
@@ -224,6 +248,10 @@ class Lowered:
             by_region.setdefault(r, []).append(n)
         for r, names in sorted(by_region.items()):
             lines.append(f"region {r}: {', '.join(names)}")
+        for cid, f in self.prefetch.items():
+            e = self.edges[self.copies[cid].edges[0]]
+            lines.append(f"prefetch copy {cid} ({e.label}): unit {f.unit}, gathered from before {f.launch}, "
+                         f"waited at {e.consumer}; gradient reduce-scattered asynchronously")
         return "\n".join(lines)
 
 
@@ -622,8 +650,62 @@ def lower(captured, choice: Mapping, mesh, *, params: Mapping | None = None, dty
     low.stage_of, low.choice, low.recompute_map = stages or {}, choice, recompute
     regions = low.regions()
     edges, copies = _place(raw, regions, low.stage_of)
+    fetch = prefetches(captured, edges, copies, params_, regions, low.shape) if not low.stage_of else {}
     return Lowered(mesh_shape=low.shape, outputs=low.out_pl, edges=edges, copies=copies, params=params_,
-                   buckets=buckets, regions=regions, stages=dict(stages or {}), placer=low)
+                   buckets=buckets, regions=regions, stages=dict(stages or {}), prefetch=fetch, placer=low)
+
+
+def unit_key(node) -> str:
+    """The prefetch unit a node belongs to: the outermost module on its ``nn_module_stack`` that
+    is an element of a ``ModuleList`` or ``Sequential`` (its last name is a number: a transformer
+    block, a ResNet stage's block), else ``""`` (the model's own ops)."""
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        if path and path.rsplit(".", 1)[-1].isdigit():
+            return path
+    return ""
+
+
+def prefetches(captured, edges: list[Edge], copies: list[Copy], params: Mapping[str, Param], regions: Mapping,
+               mesh_shape) -> dict[int, Prefetch]:
+    """The :class:`Prefetch` of every copy that gathers a parameter by one all-gather and hands
+    its gradient back by the matching reduce-scatter, whose gradient is whole afterwards (no
+    bucket): FSDP's forward prefetch, one unit (a layer) ahead."""
+    nodes = {n.name: n for n in captured.gm.graph.nodes}
+    pos = {name: i for i, name in enumerate(nodes)}
+    start_of_region: dict[int, str] = {}
+    for name, r in regions.items():  # regions are listed in graph order
+        start_of_region.setdefault(r, name)
+    cands = []
+    for c in copies:
+        e = edges[c.edges[0]]
+        p = params.get(e.producer) if e.param else None
+        if p is None or p.bucket is not None:
+            continue
+        fwd = [s for s in e.forward if s.kind != "noop"]
+        bwd = [s for s in e.backward if s.kind != "noop"]
+        if len(fwd) != 1 or fwd[0].kind != "all_gather" or mesh_shape[fwd[0].axis] == 1:
+            continue
+        if bwd and not (len(bwd) == 1 and bwd[0].kind == "reduce_scatter" and bwd[0].axis == fwd[0].axis
+                        and bwd[0].dim == fwd[0].dim):
+            continue
+        users = [edges[k].consumer for k in c.edges if edges[k].consumer in pos]
+        if not users:
+            continue
+        first = min(users, key=pos.__getitem__)
+        cands.append((pos[first], c.id, first, fwd[0]))
+    cands.sort()
+    out: dict[int, Prefetch] = {}
+    starts: list[str] = []
+    prev = None
+    for _, cid, first, step in cands:
+        key = unit_key(nodes[first])
+        if not starts or key != prev:
+            r = regions.get(first)
+            starts.append(start_of_region[r] if r is not None else first)
+            prev = key
+        k = len(starts) - 1
+        out[cid] = Prefetch(copy=cid, unit=k, launch=starts[k - 1] if k else starts[0], axis=step.axis, dim=step.dim)
+    return out
 
 
 #: The stage-independent part of recent lowerings (placements, gradients, buckets, edges and their

@@ -100,12 +100,21 @@ class Reshard(torch.autograd.Function):
     ``fwd_dtype``: cast the shard before the forward steps (a parameter gathered in bf16 for a
     16-bit matmul, see :mod:`autopar.precision`); ``bwd_dtype``: cast the gradient before the
     backward steps (the dtype gradient reductions run in). The gradient leaves in the input's
-    dtype either way."""
+    dtype either way.
+
+    ``token``: a prefetched gather (:class:`autopar.runtime.prefetch.Gathering`) whose result is
+    the forward's, when not yet taken. ``async_grad``: ``(axis, dim, unit)``: ``local`` is a
+    parameter whose gradient is this single reduce-scatter, started asynchronously
+    (:func:`autopar.runtime.prefetch.reduce_async`); autograd then hands it no gradient."""
 
     @staticmethod
     def forward(ctx, local, fwd_steps, bwd_steps, device_mesh, global_shape=None, where=None,
-                owned_fwd=False, owned_bwd=False, fwd_dtype=None, bwd_dtype=None):
+                owned_fwd=False, owned_bwd=False, fwd_dtype=None, bwd_dtype=None, token=None, async_grad=None):
         ctx.bwd = (tuple(bwd_steps), device_mesh, global_shape, where, owned_bwd, bwd_dtype, local.dtype)
+        ctx.async_param = (local, async_grad) if async_grad is not None and bwd_steps else None
+        pre = token.take() if token is not None else None
+        if pre is not None:
+            return pre
         if fwd_dtype is not None and local.dtype != fwd_dtype:
             local, owned_fwd = local.to(fwd_dtype), True
             return _apply(local, tuple(fwd_steps), device_mesh, where=where, owned=True)[0]
@@ -124,12 +133,18 @@ class Reshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         steps, dm, _, where, owned, bwd_dtype, in_dtype = ctx.bwd
+        if ctx.async_param is not None:
+            from autopar.runtime.prefetch import reduce_async
+
+            param, (axis, dim, unit) = ctx.async_param
+            reduce_async(param, grad, axis, dim, dm, unit, bwd_dtype, where)
+            return (None,) * 12
         if bwd_dtype is not None and grad.dtype != bwd_dtype:
             grad, owned = grad.to(bwd_dtype), True
         g = apply_steps(grad, steps, dm, where=f"backward of {where}" if where else None, owned=owned)
         if g.dtype != in_dtype and g.is_floating_point():
             g = g.to(in_dtype)
-        return (g.view_as(g) if g is grad else g), None, None, None, None, None, None, None, None, None
+        return (g.view_as(g) if g is grad else g), None, None, None, None, None, None, None, None, None, None, None
 
 
 def reshard_local(local: torch.Tensor, src, dst, device_mesh: DeviceMesh, global_shape: Sequence[int],

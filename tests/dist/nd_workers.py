@@ -90,6 +90,14 @@ def regathers() -> int:
     return Gathered.regathers
 
 
+def prefetches() -> tuple[int, int]:
+    """(ZeRO-3 gathers started ahead, gradient reduce-scatters started asynchronously) by this
+    process so far (``autopar.runtime.prefetch``)."""
+    from autopar.runtime.prefetch import counts
+
+    return counts()
+
+
 def train_nd(name: str, plan_json: str) -> dict:
     """``workers.train_case`` of ``name`` at batch 8 on the job's (physical) mesh: a torch
     DeviceMesh named like the plan's when the plan is for it, generic names when the plan lays a

@@ -41,6 +41,10 @@ CASES = {
     # FSDP's reshard after forward: ZeRO-3 weights gathered again in backward.
     "gpt2 fsdp8 reshard after forward": ("gpt2", (8,), None, {"dp": 8, "zero": 3, "reshard_after_forward": True,
                                                               "recompute": "none"}),
+    # FSDP x TP with every layer recomputed: gathers prefetched a layer ahead, gathered again
+    # synchronously inside the recomputed layers, gradients reduce-scattered asynchronously.
+    "llama fsdp4 x tp2 every layer recomputed": ("llama", (4, 2), ("dp", "tp"),
+                                                 {"dp": 4, "tp": 2, "zero": 3, "recompute": "full"}),
 }
 #: The sweep (``-m slow``, run by ``benchmarks/nd_sweep.sh``): every zoo model on 2 x 2 x 2
 #: (pp x dp x tp), and on dp x tp those a pipeline cannot run exactly (a training batch norm
@@ -133,7 +137,13 @@ def _trains_like_one_device(pool8, label, case):
         assert grouped and all(plan.nodes[n].strategy.split(" x ")[ep] == "experts" for n in grouped), \
             {n: plan.nodes[n].strategy for n in grouped}
     before = pool8.run("nd_workers:regathers")
+    fetched = pool8.run("nd_workers:prefetches")
     res = pool8.run("nd_workers:train_nd", name, plan.to_json())
+    # ZeRO-3 without a pipeline: every rank started its weight gathers ahead and its gradient
+    # reduce-scatters asynchronously (autopar.runtime.prefetch); other plans never do
+    fetched = [(a - x, b - y) for (a, b), (x, y) in zip(pool8.run("nd_workers:prefetches"), fetched)]
+    zero3 = layout.get("zero") == 3 and not layout.get("pp")
+    assert all(a > 0 and b > 0 for a, b in fetched) if zero3 else not any(a or b for a, b in fetched), fetched
     ref = cases.reference(_example(name))
     r0 = res[0]
     # reshard after forward: every rank gathered its ZeRO-3 weights again in backward (and only then)

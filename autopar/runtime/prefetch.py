@@ -1,0 +1,142 @@
+"""ZeRO-3 weight gathers started ahead of their use, and gradient reduce-scatters left in flight
+(FSDP's forward prefetch and asynchronous reduce-scatter), as the lowered program orders them
+(``autopar.lowering.program.Prefetch``).
+
+Forward: the codegen emits a :class:`GatherLaunch` per prefetched copy before the node its
+``Prefetch.launch`` names (the start of the layer before the weight's own); it starts the
+all-gather asynchronously (a functional collective, waited lazily) and returns a
+:class:`Gathering` token. The weight's :class:`autopar.codegen.modules.ReshardModule` takes the
+token with the shard and waits for the gather instead of running it; a second call (a
+checkpointed region recomputing in backward) finds the token spent and gathers synchronously.
+
+Backward: the gather's gradient, a reduce-scatter, is started asynchronously
+(:func:`reduce_async`) and the parameter gets no gradient from autograd; the sum arrives in
+``.grad`` when the reduce-scatter is waited for: when the next one starts (one is in flight at a
+time, so one full-size gradient outlives its op's backward, as the planner's replay counts it),
+and at the end of backward (an autograd engine callback) for the last. The numbers are those of
+the synchronous collectives: the same collectives on the same tensors, only waited for later.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+
+from autopar.runtime import collectives as C
+
+
+def _start(act) -> torch.Tensor:
+    """The collective's output, not yet waited for, without funcol's ``AsyncCollectiveTensor``
+    wrapper (a second tensor object over the same storage while it is in flight)."""
+    return act.elem if isinstance(act, funcol.AsyncCollectiveTensor) else act
+
+
+def _finish(t: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(t)
+
+
+class Gathering:
+    """One forward's in-flight gather of one weight; :meth:`take` waits for it, once."""
+
+    __slots__ = ("pending", "dim", "n")
+
+    def __init__(self, pending, dim: int, n: int):
+        self.pending, self.dim, self.n = pending, dim, n
+
+    def take(self) -> torch.Tensor | None:
+        """The gathered local tensor, or None when already taken (a recomputation)."""
+        pend, self.pending = self.pending, None
+        if pend is None:
+            return None
+        out = pend()
+        return out if self.dim == 0 else C._rows_to_dim(out, self.n, self.dim)
+
+
+class GatherLaunch(nn.Module):
+    """Start the all-gather of a ZeRO-3 weight's shard over mesh ``axis`` along ``dim`` (cast to
+    ``dtype`` first, as its gather does under mixed precision); returns a :class:`Gathering`."""
+
+    launched = 0
+    """Gathers this process started ahead (a count for tests and reports)."""
+
+    def __init__(self, ctx, axis: int, dim: int, dtype=None, what: str = ""):
+        super().__init__()
+        self.ctx, self.axis, self.dim, self.dtype, self.what = ctx, axis, dim, dtype, what
+
+    def extra_repr(self) -> str:
+        return f"{self.what}: start all_gather[{self.ctx.axis_names[self.axis]}]"
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> Gathering:
+        dm, a = self.ctx.device_mesh, self.axis
+        if self.dtype is not None and x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        act = _start(funcol.all_gather_single(x.detach().contiguous(), 0, (dm, a)))
+        GatherLaunch.launched += 1
+        where = f"prefetched gather of {self.what}"
+        return Gathering(lambda: C.run_collective("all_gather", x, dm, a, where, lambda: _finish(act)),
+                         self.dim, dm.size(a))
+
+
+class _InFlight:
+    """The reduce-scatters started by this process and not yet waited for."""
+
+    pending: list = []
+    started = 0
+    """Reduce-scatters this process started asynchronously (a count for tests and reports)."""
+    queued = None
+    """The autograd graph task whose end waits for them (a backward that raised never ends)."""
+
+    @classmethod
+    def wait(cls) -> None:
+        """Wait for every pending reduce-scatter, adding each sum into its parameter's ``.grad``."""
+        pending, cls.pending = cls.pending, []
+        for item in pending:
+            _, _, param, finish = item
+            g = finish()
+            if g.dtype != param.dtype:
+                g = g.to(param.dtype)
+            if param.grad is None:
+                param.grad = g
+            else:
+                param.grad.add_(g)
+
+    @classmethod
+    def flush(cls) -> None:
+        cls.queued = None
+        cls.wait()
+
+
+def reduce_async(param: torch.Tensor, grad: torch.Tensor, axis: int, dim: int, dm, unit, reduce_dtype=None,
+                 where: str | None = None) -> None:
+    """Start the reduce-scatter of ``grad`` (the gathered weight's gradient) over ``axis`` along
+    ``dim``, in ``reduce_dtype``; its sum goes into ``param.grad`` when waited for (see the
+    module docstring; ``unit``: the weight's prefetch unit, for error messages). Call from
+    backward only."""
+    task = torch._C._current_graph_task_id()
+    # A backward that raised never reached its end: its sums are dropped, never added later.
+    _InFlight.pending = [it for it in _InFlight.pending if it[0] == task]
+    _InFlight.wait()  # one reduce-scatter in flight: the one before is waited for now
+    if reduce_dtype is not None and grad.dtype != reduce_dtype:
+        grad = grad.to(reduce_dtype)
+    n = dm.size(axis)
+    C._check_divides(grad, dim, n, "reduce_scatter")
+    rows = grad.contiguous() if dim == 0 else C._dim_to_rows(grad, n, dim)
+    act = _start(funcol.reduce_scatter_single(rows, "sum", 0, (dm, axis)))
+    _InFlight.started += 1
+    at = f"backward of {where or 'a prefetched gather'} (prefetch unit {unit})"
+    _InFlight.pending.append((task, unit, param, lambda: C.run_collective("reduce_scatter", rows, dm, axis, at,
+                                                                     lambda: _finish(act))))
+    if _InFlight.queued != task:
+        torch.autograd.Variable._execution_engine.queue_callback(_InFlight.flush)
+        _InFlight.queued = task
+
+
+def pending() -> int:
+    """Reduce-scatters started and not yet waited for (0 after every backward)."""
+    return len(_InFlight.pending)
+
+
+def counts() -> tuple[int, int]:
+    """(gathers started ahead, reduce-scatters started asynchronously) by this process so far."""
+    return GatherLaunch.launched, _InFlight.started
