@@ -99,6 +99,18 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
         if saved:
             p.step_time -= saved
             p.breakdown["reshard_shared"] = saved  # seconds not paid: taken off the step time
+    if step_time is None and lowered is not None:
+        # ZeRO-3 gathers prefetched a layer ahead and reduce-scatters in flight behind compute; the
+        # gathers recomputed regions make again (autopar.planner.streams)
+        from autopar.planner.streams import overlap
+
+        ov = overlap(gp, cfg, built, pick, lowered, reshard_after_forward=cfg.reshard_after_forward)
+        if ov.hidden:
+            p.step_time -= ov.hidden
+            p.breakdown["prefetch_hidden"] = ov.hidden  # seconds not paid: taken off the step time
+        if ov.regather:
+            p.step_time += ov.regather
+            p.breakdown["recompute_regather"] = ov.regather
     if cfg.reshard_after_forward and pipeline is None:
         p.reshard_after_forward = True
         extra = _regather_seconds(cfg, lowered)

@@ -1,0 +1,134 @@
+"""What prefetching ZeRO-3 gathers saves, and what recomputed regions gather again: a two-stream
+timeline of one flat plan's step, as the runtime runs it (``autopar.runtime.prefetch``).
+
+The lowered program (``autopar.lowering.program.Prefetch``) says which weight gathers start ahead
+and where. The ILP priced every gather and its gradient's reduce-scatter as blocking seconds on
+their edges; here one step is replayed on two streams:
+
+- the compute stream runs each node's forward (``fwd``: the priced ``recompute`` seconds), then in
+  reverse each node's backward (its priced time less ``fwd``), a checkpointed region's forward
+  again before its backward, and every blocking collective: the gathers a recomputed region makes
+  again (synchronous in backward), reshard-after-forward's gathers in backward;
+- the communication stream runs the prefetched gathers in launch order, each started at its
+  launch node (or when the stream is free), and the reduce-scatters, each started after its
+  weight's last reader's backward; the compute stream waits for a gather at its first use, and
+  for the reduce-scatter before when it starts the next (one in flight), and for the last at the
+  end of backward. Where messages cost the compute beside them (``Link.compute_share``: on a CPU
+  the collectives' copies and sums run on its cores), the compute stream pays that share of each.
+
+``hidden`` = the step with every such collective blocking, less the timeline's step: the seconds
+the overlap saves (never more than those collectives' seconds). ``regather`` = the seconds of the
+gathers recomputed regions make again, which the ILP's recompute term (the ops' forward seconds)
+does not hold. The two streams are taken as independent (a gather over the data-parallel links
+beside the tensor-parallel collectives of the compute stream, as on GPUs with NVLink inside a node
+and InfiniBand across); on a single network they would share its bandwidth.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlap:
+    hidden: float = 0.0
+    """Seconds of prefetched gathers and asynchronous reduce-scatters hidden behind compute."""
+    regather: float = 0.0
+    """Seconds of ZeRO-3 gathers made again by recomputed regions in backward (blocking)."""
+
+
+def copy_seconds(gp, cfg, nodes, e) -> tuple[float, float]:
+    """(forward, backward) seconds of the collectives of the copy ``e`` makes, in the dtypes it
+    moves in (as ``readback._shared_seconds`` prices them)."""
+    from autopar import precision
+    from autopar.costs.reshard import reshard
+    from autopar.lowering.graph import tensor_vals
+
+    prod, cons = nodes[e.producer], nodes.get(e.consumer)
+    if cons is None:
+        return 0.0, 0.0
+    itemsizes = gp.output_itemsizes(cfg.dtype) if cfg.dtype == "bf16-mixed" else None
+    item, gitem = precision.edge_itemsizes(cfg.dtype, cfg.grad_reduce, prod, cons, tensor_vals(prod)[e.out_index],
+                                           itemsizes, e.out_index, e.param)
+    fwd = float(reshard(e.src, e.dst, e.shape, item, cfg.mesh).cost) if e.forward else 0.0
+    bwd = float(reshard(e.grad_dst, e.grad_src, e.shape, gitem, cfg.mesh).cost) if e.backward else 0.0
+    return fwd, bwd
+
+
+def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = False) -> Overlap:
+    """The :class:`Overlap` of a flat plan (``pick``: node -> strategy index of ``built``;
+    ``lowered``: its lowered program)."""
+    fetch = lowered.prefetch
+    gathers_again = [e for e in lowered.makers() if e.param and e.region is not None
+                     and any(s.kind == "all_gather" for s in e.forward)]
+    if not fetch and not gathers_again:
+        return Overlap()
+    nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
+    order = [n for n in built.order if n in nodes and nodes[n].op == "call_function"]
+    fwd, bwd = {}, {}
+    for n in order:
+        opt, s = built.priced[n], pick[n]
+        fwd[n] = float(opt.recompute[s])
+        bwd[n] = max(0.0, float(opt.time[s]) - fwd[n])
+    # Blocking seconds on the compute stream: a recomputed region's gathers in its recomputation
+    # (with the region's forward, before its backward), reshard-after-forward's in backward.
+    regather = 0.0
+    extra_bwd: dict[str, float] = {}
+    for e in gathers_again:
+        g = copy_seconds(gp, cfg, nodes, e)[0]
+        regather += g
+        extra_bwd[e.consumer] = extra_bwd.get(e.consumer, 0.0) + g
+    if reshard_after_forward:
+        for e in lowered.makers():
+            if e.param and e.region is None and any(s.kind == "all_gather" for s in e.forward):
+                extra_bwd[e.consumer] = extra_bwd.get(e.consumer, 0.0) + copy_seconds(gp, cfg, nodes, e)[0]
+    if not fetch:
+        return Overlap(0.0, regather)
+    launch_at: dict[str, list[int]] = {}
+    first_use: dict[str, list[int]] = {}
+    secs: dict[int, tuple[float, float]] = {}
+    stall: dict[int, float] = {}  # the share of a message's time it stalls the compute beside it
+    for cid, f in fetch.items():
+        e = lowered.edges[lowered.copies[cid].edges[0]]
+        launch_at.setdefault(f.launch, []).append(cid)
+        first_use.setdefault(e.consumer, []).append(cid)
+        secs[cid] = copy_seconds(gp, cfg, nodes, e)
+        stall[cid] = float(cfg.mesh.links[f.axis].compute_share)
+    # region -> its nodes' forward seconds, recomputed before the region's backward
+    region_fwd: dict[int, float] = {}
+    last_of_region: dict[int, str] = {}
+    for n in order:
+        r = lowered.regions.get(n)
+        if r is not None:
+            region_fwd[r] = region_fwd.get(r, 0.0) + fwd[n]
+            last_of_region[r] = n
+    recompute_at = {n: region_fwd[r] + 0.0 for r, n in last_of_region.items()}
+
+    # Forward: gathers start at their launch node on the communication stream, waited at first use.
+    t = comm = 0.0
+    done: dict[int, float] = {}
+    for n in order:
+        for cid in launch_at.get(n, ()):
+            comm = max(t, comm) + secs[cid][0]
+            done[cid] = comm
+            t += stall[cid] * secs[cid][0]
+        for cid in first_use.get(n, ()):
+            t = max(t, done.get(cid, t))
+        t += fwd[n]
+    t = max(t, comm)  # (every launched gather is waited for in the forward)
+    # Backward, in reverse: a copy's reduce-scatter starts after its first reader's backward (the
+    # last to hand its gradient back), once the one before it is done.
+    rs_done = t
+    for n in reversed(order):
+        t += recompute_at.get(n, 0.0) + extra_bwd.get(n, 0.0) + bwd[n]
+        for cid in first_use.get(n, ()):
+            r = secs[cid][1]
+            if r <= 0.0:
+                continue
+            t = max(t, rs_done)  # the reduce-scatter before is waited for
+            comm = max(t, comm) + r
+            rs_done = comm
+            t += stall[cid] * r
+    t = max(t, rs_done)
+    blocking = (sum(fwd.values()) + sum(bwd.values()) + sum(recompute_at.values()) + sum(extra_bwd.values())
+                + sum(g + r for g, r in secs.values()))
+    return Overlap(max(0.0, blocking - t), regather)
