@@ -20,6 +20,9 @@ Two options describe a distributed runtime's step (the caller gives per-rank siz
   nothing for backward; the region's inputs from outside it are kept instead, and when backward
   reaches the region its members' saved storages are recomputed at once (what non-reentrant
   ``torch.utils.checkpoint`` does) and released as usual;
+- ``early``: node -> nodes of later-recomputed regions whose saved storages are made again when
+  backward reaches that node already (a runtime that starts the next region's weight gathers
+  while this region recomputes: FSDP's backward prefetch); they live from then on;
 - ``buckets``: parameters whose gradients live in one flat buffer (gradient buckets of a data
   parallel reduction). A gradient is copied into its bucket by the post-accumulate-grad hook,
   which autograd runs once every use of the parameter has contributed (a tied weight: at the
@@ -155,18 +158,20 @@ class Sizer:
 
 def simulate(nodes: list[StepNode], placeholders: dict[str, Placeholder], loss: str, *,
              optimizer: str = "adamw", precision: str = "fp32", foreach: bool = True,
-             regions: list[list[str]] = (), buckets: list[list[str]] = ()) -> MemoryEstimate:
+             regions: list[list[str]] = (), buckets: list[list[str]] = (),
+             early: dict[str, list[str]] | None = None) -> MemoryEstimate:
     """Walk forward, backward and the optimizer step; return the peak and its breakdown.
 
     ``precision`` resizes the nodes' storages for ``"bf16"``/``"fp16"``; for mixed precision pass
-    the nodes of the mixed replay. ``regions`` and ``buckets``: see the module docstring.
+    the nodes of the mixed replay. ``regions``, ``early`` and ``buckets``: see the module
+    docstring.
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}: use one of {sorted(OPTIMIZER_STATES)}")
     size = Sizer(normalize_precision(precision))
     static = static_bytes(placeholders, size, optimizer)
     state = ReplayState(static=static)
-    ck = Checkpoints(nodes, placeholders, regions)
+    ck = Checkpoints(nodes, placeholders, regions, early)
     acts = replay_forward(nodes, placeholders, loss, size, state, ck)
     replay_backward(nodes, placeholders, size, state, ck, _bucket_of(placeholders, size, buckets))
     transient = optimizer_transient(placeholders, size, optimizer, foreach)
@@ -227,7 +232,7 @@ class ReplayState:
 class Checkpoints:
     """What checkpointed regions change: who keeps what for backward, and what is recomputed."""
 
-    def __init__(self, nodes: list[StepNode], placeholders, regions):
+    def __init__(self, nodes: list[StepNode], placeholders, regions, early: dict[str, list[str]] | None = None):
         member = {name: r for r, names in enumerate(regions) for name in names}
         self.region_of = member
         self.recomputed: dict[str, list[tuple[Key, StepNode]]] = defaultdict(list)  # last member -> storages
@@ -253,6 +258,13 @@ class Checkpoints:
                         for k in by_name[a].out_keys:
                             if k not in self.kept[names[0]]:
                                 self.kept[names[0]].append(k)
+
+        # Made again earlier (module docstring, ``early``): added where backward reaches ``at``; the
+        # later add at their own region is then a no-op (a live key is added once).
+        for at, names in (early or {}).items():
+            wanted = set(names)
+            self.recomputed[at] += [(k, o) for ks in list(self.recomputed.values()) for k, o in ks
+                                    if k[0] in wanted]
 
     def saved_by(self, n: StepNode) -> list[Key]:
         """What ``n`` keeps for backward: nothing inside a region (the region keeps its inputs)."""

@@ -224,6 +224,8 @@ class _Lowering:
             f = self.lowered.prefetch[e.copy]
             mod.async_grad = (f.axis, f.dim, f.unit)
             mod.label += " (prefetched)"
+            if e.region is not None:  # gathered again when the region recomputes: ahead, too
+                mod.launcher = [self.launchers[e.copy]]  # a list: not a submodule
         self.root[name] = mod
         self.reshards.append(f"{name}: {mod.what}, {mod.label}")
         out = self.graph.call_module(name, (value,) if token is None else (value, token))
@@ -335,6 +337,7 @@ class _Lowering:
         # their launch names, waited for by their copy's ReshardModule.
         self.launch_at: dict[str, list[int]] = {}
         self.tokens: dict[int, fx.Node] = {}
+        self.launchers: dict[int, object] = {}
         if self.mode != "dtensor":
             for cid, f in self.lowered.prefetch.items():
                 self.launch_at.setdefault(f.launch, []).append(cid)
@@ -396,10 +399,11 @@ class _Lowering:
 
         f, e = self.lowered.prefetch[cid], self.lowered.edges[self.lowered.copies[cid].edges[0]]
         mod = GatherLaunch(self.ctx, f.axis, f.dim, self.compute_dtype if e.cast else None,
-                           f"{e.producer} -> {e.consumer}")
+                           f"{e.producer} -> {e.consumer}", unit=f.unit)
         name = _attr_name(f"prefetch_{e.producer}", self.taken)
         self.root[name] = mod
         self.tokens[cid] = self.graph.call_module(name, (self.env[self.nodes[e.producer]],))
+        self.launchers[cid] = mod
 
     def _tag_region(self, node, last) -> None:
         """Tag the per-rank nodes of a recomputed plan node with its checkpoint region, as the

@@ -42,9 +42,27 @@ class ReshardModule(nn.Module):
     #: ``(axis, dim, unit)``; its gradient's reduce-scatter then runs asynchronously.
     async_grad = None
 
+    #: Set by the codegen on a prefetched gather inside a checkpointed region: its
+    #: ``[GatherLaunch]``, which the region's backward prefetch starts again.
+    launcher = None
+    bwd_gather = None
+    """The gather backward started ahead for this module's recomputation, until taken."""
+
     def forward(self, x, token=None):
         # token: the gather started ahead (autopar.runtime.prefetch.GatherLaunch), if any.
         grad = self.async_grad if x.requires_grad and x.is_leaf else None
+        if token is not None and self.launcher is not None:
+            from autopar.runtime.prefetch import BackwardGathers
+
+            unit = self.async_grad[2]
+            if token.pending is not None:  # the forward: backward recomputes this region
+                BackwardGathers.register(unit, self, x)
+            else:  # the recomputation: the gather backward started, if it did
+                token, self.bwd_gather = self.bwd_gather, None
+                out = Reshard.apply(x, self.fwd, self.bwd, self.ctx.device_mesh, self.shape, None,
+                                    self.owned_fwd, self.owned_bwd, self.fwd_dtype, self.bwd_dtype, token, grad)
+                BackwardGathers.start(unit - 1)  # the unit recomputed next
+                return out
         out = Reshard.apply(x, self.fwd, self.bwd, self.ctx.device_mesh, self.shape, None,
                             self.owned_fwd, self.owned_bwd, self.fwd_dtype, self.bwd_dtype, token, grad)
         if self.reshard_after_forward and Gathered.active is not None:

@@ -357,8 +357,32 @@ def rank_peak(gp, strategy_of: dict, mesh, *, recompute=frozenset(), optimizer: 
     placeholders = _placeholders(ctx, gp._placeholders, lowered)
     if foreach is None:
         foreach = getattr(mesh, "cluster", "cpu") != "cpu"
+    regions = _regions(steps, lowered)
     return simulate(steps, placeholders, gp.captured.loss_node.name, optimizer=optimizer, precision="fp32",
-                    foreach=foreach, regions=_regions(steps, lowered), buckets=_buckets(lowered, placeholders))
+                    foreach=foreach, regions=regions, buckets=_buckets(lowered, placeholders),
+                    early=_gathered_early(regions, lowered))
+
+
+def _gathered_early(regions: list[list[str]], lowered) -> dict[str, list[str]]:
+    """The runtime's backward prefetch (``autopar.runtime.prefetch.BackwardGathers``): when a
+    unit's (a layer's) recomputed region replays, the gathered weights of the unit before it are
+    gathered already. Region-run end -> the copy nodes gathered there (copy nodes are named
+    ``producer->first consumer`` by :func:`_insert_copies`)."""
+    region_of = {name: k for k, names in enumerate(regions) for name in names}
+    by_unit: dict[int, list[str]] = {}
+    last_region: dict[int, int] = {}
+    for cid, f in lowered.prefetch.items():
+        e = lowered.edges[lowered.copies[cid].edges[0]]
+        name = f"{e.producer}->{e.consumer}"
+        if e.region is None or name not in region_of:
+            continue
+        by_unit.setdefault(f.unit, []).append(name)
+        last_region[f.unit] = max(last_region.get(f.unit, -1), region_of[name])
+    out: dict[str, list[str]] = {}
+    for u, r in last_region.items():
+        if u - 1 in by_unit:
+            out.setdefault(regions[r][-1], []).extend(by_unit[u - 1])
+    return out
 
 
 # ---------------------------------------------------------------------- a plan, after the fact

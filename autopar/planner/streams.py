@@ -8,10 +8,12 @@ their edges; here one step is replayed on two streams:
 - the compute stream runs each node's forward (``fwd``: the priced ``recompute`` seconds), then in
   reverse each node's backward (its priced time less ``fwd``), a checkpointed region's forward
   again before its backward, and every blocking collective: the gathers a recomputed region makes
-  again (synchronous in backward), reshard-after-forward's gathers in backward;
+  again where they were not started ahead (the last unit's, and those of weights not prefetched),
+  reshard-after-forward's gathers in backward;
 - the communication stream runs the prefetched gathers in launch order, each started at its
-  launch node (or when the stream is free), and the reduce-scatters, each started after its
-  weight's last reader's backward; the compute stream waits for a gather at its first use, and
+  launch node (or when the stream is free), the reduce-scatters, each started after its weight's
+  last reader's backward, and in backward the gathers a recomputed unit (layer) makes again,
+  started when the unit after it recomputes (the runtime's ``BackwardGathers``); the compute stream waits for a gather at its first use, and
   for the reduce-scatter before when it starts the next (one in flight), and for the last at the
   end of backward. Where messages cost the compute beside them (``Link.compute_share``: on a CPU
   the collectives' copies and sums run on its cores), the compute stream pays that share of each.
@@ -71,12 +73,21 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
         bwd[n] = max(0.0, float(opt.time[s]) - fwd[n])
     # Blocking seconds on the compute stream: a recomputed region's gathers in its recomputation
     # (with the region's forward, before its backward), reshard-after-forward's in backward.
+    # A prefetched weight's gathers in a recomputed region start in backward when the unit after
+    # it (in forward order) recomputes (the runtime's BackwardGathers); any other, blocking.
     regather = 0.0
     extra_bwd: dict[str, float] = {}
+    again: dict[int, float] = {}  # unit -> seconds of its recomputed regions' gathers
+    again_region: dict[int, int] = {}  # unit -> the last of its regions (the first to recompute)
     for e in gathers_again:
         g = copy_seconds(gp, cfg, nodes, e)[0]
         regather += g
-        extra_bwd[e.consumer] = extra_bwd.get(e.consumer, 0.0) + g
+        f = fetch.get(e.copy)
+        if f is None:
+            extra_bwd[e.consumer] = extra_bwd.get(e.consumer, 0.0) + g
+            continue
+        again[f.unit] = again.get(f.unit, 0.0) + g
+        again_region[f.unit] = max(again_region.get(f.unit, e.region), e.region)
     if reshard_after_forward:
         for e in lowered.makers():
             if e.param and e.region is None and any(s.kind == "all_gather" for s in e.forward):
@@ -102,6 +113,10 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
             region_fwd[r] = region_fwd.get(r, 0.0) + fwd[n]
             last_of_region[r] = n
     recompute_at = {n: region_fwd[r] + 0.0 for r, n in last_of_region.items()}
+    again_at: dict[str, list[int]] = {}
+    for u, r in sorted(again_region.items(), reverse=True):
+        again_at.setdefault(last_of_region[r], []).append(u)
+    unit_stall = {f.unit: stall[cid] for cid, f in fetch.items()}
 
     # Forward: gathers start at their launch node on the communication stream, waited at first use.
     t = comm = 0.0
@@ -118,7 +133,14 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
     # Backward, in reverse: a copy's reduce-scatter starts after its first reader's backward (the
     # last to hand its gradient back), once the one before it is done.
     rs_done = t
+    bwd_done: dict[int, float] = {}  # unit -> when its gathers, started in backward, are done
     for n in reversed(order):
+        for u in again_at.get(n, ()):  # a unit's region recomputes: its gathers, then the next unit's
+            t = max(t, bwd_done[u]) if u in bwd_done else t + again[u]
+            if u - 1 in again:
+                comm = max(t, comm) + again[u - 1]
+                bwd_done[u - 1] = comm
+                t += unit_stall[u - 1] * again[u - 1]
         t += recompute_at.get(n, 0.0) + extra_bwd.get(n, 0.0) + bwd[n]
         for cid in first_use.get(n, ()):
             r = secs[cid][1]
@@ -130,5 +152,5 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
             t += stall[cid] * r
     t = max(t, rs_done)
     blocking = (sum(fwd.values()) + sum(bwd.values()) + sum(recompute_at.values()) + sum(extra_bwd.values())
-                + sum(g + r for g, r in secs.values()))
+                + sum(again.values()) + sum(g + r for g, r in secs.values()))
     return Overlap(max(0.0, blocking - t), regather)

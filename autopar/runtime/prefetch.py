@@ -59,15 +59,22 @@ class GatherLaunch(nn.Module):
     launched = 0
     """Gathers this process started ahead (a count for tests and reports)."""
 
-    def __init__(self, ctx, axis: int, dim: int, dtype=None, what: str = ""):
+    def __init__(self, ctx, axis: int, dim: int, dtype=None, what: str = "", unit: int = 0):
         super().__init__()
-        self.ctx, self.axis, self.dim, self.dtype, self.what = ctx, axis, dim, dtype, what
+        self.ctx, self.axis, self.dim, self.dtype, self.what, self.unit = ctx, axis, dim, dtype, what, unit
 
     def extra_repr(self) -> str:
         return f"{self.what}: start all_gather[{self.ctx.axis_names[self.axis]}]"
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> Gathering:
+        if self.unit == 0:  # a new forward: what the last one left for backward is dropped
+            BackwardGathers.reset()
+        return self.start(x)
+
+    @torch.no_grad()
+    def start(self, x: torch.Tensor) -> Gathering:
+        """Start the gather of ``x`` (the weight's shard) now."""
         dm, a = self.ctx.device_mesh, self.axis
         if self.dtype is not None and x.dtype != self.dtype:
             x = x.to(self.dtype)
@@ -76,6 +83,37 @@ class GatherLaunch(nn.Module):
         where = f"prefetched gather of {self.what}"
         return Gathering(lambda: C.run_collective("all_gather", x, dm, a, where, lambda: _finish(act)),
                          self.dim, dm.size(a))
+
+
+class BackwardGathers:
+    """Backward prefetch of the gathers recomputed regions make again (FSDP's backward prefetch).
+
+    In the forward, each prefetched weight used inside a checkpointed region registers under its
+    unit (:meth:`register`). In backward, when a region recomputes a unit's first weight, the gathers
+    of the unit before it (the next to recompute) start (:meth:`start`), each kept on its
+    ``ReshardModule`` (``bwd_gather``) until that module recomputes and takes it."""
+
+    units: dict[int, list] = {}
+    started: list = []
+    launched = 0
+    """Gathers this process started ahead in backward (a count for tests and reports)."""
+
+    @classmethod
+    def register(cls, unit: int, mod, x: torch.Tensor) -> None:
+        cls.units.setdefault(unit, []).append((mod, x))
+
+    @classmethod
+    def start(cls, unit: int) -> None:
+        for mod, x in cls.units.pop(unit, ()):
+            mod.bwd_gather = mod.launcher[0].start(x)
+            cls.started.append(mod)
+            cls.launched += 1
+
+    @classmethod
+    def reset(cls) -> None:
+        for mod in cls.started:
+            mod.bwd_gather = None
+        cls.units, cls.started = {}, []
 
 
 class _InFlight:
@@ -105,6 +143,7 @@ class _InFlight:
     def flush(cls) -> None:
         cls.queued = None
         cls.wait()
+        BackwardGathers.reset()
 
 
 def reduce_async(param: torch.Tensor, grad: torch.Tensor, axis: int, dim: int, dm, unit, reduce_dtype=None,
@@ -137,6 +176,7 @@ def pending() -> int:
     return len(_InFlight.pending)
 
 
-def counts() -> tuple[int, int]:
-    """(gathers started ahead, reduce-scatters started asynchronously) by this process so far."""
-    return GatherLaunch.launched, _InFlight.started
+def counts() -> tuple[int, int, int]:
+    """(gathers started ahead in forward, reduce-scatters started asynchronously, gathers
+    started ahead in backward) by this process so far."""
+    return GatherLaunch.launched, _InFlight.started, BackwardGathers.launched

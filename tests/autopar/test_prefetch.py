@@ -83,8 +83,9 @@ def test_no_prefetch_without_zero3_or_in_pipelines():
 
 
 def test_pricing_hides_at_most_the_prefetched_collectives():
-    """The step time takes off what the timeline hides, never more than the prefetched gathers
-    and reduce-scatters cost; recomputed layers pay their gathers again."""
+    """The step time takes off what the timeline hides, never more than the prefetched gathers,
+    reduce-scatters and the recomputed layers' gathers cost; recomputed layers pay their gathers
+    again."""
     from autopar.planner.streams import copy_seconds
 
     import profiler
@@ -100,8 +101,8 @@ def test_pricing_hides_at_most_the_prefetched_collectives():
         cfg = _Cfg(plan)
         total = sum(sum(copy_seconds(gp, cfg, nodes, low.edges[low.copies[c].edges[0]])) for c in low.prefetch)
         hidden = plan.breakdown.get("prefetch_hidden", 0.0)
-        assert 0.0 < hidden <= total * (1 + 1e-9), (hidden, total)
-        again = plan.breakdown.get("recompute_regather", 0.0)
+        again = plan.breakdown.get("recompute_regather", 0.0)  # started ahead in backward, too
+        assert 0.0 < hidden <= (total + again) * (1 + 1e-9), (hidden, total, again)
         if layout is FSDP_TP:
             want = sum(copy_seconds(gp, cfg, nodes, e)[0] for e in low.makers()
                        if e.param and e.region is not None and any(s.kind == "all_gather" for s in e.forward))
@@ -121,7 +122,8 @@ class _Cfg:
 
 def test_prefetched_plan_trains_like_one_device(mesh):
     """Llama, FSDP x TP with every layer recomputed, on 2 x 2 simulated ranks: three AdamW steps
-    equal one device; gathers were started ahead, reduce-scatters left in flight and all waited."""
+    equal one device; gathers were started ahead (in forward, and for the recomputed layers in
+    backward), reduce-scatters left in flight and all waited."""
     from autopar.runtime import prefetch
 
     ex = _example("llama")
@@ -130,7 +132,7 @@ def test_prefetched_plan_trains_like_one_device(mesh):
     before = prefetch.counts()
     _, losses, grads, state = cases.train_local(ex, _cap("llama"), plan, mesh, world=4)
     after = prefetch.counts()
-    assert after[0] > before[0] and after[1] > before[1]
+    assert all(a > b for a, b in zip(after, before)), (before, after)  # backward prefetch too
     assert prefetch.pending() == 0
     ref = cases.reference(ex)
     assert cases.loss_err(losses, ref["losses"]) < TOL

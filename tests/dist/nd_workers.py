@@ -90,9 +90,9 @@ def regathers() -> int:
     return Gathered.regathers
 
 
-def prefetches() -> tuple[int, int]:
-    """(ZeRO-3 gathers started ahead, gradient reduce-scatters started asynchronously) by this
-    process so far (``autopar.runtime.prefetch``)."""
+def prefetches() -> tuple[int, int, int]:
+    """(ZeRO-3 gathers started ahead in forward, gradient reduce-scatters started asynchronously,
+    gathers started ahead in backward) by this process so far (``autopar.runtime.prefetch``)."""
     from autopar.runtime.prefetch import counts
 
     return counts()
