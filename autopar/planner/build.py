@@ -629,6 +629,10 @@ class _EdgePricer:
         """Bytes of a gradient bucket for amortising its latency (``comms.bucket_seconds``)."""
         self.zero = None
         """``(stage, axes)`` of ZeRO-1/2 (``zero_spec``): ZeRO-2 buckets are reduce-scattered."""
+        self.gather_scale = 1.0
+        """The share of a parameter edge's resharding (a ZeRO-3 gather and its gradient's
+        reduce-scatter) that stays exposed: 1 prices it blocking; the flat search's second solve
+        prices the exposure the prefetch timeline found (``budget.solve_flat``)."""
         self.cache: dict[Any, np.ndarray] = {}
         self.pair: dict[Any, float] = {}
         self.text: dict[int, str | None] = {}
@@ -681,7 +685,7 @@ class _EdgePricer:
                 for b, (x, g) in enumerate(ui):
                     c = self.one(o, x, shape, itemsize)
                     if g is not None and o is not None and param_uses:
-                        c += self.param_grad(o, g, shape, gsize, param_uses)
+                        c = c * self.gather_scale + self.param_grad(o, g, shape, gsize, param_uses)
                     elif g is not None and o is not None:
                         c += self.one(g, go, shape, gsize)
                     small[a, b] = c
@@ -700,7 +704,7 @@ class _EdgePricer:
             bucket = comms.bucket_seconds(stored, grad, shape, itemsize, self.mesh, self.bucket_bytes, self.zero)
         except ValueError:
             return FORBIDDEN
-        return self.one(grad, target, shape, itemsize) + bucket / uses
+        return self.one(grad, target, shape, itemsize) * self.gather_scale + bucket / uses
 
 
 def _in_pl(strat: Strategy, j: int):
@@ -726,15 +730,16 @@ class _AsRun:
 
 
 def edges(gm, priced, leader, follow, mesh: Mesh, micro: "Micro | None" = None, params=(), cfg=None,
-          itemsizes=None):
+          itemsizes=None, gather_scale: float = 1.0):
     """Resharding edges between groups, plus the cost of edges inside a group folded into the
     group's own time vector (returned as ``inner``: leader -> extra seconds per choice); with
     ``micro``, priced per micro-batch (``Micro.matrix``). ``params``: placeholder names of
     parameters, whose gradients are bucketed (``comms``). ``cfg`` and ``itemsizes`` (the mixed
     replay's ``GraphProfile.output_itemsizes``): under bf16-mixed each edge is priced in the
-    dtypes it runs in."""
+    dtypes it runs in. ``gather_scale``: see ``_EdgePricer.gather_scale``."""
     uses = comms.param_uses(gm, priced, params)
     pricer = _EdgePricer(mesh, comms.effective_bucket_bytes(gm, params))
+    pricer.gather_scale = gather_scale
     pricer.zero = zero_spec(cfg) if cfg is not None else None
     edge_memo: dict[tuple, np.ndarray] = {}
     acc: dict[tuple[str, str], np.ndarray] = {}
@@ -927,8 +932,6 @@ def _forbid_weight_reshards(gm, gp, priced, leader, follow, acc, inner, tp_axes)
 
 def build(gp, cfg: Config) -> Built:
     """The whole pass pipeline (see the module docstring for the order and why)."""
-    from autopar.planner.families import tp_axes_of
-
     gm = gp.captured.gm
     from autopar.planner.micro import Micro  # imports this module's helpers
 
@@ -937,9 +940,18 @@ def build(gp, cfg: Config) -> Built:
     leader, follow = merge_followers(gm, priced, cfg.merge_followers)
     if micro is not None:
         micro.leader = leader
+    return assemble(gp, cfg, priced, order, leader, follow, micro)
+
+
+def assemble(gp, cfg: Config, priced, order, leader, follow, micro=None, gather_scale: float = 1.0) -> Built:
+    """The problem of priced, merged nodes: edges, overlap sites, groups, segments (the part of
+    :func:`build` after the nodes are priced; ``gather_scale``: ``_EdgePricer.gather_scale``)."""
+    from autopar.planner.families import tp_axes_of
+
+    gm = gp.captured.gm
     itemsizes = gp.output_itemsizes(cfg.dtype) if cfg.dtype == "bf16-mixed" else None
     acc, inner, pricer = edges(gm, priced, leader, follow, cfg.mesh, micro, params=gp.captured.params, cfg=cfg,
-                               itemsizes=itemsizes)
+                               itemsizes=itemsizes, gather_scale=gather_scale)
     tp_axes = tuple(a for a in tp_axes_of(cfg.family, cfg.mesh.ndim) if cfg.mesh.shape[a] > 1)
     if tp_axes:
         _forbid_weight_reshards(gm, gp, priced, leader, follow, acc, inner, tp_axes)

@@ -108,6 +108,7 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
         if ov.hidden:
             p.step_time -= ov.hidden
             p.breakdown["prefetch_hidden"] = ov.hidden  # seconds not paid: taken off the step time
+            p.breakdown["prefetch_comm"] = ov.comm  # of these collective seconds
         if ov.regather:
             p.step_time += ov.regather
             p.breakdown["recompute_regather"] = ov.regather

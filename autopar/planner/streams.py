@@ -36,6 +36,9 @@ class Overlap:
     """Seconds of prefetched gathers and asynchronous reduce-scatters hidden behind compute."""
     regather: float = 0.0
     """Seconds of ZeRO-3 gathers made again by recomputed regions in backward (blocking)."""
+    comm: float = 0.0
+    """Seconds of the collectives the timeline runs on its communication stream (``hidden`` is
+    at most this)."""
 
 
 def copy_seconds(gp, cfg, nodes, e) -> tuple[float, float]:
@@ -153,4 +156,5 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
     t = max(t, rs_done)
     blocking = (sum(fwd.values()) + sum(bwd.values()) + sum(recompute_at.values()) + sum(extra_bwd.values())
                 + sum(again.values()) + sum(g + r for g, r in secs.values()))
-    return Overlap(max(0.0, blocking - t), regather)
+    comm_s = sum(again.values()) + sum(g + r for g, r in secs.values())
+    return Overlap(max(0.0, blocking - t), regather, comm_s)
