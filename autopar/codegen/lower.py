@@ -224,8 +224,11 @@ class _Lowering:
             f = self.lowered.prefetch[e.copy]
             mod.async_grad = (f.axis, f.dim, f.unit)
             mod.label += " (prefetched)"
-            if e.region is not None:  # gathered again when the region recomputes: ahead, too
+            if e.region is not None or mod.reshard_after_forward:
+                # gathered again in backward (its region recomputes, or reshard after forward
+                # freed it): ahead there, too
                 mod.launcher = [self.launchers[e.copy]]  # a list: not a submodule
+                mod.in_region = e.region is not None
         self.root[name] = mod
         self.reshards.append(f"{name}: {mod.what}, {mod.label}")
         out = self.graph.call_module(name, (value,) if token is None else (value, token))

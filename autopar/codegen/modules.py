@@ -45,13 +45,15 @@ class ReshardModule(nn.Module):
     #: Set by the codegen on a prefetched gather inside a checkpointed region: its
     #: ``[GatherLaunch]``, which the region's backward prefetch starts again.
     launcher = None
+    in_region = False
+    """Inside a checkpointed region: its recomputation gathers again (``BackwardGathers``)."""
     bwd_gather = None
     """The gather backward started ahead for this module's recomputation, until taken."""
 
     def forward(self, x, token=None):
         # token: the gather started ahead (autopar.runtime.prefetch.GatherLaunch), if any.
         grad = self.async_grad if x.requires_grad and x.is_leaf else None
-        if token is not None and self.launcher is not None:
+        if token is not None and self.launcher is not None and self.in_region:
             from autopar.runtime.prefetch import BackwardGathers
 
             unit = self.async_grad[2]
@@ -66,7 +68,11 @@ class ReshardModule(nn.Module):
         out = Reshard.apply(x, self.fwd, self.bwd, self.ctx.device_mesh, self.shape, None,
                             self.owned_fwd, self.owned_bwd, self.fwd_dtype, self.bwd_dtype, token, grad)
         if self.reshard_after_forward and Gathered.active is not None:
-            Gathered.active.add(out, lambda: self.regather(x))
+            if self.launcher is not None:  # prefetched: gathered again ahead in backward, too
+                launch = self.launcher[0]
+                Gathered.active.add(out, lambda: self.regather(x), self.async_grad[2], lambda: launch.start(x))
+            else:
+                Gathered.active.add(out, lambda: self.regather(x))
         return out
 
     @torch.no_grad()

@@ -44,7 +44,26 @@ def solve_flat(gp, cfg: Config, every: bool = False, beat: float | None = None):
     solved: dict[int, tuple] = {}
     p = _budget_loop(gp, cfg, built, every, beat, t_build, solved)
     again = _prefetch_resolve(gp, cfg, built, p, every, solved.get(id(p), (None, cfg.memory_budget, None)))
-    return p if again is None else again
+    p = p if again is None else again
+    raf = _reshard_after_forward(gp, cfg, built, p, every, beat, t_build)
+    return p if raf is None else raf
+
+
+def _reshard_after_forward(gp, cfg: Config, built, p, every, beat, t_build):
+    """Where the budget binds (the plan recomputes) and the plan gathers ZeRO-3 weights, the same
+    problem read back with those weights freed after the forward and gathered again (ahead) in
+    backward (FSDP's ``reshard_after_forward``): the replay keeps less, so the loop may recompute
+    less. The faster of the two; None when the first stays. (The ILP's problem is the same: its
+    memory row does not hold the gathered copies either way.)"""
+    if (not isinstance(p, Plan) or cfg.reshard_after_forward or cfg.memory_budget is None or cfg.family
+            or not p.breakdown.get("prefetch_comm") or not any(np_.recompute for np_ in p.nodes.values())):
+        return None
+    c = dataclasses.replace(cfg, reshard_after_forward=True)
+    solved: dict[int, tuple] = {}
+    q = _budget_loop(gp, c, built, every, beat, t_build, solved)
+    if not isinstance(q, Plan) or q.step_time >= p.step_time * (1 - 1e-9):
+        return None
+    return q
 
 
 def _prefetch_resolve(gp, cfg: Config, built, p, every, solved):

@@ -224,6 +224,8 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
         if e.src != e.dst and e.consumer in ctx.strategy_of:
             into.setdefault(e.consumer, []).append(e)
     made: dict[int, str] = {}  # copy id -> its step node's name
+    raf_units: list = []  # (step node gathering again in backward, its prefetch unit)
+    unit_bytes: dict[int, dict[int, int]] = {}  # unit -> copy -> gathered bytes
     out = []
     for n in steps:
         for e in sorted(into.get(n.name, ()), key=lambda e: e.index) if n.name in ctx.nodes else ():
@@ -259,10 +261,20 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
                 n.saved = [k for k in n.saved if k not in src_keys]  # the shard is resident anyway
                 n.bwd_alloc += nbytes  # gathered again for this op's backward
                 n.bwd_max_op = max(n.bwd_max_op, nbytes)
+                f = lowered.prefetch.get(e.copy)
+                if f is not None:
+                    raf_units.append((n, f.unit))
+                    unit_bytes.setdefault(f.unit, {})[e.copy] = nbytes
             else:
                 n.saved = [(name, 0) if k in src_keys else k for k in n.saved]
             n.inputs = [name if x == a.name else x for x in n.inputs]
         out.append(n)
+    # Reshard after forward with backward prefetch (autopar.runtime.reshard.Gathered): while a
+    # unit's ops run backward, the unit before it is gathered already.
+    for n, u in raf_units:
+        ahead = sum(unit_bytes.get(u - 1, {}).values())
+        n.bwd_alloc += ahead
+        n.bwd_max_op += ahead
     return out
 
 

@@ -91,10 +91,21 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
             continue
         again[f.unit] = again.get(f.unit, 0.0) + g
         again_region[f.unit] = max(again_region.get(f.unit, e.region), e.region)
-    if reshard_after_forward:
+    again_point: dict[int, str] = {}  # unit -> where backward gathers it again (first reached)
+    pos = {n: i for i, n in enumerate(order)}
+    if reshard_after_forward:  # a prefetched weight's gathers again start with the unit after it's
         for e in lowered.makers():
             if e.param and e.region is None and any(s.kind == "all_gather" for s in e.forward):
-                extra_bwd[e.consumer] = extra_bwd.get(e.consumer, 0.0) + copy_seconds(gp, cfg, nodes, e)[0]
+                g = copy_seconds(gp, cfg, nodes, e)[0]
+                f = fetch.get(e.copy)
+                if f is None:
+                    extra_bwd[e.consumer] = extra_bwd.get(e.consumer, 0.0) + g
+                    continue
+                again[f.unit] = again.get(f.unit, 0.0) + g
+                readers = [lowered.edges[k].consumer for k in lowered.copies[e.copy].edges]
+                last = max((r for r in readers if r in pos), key=pos.__getitem__, default=None)
+                if last is not None and (f.unit not in again_point or pos[last] > pos[again_point[f.unit]]):
+                    again_point[f.unit] = last
     if not fetch:
         return Overlap(0.0, regather)
     launch_at: dict[str, list[int]] = {}
@@ -116,9 +127,13 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
             region_fwd[r] = region_fwd.get(r, 0.0) + fwd[n]
             last_of_region[r] = n
     recompute_at = {n: region_fwd[r] + 0.0 for r, n in last_of_region.items()}
+    for u, r in again_region.items():
+        at = last_of_region[r]
+        if u not in again_point or pos[at] > pos[again_point[u]]:
+            again_point[u] = at
     again_at: dict[str, list[int]] = {}
-    for u, r in sorted(again_region.items(), reverse=True):
-        again_at.setdefault(last_of_region[r], []).append(u)
+    for u, at in sorted(again_point.items(), reverse=True):
+        again_at.setdefault(at, []).append(u)
     unit_stall = {f.unit: stall[cid] for cid, f in fetch.items()}
 
     # Forward: gathers start at their launch node on the communication stream, waited at first use.

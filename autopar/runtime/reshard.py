@@ -179,14 +179,32 @@ class Gathered:
     active: "Gathered | None" = None
     regathers = 0
     """Gathers made again in backward by this process (a count for tests and reports)."""
+    prefetched = 0
+    """Of those, started ahead (the unit before the one backward gathers)."""
 
     def __init__(self):
         self.by_storage: dict[int, object] = {}
+        self.units: dict[int, list] = {}
+        """Prefetch unit -> its tokens (weights the lowered program prefetches): when backward
+        gathers a unit's first weight again, the unit before it (the next backward needs) starts
+        its gathers ahead (FSDP's backward prefetch)."""
 
-    def add(self, t: torch.Tensor, regather) -> None:
+    def add(self, t: torch.Tensor, regather, unit: int | None = None, start=None) -> None:
+        """``regather()``: ``t`` again, from the shard; with ``unit`` and ``start()`` (which starts
+        that gather and returns an ``autopar.runtime.prefetch.Gathering``) it is prefetched."""
         import weakref
 
-        self.by_storage[t.untyped_storage().data_ptr()] = (weakref.ref(t), _Token(regather))
+        token = _Token(regather, self if unit is not None and start is not None else None, unit, start)
+        self.by_storage[t.untyped_storage().data_ptr()] = (weakref.ref(t), token)
+        if token.owner is not None:
+            self.units.setdefault(unit, []).append(token)
+
+    def start(self, unit: int) -> None:
+        """Start the gathers of ``unit``'s tokens not yet gathered again."""
+        for token in self.units.pop(unit, ()):
+            if token.ref() is None and token.pending is None:
+                token.pending = token.start()
+                Gathered.prefetched += 1
 
     def pack(self, t):
         if not isinstance(t, torch.Tensor) or t.is_meta or not t.untyped_storage().nbytes():
@@ -220,18 +238,25 @@ class Gathered:
 
 
 class _Token:
-    """One gathered weight of a forward: gathered again on the first unpack, shared while alive."""
+    """One gathered weight of a forward: gathered again on the first unpack (from the gather
+    started ahead, if one was), shared while alive."""
 
-    def __init__(self, regather):
+    def __init__(self, regather, owner=None, unit=None, start=None):
         import weakref
 
         self.regather, self.ref = regather, lambda: None
+        self.owner, self.unit, self.start, self.pending = owner, unit, start, None
         self._weakref = weakref.ref
 
     def get(self) -> torch.Tensor:
         t = self.ref()
         if t is None:
-            t = self.regather()
+            pend, self.pending = self.pending, None
+            t = pend.take() if pend is not None else None
+            if t is None:
+                t = self.regather()
             self.ref = self._weakref(t)
             Gathered.regathers += 1
+            if self.owner is not None:
+                self.owner.start(self.unit - 1)  # the unit backward reaches next
         return t

@@ -90,12 +90,14 @@ def regathers() -> int:
     return Gathered.regathers
 
 
-def prefetches() -> tuple[int, int, int]:
+def prefetches() -> tuple[int, int, int, int]:
     """(ZeRO-3 gathers started ahead in forward, gradient reduce-scatters started asynchronously,
-    gathers started ahead in backward) by this process so far (``autopar.runtime.prefetch``)."""
+    gathers of recomputed layers started ahead in backward, reshard-after-forward's gathers
+    started ahead in backward) by this process so far (``autopar.runtime.prefetch``)."""
     from autopar.runtime.prefetch import counts
+    from autopar.runtime.reshard import Gathered
 
-    return counts()
+    return (*counts(), Gathered.prefetched)
 
 
 def train_nd(name: str, plan_json: str) -> dict:

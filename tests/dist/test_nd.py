@@ -147,6 +147,7 @@ def _trains_like_one_device(pool8, label, case):
     assert all(f[0] > 0 and f[1] > 0 for f in fetched) if zero3 else not any(any(f) for f in fetched), fetched
     if zero3:
         assert all((f[2] > 0) == (layout.get("recompute") == "full") for f in fetched), fetched
+        assert all((f[3] > 0) == bool(layout.get("reshard_after_forward")) for f in fetched), fetched
     ref = cases.reference(_example(name))
     r0 = res[0]
     # reshard after forward: every rank gathered its ZeRO-3 weights again in backward (and only then)
