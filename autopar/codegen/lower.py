@@ -222,7 +222,7 @@ class _Lowering:
         token = self.tokens.get(e.copy) if own_value else None
         if token is not None:
             f = self.lowered.prefetch[e.copy]
-            mod.async_grad = (f.axis, f.dim, f.unit)
+            mod.async_grad = (f.axes, f.dim, f.unit)
             mod.label += " (prefetched)"
             if e.region is not None or mod.reshard_after_forward:
                 # gathered again in backward (its region recomputes, or reshard after forward
@@ -343,6 +343,8 @@ class _Lowering:
         self.launchers: dict[int, object] = {}
         if self.mode != "dtensor":
             for cid, f in self.lowered.prefetch.items():
+                if len(f.axes) > 1 and not self.ctx.device_mesh.mesh_dim_names:
+                    continue  # several axes together need a named mesh to flatten: run in place
                 self.launch_at.setdefault(f.launch, []).append(cid)
         from autopar.codegen.chunking import ChainEmitter
 
@@ -401,7 +403,7 @@ class _Lowering:
         from autopar.runtime.prefetch import GatherLaunch
 
         f, e = self.lowered.prefetch[cid], self.lowered.edges[self.lowered.copies[cid].edges[0]]
-        mod = GatherLaunch(self.ctx, f.axis, f.dim, self.compute_dtype if e.cast else None,
+        mod = GatherLaunch(self.ctx, f.axes, f.dim, self.compute_dtype if e.cast else None,
                            f"{e.producer} -> {e.consumer}", unit=f.unit)
         name = _attr_name(f"prefetch_{e.producer}", self.taken)
         self.root[name] = mod

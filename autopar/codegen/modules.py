@@ -39,7 +39,7 @@ class ReshardModule(nn.Module):
     reshard_after_forward = False
 
     #: Set by the codegen on a prefetched ZeRO-3 gather (``autopar.lowering.program.Prefetch``):
-    #: ``(axis, dim, unit)``; its gradient's reduce-scatter then runs asynchronously.
+    #: ``(axes, dim, unit)``; its gradient's reduce-scatter then runs asynchronously.
     async_grad = None
 
     #: Set by the codegen on a prefetched gather inside a checkpointed region: its

@@ -181,8 +181,10 @@ class Prefetch:
     launch: str
     """The node before which the gather starts: the first use of the unit before (the first node
     of its checkpoint region, when it is in one); for unit 0, its own first use."""
-    axis: int
-    """The sharding-mesh axis it gathers over (its gradient is reduce-scattered over it)."""
+    axes: tuple[int, ...]
+    """The sharding-mesh axes it gathers over, ascending: one all-gather over those axes together
+    (their ranks flattened in row-major order, which is the order of a dim split on each of them);
+    its gradient is reduce-scattered over the same group."""
     dim: int
 
 
@@ -667,9 +669,10 @@ def unit_key(node) -> str:
 
 def prefetches(captured, edges: list[Edge], copies: list[Copy], params: Mapping[str, Param], regions: Mapping,
                mesh_shape) -> dict[int, Prefetch]:
-    """The :class:`Prefetch` of every copy that gathers a parameter by one all-gather and hands
-    its gradient back by the matching reduce-scatter, whose gradient is whole afterwards (no
-    bucket): FSDP's forward prefetch, one unit (a layer) ahead."""
+    """The :class:`Prefetch` of every copy that gathers a parameter by all-gathers along one dim
+    (one per axis: run as one over the axes together) and hands its gradient back by the matching
+    reduce-scatters, whose gradient is whole afterwards (no bucket): FSDP's forward prefetch, one
+    unit (a layer) ahead."""
     nodes = {n.name: n for n in captured.gm.graph.nodes}
     pos = {name: i for i, name in enumerate(nodes)}
     start_of_region: dict[int, str] = {}
@@ -681,18 +684,20 @@ def prefetches(captured, edges: list[Edge], copies: list[Copy], params: Mapping[
         p = params.get(e.producer) if e.param else None
         if p is None or p.bucket is not None:
             continue
-        fwd = [s for s in e.forward if s.kind != "noop"]
-        bwd = [s for s in e.backward if s.kind != "noop"]
-        if len(fwd) != 1 or fwd[0].kind != "all_gather" or mesh_shape[fwd[0].axis] == 1:
+        fwd = [s for s in e.forward if s.kind != "noop" and mesh_shape[s.axis] > 1]
+        bwd = [s for s in e.backward if s.kind != "noop" and mesh_shape[s.axis] > 1]
+        axes = sorted(s.axis for s in fwd)
+        if (not fwd or any(s.kind != "all_gather" or s.dim != fwd[0].dim for s in fwd)
+                or len(set(axes)) != len(axes) or not _gathers_in_row_major(e.src, axes, fwd[0].dim)):
             continue
-        if bwd and not (len(bwd) == 1 and bwd[0].kind == "reduce_scatter" and bwd[0].axis == fwd[0].axis
-                        and bwd[0].dim == fwd[0].dim):
+        if bwd and (any(s.kind != "reduce_scatter" or s.dim != fwd[0].dim for s in bwd)
+                    or sorted(s.axis for s in bwd) != axes):
             continue
         users = [edges[k].consumer for k in c.edges if edges[k].consumer in pos]
         if not users:
             continue
         first = min(users, key=pos.__getitem__)
-        cands.append((pos[first], c.id, first, fwd[0]))
+        cands.append((pos[first], c.id, first, (tuple(axes), fwd[0].dim)))
     cands.sort()
     out: dict[int, Prefetch] = {}
     starts: list[str] = []
@@ -704,8 +709,14 @@ def prefetches(captured, edges: list[Edge], copies: list[Copy], params: Mapping[
             starts.append(start_of_region[r] if r is not None else first)
             prev = key
         k = len(starts) - 1
-        out[cid] = Prefetch(copy=cid, unit=k, launch=starts[k - 1] if k else starts[0], axis=step.axis, dim=step.dim)
+        out[cid] = Prefetch(copy=cid, unit=k, launch=starts[k - 1] if k else starts[0], axes=step[0], dim=step[1])
     return out
+
+
+def _gathers_in_row_major(src, axes, dim) -> bool:
+    """Whether ``dim``, split on ``axes`` in ``src``, is split outer axis first (a plain ``Shard``
+    on each): the chunks then lie in the row-major order of those axes' ranks."""
+    return len(axes) == 1 or all(type(src[a]) is Shard and src[a].dim == dim for a in axes)
 
 
 #: The stage-independent part of recent lowerings (placements, gradients, buckets, edges and their

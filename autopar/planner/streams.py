@@ -117,7 +117,7 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
         launch_at.setdefault(f.launch, []).append(cid)
         first_use.setdefault(e.consumer, []).append(cid)
         secs[cid] = copy_seconds(gp, cfg, nodes, e)
-        stall[cid] = float(cfg.mesh.links[f.axis].compute_share)
+        stall[cid] = max(float(cfg.mesh.links[a].compute_share) for a in f.axes)
     # region -> its nodes' forward seconds, recomputed before the region's backward
     region_fwd: dict[int, float] = {}
     last_of_region: dict[int, str] = {}

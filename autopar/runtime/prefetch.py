@@ -52,19 +52,32 @@ class Gathering:
         return out if self.dim == 0 else C._rows_to_dim(out, self.n, self.dim)
 
 
+def _group(dm, axes: tuple[int, ...]):
+    """The functional collectives' group of mesh ``axes`` together (row-major)."""
+    return (dm, axes[0]) if len(axes) == 1 else C.axes_group(dm, axes)
+
+
+def _size(dm, axes) -> int:
+    n = 1
+    for a in axes:
+        n *= dm.size(a)
+    return n
+
+
 class GatherLaunch(nn.Module):
-    """Start the all-gather of a ZeRO-3 weight's shard over mesh ``axis`` along ``dim`` (cast to
-    ``dtype`` first, as its gather does under mixed precision); returns a :class:`Gathering`."""
+    """Start the all-gather of a ZeRO-3 weight's shard over mesh ``axes`` (together) along
+    ``dim`` (cast to ``dtype`` first, as its gather does under mixed precision); returns a
+    :class:`Gathering`."""
 
     launched = 0
     """Gathers this process started ahead (a count for tests and reports)."""
 
-    def __init__(self, ctx, axis: int, dim: int, dtype=None, what: str = "", unit: int = 0):
+    def __init__(self, ctx, axes: tuple[int, ...], dim: int, dtype=None, what: str = "", unit: int = 0):
         super().__init__()
-        self.ctx, self.axis, self.dim, self.dtype, self.what, self.unit = ctx, axis, dim, dtype, what, unit
+        self.ctx, self.axes, self.dim, self.dtype, self.what, self.unit = ctx, tuple(axes), dim, dtype, what, unit
 
     def extra_repr(self) -> str:
-        return f"{self.what}: start all_gather[{self.ctx.axis_names[self.axis]}]"
+        return f"{self.what}: start all_gather[{','.join(self.ctx.axis_names[a] for a in self.axes)}]"
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> Gathering:
@@ -75,14 +88,14 @@ class GatherLaunch(nn.Module):
     @torch.no_grad()
     def start(self, x: torch.Tensor) -> Gathering:
         """Start the gather of ``x`` (the weight's shard) now."""
-        dm, a = self.ctx.device_mesh, self.axis
+        dm, a = self.ctx.device_mesh, self.axes
         if self.dtype is not None and x.dtype != self.dtype:
             x = x.to(self.dtype)
-        act = _start(funcol.all_gather_single(x.detach().contiguous(), 0, (dm, a)))
+        act = _start(funcol.all_gather_single(x.detach().contiguous(), 0, _group(dm, a)))
         GatherLaunch.launched += 1
         where = f"prefetched gather of {self.what}"
-        return Gathering(lambda: C.run_collective("all_gather", x, dm, a, where, lambda: _finish(act)),
-                         self.dim, dm.size(a))
+        return Gathering(lambda: C.run_collective("all_gather", x, dm, a[0], where, lambda: _finish(act)),
+                         self.dim, _size(dm, a))
 
 
 class BackwardGathers:
@@ -146,9 +159,9 @@ class _InFlight:
         BackwardGathers.reset()
 
 
-def reduce_async(param: torch.Tensor, grad: torch.Tensor, axis: int, dim: int, dm, unit, reduce_dtype=None,
-                 where: str | None = None) -> None:
-    """Start the reduce-scatter of ``grad`` (the gathered weight's gradient) over ``axis`` along
+def reduce_async(param: torch.Tensor, grad: torch.Tensor, axes: tuple[int, ...], dim: int, dm, unit,
+                 reduce_dtype=None, where: str | None = None) -> None:
+    """Start the reduce-scatter of ``grad`` (the gathered weight's gradient) over ``axes`` along
     ``dim``, in ``reduce_dtype``; its sum goes into ``param.grad`` when waited for (see the
     module docstring; ``unit``: the weight's prefetch unit, for error messages). Call from
     backward only."""
@@ -158,13 +171,13 @@ def reduce_async(param: torch.Tensor, grad: torch.Tensor, axis: int, dim: int, d
     _InFlight.wait()  # one reduce-scatter in flight: the one before is waited for now
     if reduce_dtype is not None and grad.dtype != reduce_dtype:
         grad = grad.to(reduce_dtype)
-    n = dm.size(axis)
+    n = _size(dm, axes)
     C._check_divides(grad, dim, n, "reduce_scatter")
     rows = grad.contiguous() if dim == 0 else C._dim_to_rows(grad, n, dim)
-    act = _start(funcol.reduce_scatter_single(rows, "sum", 0, (dm, axis)))
+    act = _start(funcol.reduce_scatter_single(rows, "sum", 0, _group(dm, axes)))
     _InFlight.started += 1
     at = f"backward of {where or 'a prefetched gather'} (prefetch unit {unit})"
-    _InFlight.pending.append((task, unit, param, lambda: C.run_collective("reduce_scatter", rows, dm, axis, at,
+    _InFlight.pending.append((task, unit, param, lambda: C.run_collective("reduce_scatter", rows, dm, axes[0], at,
                                                                      lambda: _finish(act))))
     if _InFlight.queued != task:
         torch.autograd.Variable._execution_engine.queue_callback(_InFlight.flush)

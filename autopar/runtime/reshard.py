@@ -103,8 +103,8 @@ class Reshard(torch.autograd.Function):
     dtype either way.
 
     ``token``: a prefetched gather (:class:`autopar.runtime.prefetch.Gathering`) whose result is
-    the forward's, when not yet taken. ``async_grad``: ``(axis, dim, unit)``: ``local`` is a
-    parameter whose gradient is this single reduce-scatter, started asynchronously
+    the forward's, when not yet taken. ``async_grad``: ``(axes, dim, unit)``: ``local`` is a
+    parameter whose gradient is this reduce-scatter (over those axes together), started asynchronously
     (:func:`autopar.runtime.prefetch.reduce_async`); autograd then hands it no gradient."""
 
     @staticmethod
@@ -136,8 +136,8 @@ class Reshard(torch.autograd.Function):
         if ctx.async_param is not None:
             from autopar.runtime.prefetch import reduce_async
 
-            param, (axis, dim, unit) = ctx.async_param
-            reduce_async(param, grad, axis, dim, dm, unit, bwd_dtype, where)
+            param, (axes, dim, unit) = ctx.async_param
+            reduce_async(param, grad, axes, dim, dm, unit, bwd_dtype, where)
             return (None,) * 12
         if bwd_dtype is not None and grad.dtype != bwd_dtype:
             grad, owned = grad.to(bwd_dtype), True
