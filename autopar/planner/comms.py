@@ -162,6 +162,16 @@ def _local_bytes(shape, placements: str, mesh: Mesh, itemsize: int) -> int:
 
 
 # ---------------------------------------------------------------------------------- listing
+def _together(colls: list[Collective], axes) -> list[Collective]:
+    """A prefetched copy's gathers (or reduce-scatters), one per axis, as the one collective over
+    those axes together that the runtime issues (``autopar.runtime.prefetch``); its seconds stay
+    those priced for the steps."""
+    if not colls:
+        return colls
+    return [dataclasses.replace(colls[0], axes=tuple(axes), nbytes=max(c.nbytes for c in colls),
+                                seconds=sum(c.seconds for c in colls))]
+
+
 def _priced(steps, src, shape, itemsize, mesh: Mesh, phase: str, where: str) -> list[Collective]:
     """The collectives among lowered reshard ``steps`` from ``src``, priced at ``itemsize``."""
     out, state = [], tuple(src)
@@ -189,6 +199,11 @@ class _Walk:
         for e in self.low.edges:
             self.by_consumer.setdefault(e.consumer, []).append(e)
         self.makers = {id(e) for e in self.low.makers()}
+        # Prefetched gathers in recomputed regions: a unit's are started ahead in backward when
+        # the unit after it has some (autopar.runtime.prefetch.BackwardGathers).
+        in_regions = {f.unit for c, f in self.low.prefetch.items()
+                      if self.low.edges[self.low.copies[c].edges[0]].region is not None}
+        self.ahead_in_backward = {u for u in in_regions if u + 1 in in_regions}
         self.out: list[Collective] = []
         self.region: list[tuple[bool, int]] = []  # (node saves for backward, len(out) after it)
         self.region_id = None
@@ -203,10 +218,19 @@ class _Walk:
         item, gitem = precision.edge_itemsizes(self.plan.dtype, getattr(self.plan, "grad_reduce", "fp32"), prod,
                                                cons, t, getattr(self, "itemsizes", None), e.out_index, e.param)
         fwd = _priced(e.forward, e.src, e.shape, item, self.mesh, "forward", e.label)
+        bwd = _priced(e.backward, e.grad_dst, e.shape, gitem, self.mesh, "backward", e.label)
+        f = self.low.prefetch.get(e.copy)
+        if f is not None and len(f.axes) > 1:  # started ahead: one collective over the axes together
+            again = fwd  # a recomputation not gathered ahead runs the steps
+            fwd, bwd = _together(fwd, f.axes), _together(bwd, f.axes)
+            if f.unit in self.ahead_in_backward:
+                again = fwd
+        else:
+            again = fwd
         self.out += fwd
         if recompute:
-            self.out += [dataclasses.replace(c, phase="recompute") for c in fwd]
-        self.out += _priced(e.backward, e.grad_dst, e.shape, gitem, self.mesh, "backward", e.label)
+            self.out += [dataclasses.replace(c, phase="recompute") for c in again]
+        self.out += bwd
 
     def node(self, node) -> None:
         from autopar.lowering.program import SKIPPED

@@ -192,14 +192,19 @@ def _chunkable(ctx: _Ctx, node, k: int) -> bool:
     return chunk_dim(local, k, blocked_dims(len(local), (x_pl, out_pl), steps)) is not None
 
 
-def _copy_transient(ctx: _Ctx, t: torch.Tensor, src, dst) -> tuple[int, int]:
-    """(sum of the step outputs' bytes, the largest step's bytes) of the reshard ``src -> dst``."""
+def _copy_transient(ctx: _Ctx, t: torch.Tensor, src, dst, together: bool = False) -> tuple[int, int]:
+    """(sum of the step outputs' bytes, the largest step's bytes) of the reshard ``src -> dst``;
+    ``together``: its gathers run as one collective over their axes (a prefetched copy)."""
     from autopar.costs.reshard import apply_step, reshard
 
     try:
         steps = reshard(src, dst, tuple(t.shape), t.element_size(), ctx.mesh).steps
     except ValueError:
         return 0, 0
+    if together and steps:
+        prev, out = _local(t, tuple(src), ctx.shape), _local(t, tuple(dst), ctx.shape)
+        extra = out if steps[0].dim not in (0, None) else 0
+        return out + extra, prev + out + extra
     state, total, top = tuple(src), 0, 0
     prev = _local(t, state, ctx.shape)
     for st in steps:
@@ -237,7 +242,8 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
             name = made.get(e.copy)
             if name is None:
                 name = made[e.copy] = f"{a.name}->{n.name}"
-                total, top = _copy_transient(ctx, t, e.src, e.dst)
+                f = lowered.prefetch.get(e.copy)
+                total, top = _copy_transient(ctx, t, e.src, e.dst, together=f is not None and len(f.axes) > 1)
                 # the graph's values do not carry requires_grad for activations: the producer's
                 # step node says whether its outputs get a gradient
                 needs = prod.grad_bytes > 0 if prod is not None else t.requires_grad
