@@ -53,20 +53,18 @@ class ReshardModule(nn.Module):
     def forward(self, x, token=None):
         # token: the gather started ahead (autopar.runtime.prefetch.GatherLaunch), if any.
         grad = self.async_grad if x.requires_grad and x.is_leaf else None
+        recomputing = False
         if token is not None and self.launcher is not None and self.in_region:
             from autopar.runtime.prefetch import BackwardGathers
 
-            unit = self.async_grad[2]
             if token.pending is not None:  # the forward: backward recomputes this region
-                BackwardGathers.register(unit, self, x)
+                BackwardGathers.register(self.async_grad[2], self, x)
             else:  # the recomputation: the gather backward started, if it did
-                token, self.bwd_gather = self.bwd_gather, None
-                out = Reshard.apply(x, self.fwd, self.bwd, self.ctx.device_mesh, self.shape, None,
-                                    self.owned_fwd, self.owned_bwd, self.fwd_dtype, self.bwd_dtype, token, grad)
-                BackwardGathers.start(unit - 1)  # the unit recomputed next
-                return out
+                token, self.bwd_gather, recomputing = self.bwd_gather, None, True
         out = Reshard.apply(x, self.fwd, self.bwd, self.ctx.device_mesh, self.shape, None,
                             self.owned_fwd, self.owned_bwd, self.fwd_dtype, self.bwd_dtype, token, grad)
+        if recomputing:
+            BackwardGathers.start(self.async_grad[2] - 1)  # the unit recomputed next
         if self.reshard_after_forward and Gathered.active is not None:
             if self.launcher is not None:  # prefetched: gathered again ahead in backward, too
                 launch = self.launcher[0]

@@ -44,8 +44,8 @@ def solve_flat(gp, cfg: Config, every: bool = False, beat: float | None = None):
     t_build = time.perf_counter() - t0
     solved: dict[int, tuple] = {}
     p = _budget_loop(gp, cfg, built, every, beat, t_build, solved)
-    again = _prefetch_resolve(gp, cfg, built, p, every, solved.get(id(p), (None, cfg.memory_budget, None)))
     first = solved.get(id(p), (None, cfg.memory_budget, None))
+    again = _prefetch_resolve(gp, cfg, built, p, every, first)
     p = p if again is None else again
     raf = _reshard_after_forward(gp, cfg, built, p, every, first if again is None else (None, first[1], None))
     return p if raf is None else raf
@@ -60,7 +60,8 @@ def _reshard_after_forward(gp, cfg: Config, built, p, every, solved):
     ``solved``: (the plan, its memory row, its solution)."""
     _, row, sol = solved
     if (not isinstance(p, Plan) or sol is None or cfg.reshard_after_forward or cfg.memory_budget is None
-            or cfg.family or not p.breakdown.get("prefetch_comm") or not any(np_.recompute for np_ in p.nodes.values())):
+            or cfg.family or not p.breakdown.get("prefetch_comm")
+            or not any(np_.recompute for np_ in p.nodes.values())):
         return None
     c = dataclasses.replace(cfg, reshard_after_forward=True)
     axes = list(range(cfg.mesh.ndim))
@@ -77,7 +78,8 @@ def _reshard_after_forward(gp, cfg: Config, built, p, every, solved):
             if every:
                 again = checkpoint_every(built.problem, again)
             q = to_plan(gp, c, built, again, sharding_axes=axes, build_seconds=t)
-            if q.peak_bytes <= cfg.memory_budget and q.step_time < min(p.step_time, best.step_time if best else p.step_time) * (1 - 1e-9):
+            to_beat = min(p.step_time, best.step_time) if best is not None else p.step_time
+            if q.peak_bytes <= cfg.memory_budget and q.step_time < to_beat * (1 - 1e-9):
                 best = q
     return best
 
@@ -104,7 +106,8 @@ def _prefetch_resolve(gp, cfg: Config, built, p, every, solved):
         return None
     if every:
         sol = checkpoint_every(cheap.problem, sol)
-    if first is not None and dict(sol.choice) == dict(first.choice) and set(sol.checkpointed) == set(first.checkpointed):
+    if (first is not None and dict(sol.choice) == dict(first.choice)
+            and set(sol.checkpointed) == set(first.checkpointed)):
         return None  # the same plan
     ev = solver.evaluate(built.problem, sol.choice, sol.checkpointed)  # at blocking prices: the read-back
     sol = dataclasses.replace(sol, objective=ev.objective, split=ev.split)  # takes off what overlaps

@@ -129,25 +129,12 @@ def _shared_seconds(gp, cfg: Config, low) -> float:
     every consumer's reshard on its own edge, the lowered program (``autopar.lowering.program``)
     makes one copy per value and placement and runs its collectives once, forward and on the
     summed gradient."""
-    from autopar import precision
-    from autopar.costs.reshard import reshard
-    from autopar.lowering.graph import tensor_vals
+    from autopar.planner.streams import copy_seconds
 
     makers = {id(e) for e in low.makers()}
     nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
-    itemsizes = gp.output_itemsizes(cfg.dtype) if cfg.dtype == "bf16-mixed" else None
-    total = 0.0
-    for e in low.edges:
-        if id(e) in makers or e.consumer not in nodes:
-            continue
-        prod, cons = nodes[e.producer], nodes[e.consumer]
-        item, gitem = precision.edge_itemsizes(cfg.dtype, cfg.grad_reduce, prod, cons,
-                                               tensor_vals(prod)[e.out_index], itemsizes, e.out_index, e.param)
-        if e.forward:
-            total += float(reshard(e.src, e.dst, e.shape, item, cfg.mesh).cost)
-        if e.backward:
-            total += float(reshard(e.grad_dst, e.grad_src, e.shape, gitem, cfg.mesh).cost)
-    return total
+    return sum(sum(copy_seconds(gp, cfg, nodes, e)) for e in low.edges
+               if id(e) not in makers and e.consumer in nodes)
 
 
 def _regather_seconds(cfg: Config, low) -> float:

@@ -13,10 +13,11 @@ their edges; here one step is replayed on two streams:
 - the communication stream runs the prefetched gathers in launch order, each started at its
   launch node (or when the stream is free), the reduce-scatters, each started after its weight's
   last reader's backward, and in backward the gathers a recomputed unit (layer) makes again,
-  started when the unit after it recomputes (the runtime's ``BackwardGathers``); the compute stream waits for a gather at its first use, and
-  for the reduce-scatter before when it starts the next (one in flight), and for the last at the
-  end of backward. Where messages cost the compute beside them (``Link.compute_share``: on a CPU
-  the collectives' copies and sums run on its cores), the compute stream pays that share of each.
+  started when the unit after it recomputes (the runtime's ``BackwardGathers``); the compute
+  stream waits for a gather at its first use, for the reduce-scatter before when it starts the
+  next (one in flight), and for the last at the end of backward. Where messages cost the compute
+  beside them (``Link.compute_share``: on a CPU the collectives' copies and sums run on its
+  cores), the compute stream pays that share of each.
 
 ``hidden`` = the step with every such collective blocking, less the timeline's step: the seconds
 the overlap saves (never more than those collectives' seconds). ``regather`` = the seconds of the
@@ -43,7 +44,7 @@ class Overlap:
 
 def copy_seconds(gp, cfg, nodes, e) -> tuple[float, float]:
     """(forward, backward) seconds of the collectives of the copy ``e`` makes, in the dtypes it
-    moves in (as ``readback._shared_seconds`` prices them)."""
+    moves in (0 for an edge into the graph's output)."""
     from autopar import precision
     from autopar.costs.reshard import reshard
     from autopar.lowering.graph import tensor_vals
@@ -126,7 +127,7 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
         if r is not None:
             region_fwd[r] = region_fwd.get(r, 0.0) + fwd[n]
             last_of_region[r] = n
-    recompute_at = {n: region_fwd[r] + 0.0 for r, n in last_of_region.items()}
+    recompute_at = {n: region_fwd[r] for r, n in last_of_region.items()}
     for u, r in again_region.items():
         at = last_of_region[r]
         if u not in again_point or pos[at] > pos[again_point[u]]:
