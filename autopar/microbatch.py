@@ -20,6 +20,18 @@ break it, and neither is left silent:
   of targets, and the mean of their means is not the full-batch mean. :func:`target_counter`
   rebuilds the target from the user inputs, and ``ParallelModule`` checks every step that each
   micro-batch counts the same number of targets, and stops with a clear error otherwise.
+
+**Micro-batches of one sample** (:func:`one_sample_capture`). ``torch.export`` specialises dims
+of size 1 (a broadcast it can see through, a view it folds), so a capture at one sample is not the
+plan's graph. The micro-batch graph is instead the model's graph at two and three samples (two
+captures that must have the plan's nodes), with every integer argument that differs between them
+carried to one sample along the line through the two (a view's ``[2, 16, 64]`` and
+``[3, 16, 64]`` give ``[1, 16, 64]``; ``2 * seq`` and ``3 * seq`` give ``seq``). That is the
+graph the plan priced, run on one sample: the general path, which is what the full batch
+computes. It is checked, not trusted: shapes are propagated through it at one sample (fake
+tensors) and every value's shape must lie on the same line; any other argument that depends on
+the batch (a float such as ``1 / batch``), a size that is not linear in it, or an op that cannot
+run on one sample (batch norm over a 1x1 map) is refused by name.
 """
 from __future__ import annotations
 
@@ -239,4 +251,113 @@ def loss_reduction(captured, micro=None) -> str | None:
     return kind(captured.loss_node)
 
 
-__all__ = ["training_batch_norms", "target_counter", "TargetCounter", "loss_reduction"]
+def one_sample_capture(capture_at, planned):
+    """The micro-batch graph at one sample (module docstring), from ``capture_at(b)`` (the
+    model's capture at ``b`` samples) and the plan's ``planned`` capture, whose nodes both
+    captures must have."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+    from torch._guards import detect_fake_mode
+    from torch.utils import _pytree as pytree
+
+    batch = next(int(v.shape[0]) for v in (n.meta.get("val") for n in planned.gm.graph.nodes
+                                             if n.name in set(planned.user_inputs))
+                 if isinstance(v, torch.Tensor) and v.dim() > 0)
+    two, three = capture_at(2), capture_at(3)
+    # A third point checks the line: the planned capture, or one at 4 samples.
+    far, check = (batch, planned) if batch >= 4 else (4, capture_at(4))
+    want = [(n.name, str(n.target)) for n in planned.gm.graph.nodes]
+    for b, cap in ((2, two), (3, three), (far, check)):
+        got = [(n.name, str(n.target)) for n in cap.gm.graph.nodes]
+        if got != want:
+            raise ValueError(f"the capture at {b} samples differs from the planned graph: the model's graph depends on "
+                             f"the batch size, so micro-batches of one sample cannot run it; use micro-batches of at "
+                             f"least 2 samples (fewer micro-batches)")
+
+    def refuse(node, why):
+        return ValueError(f"micro-batches of one sample cannot run this model: node {node.name} "
+                          f"({node.target}) {why}; use micro-batches of at least 2 samples (fewer micro-batches)")
+
+    def line(a, b):  # the value at one sample on the line through a (2 samples) and b (3)
+        return 2 * a - b
+
+    def on_line(a, b, c):  # c (at ``far`` samples) lies on that line
+        return c == a + (b - a) * (far - 2)
+
+    nodes2, nodes3 = list(two.gm.graph.nodes), list(three.gm.graph.nodes)
+    for n2, n3, nf in zip(nodes2, nodes3, check.gm.graph.nodes):
+        l2, spec2 = pytree.tree_flatten((n2.args, n2.kwargs))
+        l3, spec3 = pytree.tree_flatten((n3.args, n3.kwargs))
+        lf, specf = pytree.tree_flatten((nf.args, nf.kwargs))
+        if not spec2 == spec3 == specf:
+            raise refuse(n2, "has arguments of another structure at another batch size")
+        out, changed = [], False
+        for a, b, c in zip(l2, l3, lf):
+            if isinstance(a, fx.Node) or a == b == c:
+                out.append(a)
+                continue
+            if type(a) is not int or type(b) is not int or type(c) is not int:
+                raise refuse(n2, f"has an argument that depends on the batch and is not a size ({a!r} at 2 samples, "
+                                 f"{b!r} at 3, {c!r} at {far})")
+            v = line(a, b)
+            if v < 0 or not on_line(a, b, c):
+                raise refuse(n2, f"has an argument that is not linear in the batch ({a} at 2 samples, {b} at 3, "
+                                 f"{c} at {far})")
+            out.append(v)
+            changed = True
+        if changed:
+            n2.args, n2.kwargs = pytree.tree_unflatten(out, spec2)
+    two.gm.recompile()
+
+    # Shapes at one sample, checked against the line through 2 and 3 samples.
+    old2 = {n.name: n.meta.get("val") for n in nodes2}
+    old3 = {n.name: n.meta.get("val") for n in nodes3}
+    oldf = {n.name: n.meta.get("val") for n in check.gm.graph.nodes}
+    phs = [n for n in nodes2 if n.op == "placeholder"]
+    mode = detect_fake_mode([n.meta["val"] for n in phs if isinstance(n.meta.get("val"), torch.Tensor)])
+    inputs = []
+    with mode:
+        for n in phs:
+            v, w = old2[n.name], old3[n.name]
+            if isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(w.shape):
+                v = torch.empty([line(a, b) for a, b in zip(v.shape, w.shape)], dtype=v.dtype, device=v.device)
+            inputs.append(v)
+        try:
+            FakeTensorProp(two.gm, mode).propagate_dont_convert_inputs(*inputs)
+        except Exception as e:  # noqa: BLE001 - any op that cannot run on one sample
+            import re
+
+            at = re.search(r"While executing %(\w+)", str(e))
+            where = f" at node {at.group(1)}" if at else ""
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ValueError(f"micro-batches of one sample cannot run this model: it fails on one sample{where} "
+                             f"({type(e).__name__}: {first}); use micro-batches of at least 2 samples (fewer "
+                             f"micro-batches)") from e
+
+    def shapes(v):
+        return [tuple(int(d) for d in t.shape) for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor)]
+
+    for n in nodes2:
+        new, v, w = n.meta.get("val"), old2[n.name], old3[n.name]
+        if n.op == "output":  # export leaves the output without a value
+            if v is None:
+                n.meta.pop("val", None)
+            continue
+        s1, s2, s3, sf = shapes(new), shapes(v), shapes(w), shapes(oldf[n.name])
+        if not len(s1) == len(s2) == len(s3) == len(sf) or any(
+                not len(a) == len(b) == len(c) == len(d) or list(a) != [line(x, y) for x, y in zip(b, c)]
+                or not all(on_line(x, y, z) for x, y, z in zip(b, c, d))
+                for a, b, c, d in zip(s1, s2, s3, sf)):
+            raise refuse(n, f"has shape {s1} at one sample where its shapes at 2 and 3 samples ({s2}, {s3}) "
+                            f"give {[[line(x, y) for x, y in zip(b, c)] for b, c in zip(s2, s3)]}")
+        if s1 == s2:  # unchanged: keep export's value (its autograd flags)
+            n.meta["val"] = v
+            continue
+        if isinstance(new, torch.Tensor) and isinstance(v, torch.Tensor):
+            if v.requires_grad and new.is_floating_point() and not new.requires_grad:
+                new.requires_grad_(True)
+            n.meta["tensor_meta"] = _extract_tensor_metadata(new)
+    return two
+
+
+__all__ = ["training_batch_norms", "target_counter", "TargetCounter", "loss_reduction", "one_sample_capture"]

@@ -217,27 +217,3 @@ def validate_plan_for(captured, plan: Plan, *, graph_hash: bool = True) -> None:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise PlanError("the plan does not fit the model: " + "; ".join(problems[:3]) + more)
 
-
-def runtime_gaps(plan: Plan) -> list[str]:
-    """What ``ParallelModule`` cannot run yet of ``plan`` (empty: it runs): the planner searches
-    more than the runtime executes (micro-batches of one sample), and a plan is never run
-    half-understood."""
-    gaps = []
-    pipe = plan.pipeline
-    if (pipe is not None and len(pipe.stages) > 1) or getattr(plan, "accumulate", 1) > 1:
-        from autopar.planner.micro import MIN_MICRO_BATCH
-
-        size = plan.options.get("microbatch_size")
-        if isinstance(size, int) and size < MIN_MICRO_BATCH:
-            gaps.append(f"micro-batches of {size} sample(s): the runtime runs at least {MIN_MICRO_BATCH}")
-    return gaps
-
-
-def check_runnable(plan: Plan) -> None:
-    """Raise ``NotImplementedError`` naming what of ``plan`` the runtime cannot run yet."""
-    gaps = runtime_gaps(plan)
-    if gaps:
-        raise NotImplementedError("this plan cannot be run yet: " + "; ".join(gaps) + ". Plan it for the job's "
-                                  "own mesh (autopar.compile plans one the runtime runs), or price it with "
-                                  "autopar.plan() / `autopar plan` only")
-

@@ -16,9 +16,8 @@ gradients once after the last one):
   against ``m`` micro-batches of work), and its full seconds are kept in ``Built.step_edges`` for
   the pipeline's step time.
 
-The micro-batch must also be runnable: at least ``MIN_MICRO_BATCH`` samples (a batch of 1 makes
-``torch.export`` specialise size-1 dims, so the micro-batch capture no longer matches the plan's
-graph), and every sharded dim of an activation must divide at the micro-batch size. Which dims
+The micro-batch must also be runnable: every sharded dim of an activation must divide at the
+micro-batch size (a micro-batch may be one sample: ``autopar.microbatch.one_sample_capture``). Which dims
 carry the batch is not recorded in the graph; a dim whose global size is a multiple of the batch
 is taken to (``(batch, seq, hidden)``, ``(batch * seq, hidden)``, ``(3, batch, heads, seq, d)``):
 that is safe (a batch dim is always such a multiple) and at worst also checks a hidden dim that
@@ -32,10 +31,6 @@ from torch.distributed.tensor import Replicate
 from autopar import placement as pl
 from autopar.lowering.graph import tensor_vals
 from autopar.planner.build import _input_vals
-
-#: Fewest samples in one micro-batch (see the module docstring).
-MIN_MICRO_BATCH = 2
-
 
 def batch_size(gp) -> int | None:
     """The global batch: dim 0 of the first user input with a dim, or None."""
@@ -52,7 +47,7 @@ def microbatch_counts(batch: int | None, candidates) -> list[int]:
     """The counts of ``candidates`` that cut ``batch`` into equal micro-batches the runtime can run."""
     if batch is None:
         return []
-    return sorted({m for m in candidates if m >= 1 and batch % m == 0 and batch // m >= MIN_MICRO_BATCH})
+    return sorted({m for m in candidates if 1 <= m <= batch and batch % m == 0})
 
 
 def depends_on_inputs(gm, inputs: set[str]) -> set[str]:
@@ -86,9 +81,9 @@ class Micro:
         m, batch = int(cfg.micro_batches), batch_size(gp)
         if batch is None:
             raise ValueError("micro-batching needs a user input with a batch dim (dim 0); this graph has none")
-        if m < 1 or batch % m or batch // m < MIN_MICRO_BATCH:
-            raise ValueError(f"micro_batches={m} does not cut the batch of {batch} into equal micro-batches of at "
-                             f"least {MIN_MICRO_BATCH}; use a count in {microbatch_counts(batch, range(1, batch + 1))}")
+        if m < 1 or m > batch or batch % m:
+            raise ValueError(f"micro_batches={m} does not cut the batch of {batch} into equal micro-batches; use a "
+                             f"count in {microbatch_counts(batch, range(1, batch + 1))}")
         cap = gp.captured
         self.m, self.batch, self.mesh_shape = m, batch, tuple(cfg.mesh.shape)
         self.params = set(cap.params)

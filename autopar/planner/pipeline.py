@@ -1,8 +1,7 @@
 """Pipeline candidates: stages along one mesh axis, sharding solved on the other.
 
 For each mesh axis ``a`` of size ``p > 1`` and each micro-batch count ``m`` the runtime can run
-(``p``, ``2p``, ``4p``, ``8p`` that cut the batch into equal micro-batches of at least
-``micro.MIN_MICRO_BATCH``), the sharding ILP is solved on the 1-D sub-mesh of the other axis with
+(``p``, ``2p``, ``4p``, ``8p`` that cut the batch into equal micro-batches), the sharding ILP is solved on the 1-D sub-mesh of the other axis with
 every op priced at the micro-batch size (``Config.micro_batches``, ``autopar.planner.micro``: the
 kernel floor per op per micro-batch, activation collectives with ``1 / m`` of the bytes and their
 full latency, parameter gathers whole per micro-batch, gradient sums of replicated parameters
@@ -189,13 +188,13 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
         p = mesh.shape[axis]
         if p < 2 or len(units) < p:
             continue
-        if cfg.micro_choices:  # asked for by name (a layout): down to one sample per micro-batch
+        if cfg.micro_choices:  # asked for by name (a layout)
             counts = sorted({m for m in cfg.micro_choices if batch and batch % m == 0})
         else:
             counts = microbatch_counts(batch, tuple(k * p for k in per_stage))
         if not counts:
             errors[ci] = ValueError(f"no pipeline over axis {axis} of {tuple(mesh.shape)}: a batch of {batch} does "
-                                    f"not cut into {p} or more equal micro-batches of at least 2 samples; use a "
+                                    f"not cut into {p} or more equal micro-batches; use a "
                                     f"larger batch")
             continue
         pairs += [(k, -p, ci, m) for k, m in enumerate(counts)]

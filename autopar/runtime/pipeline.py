@@ -5,7 +5,9 @@ its placements shard over the other axis. Steps:
 
 1. **Micro-batch graph.** The plan was made for the global batch; every stage runs one
    micro-batch at a time, so the model is captured again at ``batch / microbatches`` and the
-   capture must have the same nodes (names and ops) as the plan's graph.
+   capture must have the same nodes (names and ops) as the plan's graph. At one sample per
+   micro-batch, the graph comes from captures at two and three samples
+   (:func:`autopar.microbatch.one_sample_capture`).
 2. **Per-rank graph** of that capture (``autopar.codegen.build`` on the sharding axis), every
    per-rank node tagged with the plan node it came from.
 3. **Split** by the stages: stage ``k`` gets its nodes, reads parameters, buffers and constants
@@ -71,7 +73,22 @@ def microbatch_capture(model: nn.Module, captured, microbatches: int, loss_fn=No
                              f"micro-batches; use a batch size divisible by the micro-batch count")
         return t[: t.shape[0] // microbatches]
 
-    args, kwargs, target = pytree.tree_map(cut, (args, kwargs, target))
+    small = pytree.tree_map(cut, (args, kwargs, target))
+    size = next((t.shape[0] for t in pytree.tree_leaves(small) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    if size == 1:
+        from autopar.microbatch import one_sample_capture
+
+        def at(b):  # the inputs' first b samples (repeated where the batch has fewer)
+            def take(t):
+                if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                    return t
+                return torch.cat([t] * -(-b // t.shape[0]))[:b]
+
+            a, k, tg = pytree.tree_map(take, (args, kwargs, target))
+            return capture(model, a, k, loss_fn=loss_fn, target=tg)
+
+        return one_sample_capture(at, captured)
+    args, kwargs, target = small
     cap = capture(model, args, kwargs, loss_fn=loss_fn, target=target)
     want = [(n.name, str(n.target)) for n in captured.gm.graph.nodes]
     got = [(n.name, str(n.target)) for n in cap.gm.graph.nodes]

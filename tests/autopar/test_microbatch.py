@@ -94,8 +94,8 @@ def test_zoo_losses_combine_as_means():
 
 def test_a_summed_loss_accumulates_as_a_sum():
     """Gradient accumulation of a loss that sums over the batch: the micro-batch losses and
-    gradients add up to the batch's (a mean of them would halve both); a loss of neither kind is
-    refused before any step."""
+    gradients add up to the batch's (a mean of them would halve both); a mean over micro-batches
+    of one sample is the batch's mean; a loss of neither kind is refused before any step."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -109,15 +109,17 @@ def test_a_summed_loss_accumulates_as_a_sum():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:
         dm = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-        for loss, ok in ((lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="sum"), True),
-                         (lambda o, t: o.mean(0).square().sum(), False)):
+        for loss, ok, m in ((lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="sum"), True, 2),
+                            (torch.nn.functional.cross_entropy, True, 8),  # 8 micro-batches of one sample
+                            (lambda o, t: o.mean(0).square().sum(), False, 2)):
             ex = cases.example("mlp")
             model = ex.model
             ref_model = __import__("copy").deepcopy(model)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 plan = autopar.plan(model, Mesh((1,), cluster="cpu"), ex.args, loss_fn=loss, target=ex.target,
-                                    layout={"microbatches": 2})
+                                    layout={"microbatches": m})
+            assert plan.accumulate == m and plan.options["microbatch_size"] == ex.args[0].shape[0] // m
             cap = cases.capture(type(ex)(**{**ex.__dict__, "loss_fn": loss}))
             if not ok:
                 with pytest.raises(ValueError, match="neither a mean nor a sum"):
@@ -133,3 +135,77 @@ def test_a_summed_loss_accumulates_as_a_sum():
                 assert cases.rel_err(grads[name], p.grad) < 1e-5, name
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- one sample per micro-batch
+def _first_sample(ex):
+    from torch.utils import _pytree as pytree
+
+    from profiler.capture import dealias_inputs
+
+    def first(t):
+        return t[:1] if isinstance(t, torch.Tensor) and t.dim() else t
+
+    a, k, t = pytree.tree_map(first, (ex.args, ex.kwargs, ex.target))
+    return dealias_inputs(tuple(a), dict(k), t)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5", "mixtral"])
+def test_the_one_sample_graph_computes_the_models_loss_on_one_sample(name):
+    """``torch.export`` specialises a batch of 1, so the one-sample graph is the general graph
+    with its sizes carried to one sample: it has the planned nodes, and run on one sample it gives
+    the eager model's loss on that sample, bit for bit."""
+    from autopar.microbatch import loss_reduction
+    from autopar.runtime.pipeline import microbatch_capture
+
+    ex, cap = _captured(name, batch=4)
+    one = microbatch_capture(ex.model, cap, 4, ex.loss_fn)
+    assert [(n.name, n.target) for n in one.gm.graph.nodes] == [(n.name, n.target) for n in cap.gm.graph.nodes]
+    ids = next(n for n in one.gm.graph.nodes if n.name == one.user_inputs[0])
+    assert ids.meta["val"].shape[0] == 1
+    assert loss_reduction(cap, one) == "mean"
+    args, kwargs, target = _first_sample(ex)
+    with torch.no_grad():
+        got = one.ep.module()(args, kwargs, target)
+        out = ex.model(*args, **kwargs)
+        want = ex.loss_fn(out, target) if ex.loss_fn is not None else out.loss
+    assert torch.equal(got, want)
+
+
+class _Scaled(torch.nn.Module):
+    """A loss scaled by a number computed from the batch size in Python."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.lin, self.scale = torch.nn.Linear(8, 4), scale
+
+    def forward(self, x):
+        return self.lin(x).square().sum() / self.scale(x.shape[0])
+
+
+@pytest.mark.parametrize("scale,why", [
+    (lambda b: b, None),                                            # linear in the batch: carried to 1
+    (lambda b: b * b + 4, "not linear in the batch"),                # 8, 13, 20: no line through them
+    (lambda b: b * 0.5, "depends on the batch and is not a size"),   # a float
+])
+def test_batch_dependent_arguments_are_carried_or_refused(scale, why):
+    from autopar.runtime.pipeline import microbatch_capture
+    from profiler.capture import capture
+
+    model, x = _Scaled(scale), torch.randn(4, 8)
+    cap = capture(model, (x,))
+    if why is None:
+        one = microbatch_capture(model, cap, 4)
+        with torch.no_grad():
+            assert torch.equal(one.ep.module()((x[:1],), {}, None), model(x[:1]))
+        return
+    with pytest.raises(ValueError, match=why):
+        microbatch_capture(model, cap, 4)
+
+
+def test_an_op_that_cannot_run_on_one_sample_is_refused_by_name():
+    from autopar.runtime.pipeline import microbatch_capture
+
+    ex, cap = _captured("resnet", batch=4)  # layer4's batch norm sees one value per channel
+    with pytest.raises(ValueError, match="fails on one sample at node batch_norm"):
+        microbatch_capture(ex.model, cap, 4, ex.loss_fn)

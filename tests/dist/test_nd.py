@@ -6,7 +6,8 @@ is within 10% of the plan's prediction for that rank (a pipeline rank: its stage
 The plans are the planner's (``autopar.plan(..., layout=...)``): pp x dp x tp on a mesh named
 ("pp", "dp", "tp"); the same laid over a physical (2, 4) mesh (``ParallelModule`` reshapes the
 job's DeviceMesh); ZeRO-1 and ZeRO-2 with and without a pipeline; a DCP checkpoint moving between a 3D ZeRO-1
-plan and a flat ZeRO-2 one; padding that would make micro-batch means differ stops the pipeline.
+plan and a flat ZeRO-2 one; a pipeline of micro-batches of one sample; padding that would make
+micro-batch means differ stops the pipeline.
 One pool of 8 processes serves every case (about 20 s to start on 2 cores).
 """
 from __future__ import annotations
@@ -35,6 +36,8 @@ CASES = {
     # Expert parallelism: Mixtral's 4 experts (top-2) split over 2 and over 4 ranks.
     "mixtral dp4 x ep2 over (8,)": ("mixtral", (8,), None, {"dp": 4, "ep": 2}),
     "mixtral ep4 x tp2": ("mixtral", (4, 2), ("ep", "tp"), {"ep": 4, "tp": 2}),
+    # A pipeline of micro-batches of one sample (the general graph carried to one sample).
+    "gpt2 pp2 x tp4 one sample per micro-batch": ("gpt2", (2, 4), ("pp", "tp"), {"pp": 2, "tp": 4, "microbatches": 8}),
     # Gradient accumulation of flat plans: the batch of 8 as 2 micro-batches of 4.
     "gpt2 dp4 x tp2 accumulating 2": ("gpt2", (8,), None, {"dp": 4, "tp": 2, "microbatches": 2}),
     "llama dp4 zero-2 x tp2 accumulating 2": ("llama", (8,), None, {"dp": 4, "tp": 2, "zero": 2, "microbatches": 2}),
@@ -124,6 +127,8 @@ def _trains_like_one_device(pool8, label, case):
     if layout.get("pp"):
         pipe = plan.pipeline
         assert pipe is not None and len(pipe.stages) == layout["pp"] * (pipe.virtual_stages or 1)
+        if layout.get("microbatches"):
+            assert pipe.microbatches == layout["microbatches"]
     if layout.get("microbatches") and not layout.get("pp"):
         assert plan.accumulate == layout["microbatches"] and plan.pipeline is None
     assert plan.reshard_after_forward is bool(layout.get("reshard_after_forward"))
