@@ -12,6 +12,8 @@ out, such as which layers recompute, are searched, so each is the best plan of i
 
 - ``ddp``: ``{"dp": N}``, DDP; ``zero1``: ``{"dp": N, "zero": 1}``, ZeRO-1 data parallelism
   (optimizer state split; Megatron's distributed optimizer); ``fsdp``: ``{"dp": N, "zero": 3}``;
+  ``hsdp``: ``{"dp": N, "dp_shard": G}`` with G the inner axis (at most 8): FSDP inside a node,
+  replicated across nodes;
 - ``megatron``: Megatron TP x DP, ``{"pp": 1, "tp": T, "dp": N / T}`` with T the inner axis
   (at most 8): column/row-parallel linears on the tp axis, weights read as stored;
 - ``meg-3d``: Megatron 3D, ``{"tp": T}`` with pp and dp searched (pipelines over a factor of the
@@ -21,7 +23,7 @@ out, such as which layers recompute, are searched, so each is the best plan of i
 
 Megatron's sequence parallelism is not a separate baseline: the ``megatron`` layout's search may
 split the norms' and dropouts' rows between the TP regions, and the ``SP`` column says whether its
-optimum does. HSDP is not a layout yet.
+optimum does.
 
 The figure a row is judged by is RATIO = best baseline / autopar (>= 1: the search is at least as
 good as every hand-written family). Where a pipeline wins, RATIO only says that the pipeline
@@ -66,7 +68,7 @@ MODELS = {
 }
 MESHES = [(2, 4), (4, 8), (8, 8)]
 CLUSTERS = {"a100": "80GiB", "h100": "80GiB", "pcie": "40GiB"}
-FLAT = ("ddp", "zero1", "fsdp", "megatron", "atp-col", "atp-row")
+FLAT = ("ddp", "zero1", "fsdp", "hsdp", "megatron", "atp-col", "atp-row")
 BASELINES = [*FLAT, "meg-3d", "pp-tp"]
 
 
@@ -75,6 +77,7 @@ def baseline(name: str, mesh: Mesh) -> dict:
     n, inner = mesh.size, min(mesh.shape[-1], 8)
     return {"ddp": dict(layout={"dp": n, "zero": 0}), "zero1": dict(layout={"dp": n, "zero": 1}),
             "fsdp": dict(layout={"dp": n, "zero": 3}),
+            "hsdp": dict(layout={"dp": n, "dp_shard": inner}),
             "megatron": dict(layout={"pp": 1, "tp": inner, "dp": n // inner, "zero": 0}),
             "meg-3d": dict(layout={"tp": inner, "zero": 0}),
             "atp-col": dict(force="atp-col-first", pipeline=False),

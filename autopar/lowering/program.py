@@ -652,7 +652,7 @@ def lower(captured, choice: Mapping, mesh, *, params: Mapping | None = None, dty
     low.stage_of, low.choice, low.recompute_map = stages or {}, choice, recompute
     regions = low.regions()
     edges, copies = _place(raw, regions, low.stage_of)
-    fetch = prefetches(captured, edges, copies, params_, regions, low.shape) if not low.stage_of else {}
+    fetch = prefetches(captured, edges, copies, params_, regions, low.shape, buckets) if not low.stage_of else {}
     return Lowered(mesh_shape=low.shape, outputs=low.out_pl, edges=edges, copies=copies, params=params_,
                    buckets=buckets, regions=regions, stages=dict(stages or {}), prefetch=fetch, placer=low)
 
@@ -668,11 +668,12 @@ def unit_key(node) -> str:
 
 
 def prefetches(captured, edges: list[Edge], copies: list[Copy], params: Mapping[str, Param], regions: Mapping,
-               mesh_shape) -> dict[int, Prefetch]:
+               mesh_shape, buckets: list[Bucket] = ()) -> dict[int, Prefetch]:
     """The :class:`Prefetch` of every copy that gathers a parameter by all-gathers along one dim
     (one per axis: run as one over the axes together) and hands its gradient back by the matching
-    reduce-scatters, whose gradient is whole afterwards (no bucket): FSDP's forward prefetch, one
-    unit (a layer) ahead."""
+    reduce-scatters: FSDP's forward prefetch, one unit (a layer) ahead. The reduced shard is then
+    whole (no bucket), or Partial on other axes only and all-reduced there by its bucket (HSDP:
+    sharded in a group, replicated across groups; not a ZeRO-2 bucket)."""
     nodes = {n.name: n for n in captured.gm.graph.nodes}
     pos = {name: i for i, name in enumerate(nodes)}
     start_of_region: dict[int, str] = {}
@@ -682,11 +683,13 @@ def prefetches(captured, edges: list[Edge], copies: list[Copy], params: Mapping[
     for c in copies:
         e = edges[c.edges[0]]
         p = params.get(e.producer) if e.param else None
-        if p is None or p.bucket is not None:
+        if p is None:
             continue
         fwd = [s for s in e.forward if s.kind != "noop" and mesh_shape[s.axis] > 1]
         bwd = [s for s in e.backward if s.kind != "noop" and mesh_shape[s.axis] > 1]
         axes = sorted(s.axis for s in fwd)
+        if p.bucket is not None and (buckets[p.bucket].scatter or set(buckets[p.bucket].axes) & set(axes)):
+            continue
         if (not fwd or any(s.kind != "all_gather" or s.dim != fwd[0].dim for s in fwd)
                 or len(set(axes)) != len(axes) or not _gathers_in_row_major(e.src, axes, fwd[0].dim)):
             continue

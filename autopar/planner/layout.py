@@ -20,8 +20,12 @@ model as its own. Keys left out are searched.
                    the TP group between them (or split by rows where that pays: sequence parallelism)
 ``zero``           0 (DDP); 1 (optimizer state split over ``dp``: ZeRO-1, Megatron's distributed
                    optimizer); 2 (and the reduced gradients); 3 (parameters, gradients and
-                   optimizer state sharded over ``dp``: FSDP/ZeRO-3). (HSDP, sharded inside a node
-                   and replicated across, is not a layout yet.)
+                   optimizer state sharded over ``dp``: FSDP/ZeRO-3)
+``dp_shard``       HSDP: with ``zero`` 3 (the default when it is given), parameters sharded over groups
+                   of ``dp_shard`` ranks inside ``dp`` and replicated across the ``dp / dp_shard``
+                   groups (torchtitan's ``data_parallel_shard_degree``; FSDP2's 2-D mesh): gathers
+                   and reduce-scatters stay in a group (a node), gradients are then all-reduced
+                   across groups. ``dp_shard == dp`` is FSDP.
 ``reshard_after_forward`` with ``zero`` 3: gathered weights freed after the forward and gathered again
                    in backward (FSDP's default; single-stage plans)
 ``recompute``      ``"full"`` (every layer), ``"none"``, or left out (the search chooses per layer)
@@ -32,7 +36,8 @@ model as its own. Keys left out are searched.
 =================  ==================================================================================
 
 The layout's degrees multiply to the mesh's device count. The logical mesh is
-``(pp, dp, ep, cp, tp)`` in row-major order (torchtitan's order) (tensor parallelism innermost, so on 8-GPU nodes ``tp <= 8``
+``(pp, dp, ep, cp, tp)`` in row-major order (torchtitan's order; under HSDP ``dp`` is two axes,
+``dp_replicate`` then ``dp_shard``) (tensor parallelism innermost, so on 8-GPU nodes ``tp <= 8``
 stays inside a node), axes of size 1 left out, with the links of the cluster preset by the
 row-major rule of :class:`autopar.mesh.Mesh`. Missing degrees: every completion whose product is
 the device count is planned and the fastest returned (``tp`` only up to the GPUs of a node).
@@ -43,7 +48,7 @@ import dataclasses
 import math
 from typing import Any
 
-KEYS = ("pp", "dp", "ep", "cp", "tp", "zero", "reshard_after_forward", "recompute", "microbatches", "schedule", "virtual_stages")
+KEYS = ("pp", "dp", "dp_shard", "ep", "cp", "tp", "zero", "reshard_after_forward", "recompute", "microbatches", "schedule", "virtual_stages")
 RECOMPUTE = ("full", "none")
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 
@@ -54,6 +59,7 @@ class Layout:
 
     pp: int | None = None
     dp: int | None = None
+    dp_shard: int | None = None
     ep: int | None = None
     cp: int | None = None
     tp: int | None = None
@@ -78,13 +84,22 @@ def parse(layout: Any) -> Layout:
     if unknown:
         extra = ""
         raise ValueError(f"unknown layout key {unknown[0]!r}{extra}; valid keys: {', '.join(KEYS)}")
-    for k in ("pp", "dp", "ep", "cp", "tp", "microbatches", "virtual_stages"):
+    for k in ("pp", "dp", "dp_shard", "ep", "cp", "tp", "microbatches", "virtual_stages"):
         v = layout.get(k)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"layout[{k!r}] must be a positive int, got {v!r}")
     zero = layout.get("zero")
     if zero is not None and zero not in (0, 1, 2, 3):
         raise ValueError(f"layout['zero'] must be 0, 1, 2 or 3, got {zero!r}")
+    shard = layout.get("dp_shard")
+    if shard is not None:
+        if zero not in (None, 3):
+            raise ValueError(f"layout: dp_shard shards the parameters over part of dp (HSDP, ZeRO-3 inside each "
+                             f"group): give zero=3 or leave zero out, got zero={zero!r}")
+        if layout.get("dp") is not None and layout["dp"] % shard:
+            raise ValueError(f"layout: dp_shard={shard} does not divide dp={layout['dp']}: the replicated groups "
+                             f"must be equal")
+        layout, zero = {**layout, "zero": 3}, 3
     raf = layout.get("reshard_after_forward")
     if raf is not None and not isinstance(raf, bool):
         raise ValueError(f"layout['reshard_after_forward'] must be True or False, got {raf!r}")
@@ -119,23 +134,25 @@ def completions(lay: Layout, size: int, gpus_per_node: int | None) -> list[tuple
             if size % (pp * tp * cp * ep):
                 continue
             dp = size // (pp * tp * cp * ep)
-            if lay.dp is not None and dp != lay.dp:
+            if (lay.dp is not None and dp != lay.dp) or (lay.dp_shard is not None and dp % lay.dp_shard):
                 continue
             out.append((pp, dp, ep, cp, tp))
     if not out:
-        given = {k: v for k, v in (("pp", lay.pp), ("dp", lay.dp), ("ep", lay.ep), ("cp", lay.cp), ("tp", lay.tp))
-                 if v is not None}
+        given = {k: v for k, v in (("pp", lay.pp), ("dp", lay.dp), ("ep", lay.ep), ("cp", lay.cp), ("tp", lay.tp),
+                                   ("dp_shard", lay.dp_shard)) if v is not None}
         raise ValueError(f"layout {given} does not multiply to the mesh's {size} devices: "
-                         f"pp x dp x ep x cp x tp must equal {size}")
+                         f"pp x dp x ep x cp x tp must equal {size}"
+                         + (" with dp a multiple of dp_shard" if lay.dp_shard is not None else ""))
     return out
 
 
-def logical_mesh(mesh, pp: int, dp: int, ep: int, cp: int, tp: int):
+def logical_mesh(mesh, pp: int, dp: int, ep: int, cp: int, tp: int, dp_shard: int | None = None):
     """The ``(pp, dp, ep, cp, tp)`` mesh of ``mesh``'s devices (size-1 axes left out; at least one
-    axis), and the role of each of its axes."""
+    axis; ``dp`` as ``(dp_replicate, dp_shard)`` under HSDP), and the role of each of its axes."""
     from autopar.mesh import Mesh
 
-    zero_axes = [(n, name) for n, name in ((pp, "pp"), (dp, "dp"), (ep, "ep"), (cp, "cp"), (tp, "tp"))
+    dps = ((dp // dp_shard, "dp_replicate"), (dp_shard, "dp_shard")) if hsdp(dp, dp_shard) else ((dp, "dp"),)
+    zero_axes = [(n, name) for n, name in ((pp, "pp"), *dps, (ep, "ep"), (cp, "cp"), (tp, "tp"))
                  if n > 1] or [(1, "dp")]
     shape = tuple(n for n, _ in zero_axes)
     names = tuple(name for _, name in zero_axes)
@@ -148,9 +165,16 @@ def logical_mesh(mesh, pp: int, dp: int, ep: int, cp: int, tp: int):
     return logical
 
 
+def hsdp(dp: int, dp_shard: int | None) -> bool:
+    """Whether ``dp`` splits into replicated groups of ``dp_shard`` sharded ranks (both > 1)."""
+    return dp_shard is not None and 1 < dp_shard < dp
+
+
 def family(roles: tuple[str, ...], zero: int | None) -> str:
-    """The ``roles:`` family of the sharding axes (``pp`` left out): dp becomes fsdp under ZeRO-3."""
-    out = [("fsdp" if zero == 3 else "dp") if r == "dp" else r for r in roles if r != "pp"]
+    """The ``roles:`` family of the sharding axes (``pp`` left out): dp becomes fsdp under ZeRO-3;
+    under HSDP ``dp_replicate`` is dp and ``dp_shard`` fsdp."""
+    role = {"dp": "fsdp" if zero == 3 else "dp", "dp_replicate": "dp", "dp_shard": "fsdp"}
+    out = [role.get(r, r) for r in roles if r != "pp"]
     return "roles:" + ",".join(out)
 
 
@@ -158,7 +182,9 @@ def describe(pp: int, dp: int, ep: int, cp: int, tp: int, lay: Layout) -> str:
     parts = []
     if pp > 1:
         parts.append(f"pp({pp})")
-    if dp > 1:
+    if hsdp(dp, lay.dp_shard):
+        parts.append(f"dp({dp // lay.dp_shard}) x fsdp({lay.dp_shard})")
+    elif dp > 1:
         parts.append(f"{'fsdp' if lay.zero == 3 else 'dp'}({dp})" + (f" zero-{lay.zero}" if lay.zero in (1, 2) else ""))
     if ep > 1:
         parts.append(f"ep({ep})")

@@ -46,7 +46,7 @@ def plan_layout(gp, cfg: Config, layout) -> Plan:
     for pp, dp, ep, cp, tp in L.completions(lay, cfg.mesh.size, cfg.mesh.gpus_per_node):
         if pp == 1 and (lay.schedule or lay.virtual_stages not in (None, 1)):
             continue  # a schedule names a pipeline
-        mesh = L.logical_mesh(cfg.mesh, pp, dp, ep, cp, tp)
+        mesh = L.logical_mesh(cfg.mesh, pp, dp, ep, cp, tp, lay.dp_shard)
         c = dataclasses.replace(cfg, mesh=mesh, family=L.family(mesh.axis_names, lay.zero),
                                 zero=lay.zero if lay.zero in (1, 2) else 0,
                                 reshard_after_forward=bool(lay.reshard_after_forward),

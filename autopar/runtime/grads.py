@@ -17,7 +17,11 @@ need one sum each, as DDP does:
   (pipeline micro-batches) are flattened then, summed and copied back into ``.grad``.
 
 Parameters stored sharded (ZeRO-3) need no work here: their all-gather in forward has a
-reduce-scatter as its backward (``autopar.codegen``), which leaves ``.grad`` as a shard.
+reduce-scatter as its backward (``autopar.codegen``), which leaves ``.grad`` as a shard. Under
+HSDP that shard is still Partial across the replicated groups and has a bucket; when its
+reduce-scatter runs asynchronously (``autopar.runtime.prefetch``) autograd fires the hook with no
+gradient (ignored) and the prefetch fires it again with the shard; :meth:`GradSync.finish` first
+waits for any still in flight.
 ZeRO-1/2 (:mod:`autopar.zero`): the reduced gradient of a compute copy becomes its optimizer
 shard's ``.grad``. Buckets of ZeRO-2 parameters whose gradient is Partial on all their
 replicating axes are *reduce-scattered* when complete (synchronously, so that only the shard
@@ -41,6 +45,7 @@ from torch.distributed.tensor.placement_types import Placement
 from autopar.lowering import GRAD_BUCKET_BYTES
 from autopar.lowering.program import fill_buckets
 from autopar.runtime.collectives import _chunk, run_collective
+from autopar.runtime.prefetch import drain, in_flight
 from autopar.zero import chunk_index
 
 
@@ -163,6 +168,8 @@ class GradSync:
         b = self._of.get(id(p))
         if b is None:  # a ZeRO parameter without a reduction: sliced in finish()
             return
+        if p.grad is None and in_flight(p):
+            return  # autograd handed it nothing: its shard comes with its reduce-scatter (and this hook)
         if b.scatter is not None:  # ZeRO-2: the split gradient goes into the rank-major buffer
             self._scatter_fill(b, p)
             return
@@ -289,7 +296,9 @@ class GradSync:
     def finish(self, force: bool = False) -> None:
         """Complete every bucket: launch the ones not launched, sum over the remaining axes, and
         write the sums back into ``.grad``. Does nothing when no gradient arrived since the last
-        call, unless ``force`` (hooks disabled: pipeline micro-batches)."""
+        call, unless ``force`` (hooks disabled: pipeline micro-batches). Reduce-scatters still in
+        flight (``autopar.runtime.prefetch``) are waited for first: their shards join their buckets."""
+        drain()
         self._queued = False
         if not (self._active or force):
             return

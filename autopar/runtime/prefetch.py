@@ -13,7 +13,9 @@ Backward: the gather's gradient, a reduce-scatter, is started asynchronously
 (:func:`reduce_async`) and the parameter gets no gradient from autograd; the sum arrives in
 ``.grad`` when the reduce-scatter is waited for: when the next one starts (one is in flight at a
 time, so one full-size gradient outlives its op's backward, as the planner's replay counts it),
-and at the end of backward (an autograd engine callback) for the last. The numbers are those of
+and at the end of backward (an autograd engine callback) for the last; its post-accumulate hooks
+then run, as after autograd's accumulation (HSDP: the shard's bucket all-reduces it across the
+replicated groups). The numbers are those of
 the synchronous collectives: the same collectives on the same tensors, only waited for later.
 """
 from __future__ import annotations
@@ -151,6 +153,10 @@ class _InFlight:
                 param.grad = g
             else:
                 param.grad.add_(g)
+            # What autograd's accumulation would do next: the parameter's post-accumulate hooks
+            # (HSDP: its gradient bucket, which all-reduces the shard across the replicas).
+            for hook in tuple((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
+                hook(param)
 
     @classmethod
     def flush(cls) -> None:
@@ -182,6 +188,19 @@ def reduce_async(param: torch.Tensor, grad: torch.Tensor, axes: tuple[int, ...],
     if _InFlight.queued != task:
         torch.autograd.Variable._execution_engine.queue_callback(_InFlight.flush)
         _InFlight.queued = task
+
+
+def drain() -> None:
+    """Wait now for the reduce-scatters this backward left in flight (``GradSync.finish`` calls it
+    first, so that their shards reach their buckets); those of a backward that raised are dropped."""
+    task = torch._C._current_graph_task_id()
+    _InFlight.pending = [it for it in _InFlight.pending if it[0] == task]
+    _InFlight.wait()
+
+
+def in_flight(param) -> bool:
+    """Whether a reduce-scatter of ``param``'s gradient is started and not yet waited for."""
+    return any(it[2] is param for it in _InFlight.pending)
 
 
 def pending() -> int:

@@ -166,7 +166,7 @@ def test_megatron_tp_reads_every_weight_as_stored(name):
 
 
 def test_layouts_reproduce_the_published_shapes():
-    """Megatron TP x DP, Megatron 3D and FSDP layouts give plans of those shapes."""
+    """Megatron TP x DP, Megatron 3D, FSDP and HSDP layouts give plans of those shapes."""
     gp = _gp("gpt2", batch=32)
     phys = Mesh((4, 8), cluster="a100")
     tpdp = _plan(gp, phys, layout={"pp": 1, "dp": 8, "tp": 4, "recompute": "full"})
@@ -180,6 +180,14 @@ def test_layouts_reproduce_the_published_shapes():
     assert fsdp.mesh["shape"] == [32] and fsdp.options["family"] == "fsdp(32)"
     sharded = [p for p in fsdp.params.values() if "S(" in p]
     assert len(sharded) > len(fsdp.params) // 2  # the matrices and the divisible vectors
+    # HSDP: sharded in groups of 8 (a node), replicated across the 4 nodes; its gathers cross no
+    # node boundary, so they cost less than FSDP's over 32.
+    hsdp = _plan(gp, phys, layout={"dp": 32, "dp_shard": 8})
+    assert hsdp.mesh["shape"] == [4, 8] and hsdp.mesh["axis_names"] == ["dp_replicate", "dp_shard"]
+    assert hsdp.options["family"] == "dp(4) x fsdp(8)" and hsdp.options["layout"]["zero"] == 3
+    assert all(p in ("RR", "RS(0)") for p in hsdp.params.values()) and \
+        sum(p == "RS(0)" for p in hsdp.params.values()) == len(sharded)
+    assert hsdp.breakdown["reshard"] < fsdp.breakdown["reshard"] and hsdp.step_time < fsdp.step_time
     searched = _plan(gp, phys, layout={"tp": 8})  # pp and dp searched
     assert searched.options["layout"]["tp"] == 8 and math.prod(searched.mesh["shape"]) == 32
 
@@ -195,6 +203,8 @@ def test_layouts_reproduce_the_published_shapes():
     ({"recompute": "some"}, "recompute"),
     ({"schedule": "zb-v"}, "schedule"),
     ({"dp": 0}, "positive int"),
+    ({"dp": 8, "dp_shard": 4, "zero": 1}, "give zero=3"),
+    ({"dp": 8, "dp_shard": 3}, "does not divide dp=8"),
 ])
 def test_bad_layouts_are_named(layout, match):
     gp = _gp("gpt2", batch=16)

@@ -6,7 +6,7 @@ is within 10% of the plan's prediction for that rank (a pipeline rank: its stage
 The plans are the planner's (``autopar.plan(..., layout=...)``): pp x dp x tp on a mesh named
 ("pp", "dp", "tp"); the same laid over a physical (2, 4) mesh (``ParallelModule`` reshapes the
 job's DeviceMesh); ZeRO-1 and ZeRO-2 with and without a pipeline; a DCP checkpoint moving between a 3D ZeRO-1
-plan and a flat ZeRO-2 one; a pipeline of micro-batches of one sample; padding that would make
+plan and a flat ZeRO-2 one; HSDP; a pipeline of micro-batches of one sample; padding that would make
 micro-batch means differ stops the pipeline.
 One pool of 8 processes serves every case (about 20 s to start on 2 cores).
 """
@@ -41,6 +41,9 @@ CASES = {
     # Gradient accumulation of flat plans: the batch of 8 as 2 micro-batches of 4.
     "gpt2 dp4 x tp2 accumulating 2": ("gpt2", (8,), None, {"dp": 4, "tp": 2, "microbatches": 2}),
     "llama dp4 zero-2 x tp2 accumulating 2": ("llama", (8,), None, {"dp": 4, "tp": 2, "zero": 2, "microbatches": 2}),
+    # HSDP: ZeRO-3 inside groups of 4 ranks, replicated across 2 (prefetched gathers and
+    # reduce-scatters in the group, then the shards all-reduced across the groups by bucket).
+    "llama hsdp dp2 x fsdp4": ("llama", (8,), None, {"dp": 8, "dp_shard": 4, "zero": 3}),
     # FSDP's reshard after forward: ZeRO-3 weights gathered again in backward.
     "gpt2 fsdp8 reshard after forward": ("gpt2", (8,), None, {"dp": 8, "zero": 3, "reshard_after_forward": True,
                                                               "recompute": "none"}),
@@ -123,6 +126,7 @@ def _trains_like_one_device(pool8, label, case):
     name, layout = case[0], case[3]
     plan = _plan(label)
     degrees = sum(1 for k in ("pp", "dp", "ep", "cp", "tp") if layout.get(k, 1) > 1)
+    degrees += 1 < layout.get("dp_shard", 1) < layout.get("dp", 1)  # HSDP: dp is two axes
     assert len(plan.mesh["shape"]) == degrees and plan.zero == (layout.get("zero", 0) if layout.get("zero") != 3 else 0)
     if layout.get("pp"):
         pipe = plan.pipeline
