@@ -98,6 +98,8 @@ def plan_profile(gp, mesh, *, options: PlanOptions | None = None, **kwargs) -> P
     cfg.zero = 0 if zero == "auto" else int(zero)
     from autopar.microbatch import loss_reduction, training_batch_norms
 
+    # Micro-batches (pipelines, accumulation) compute the batch's numbers (autopar.microbatch).
+    micro_ok = not training_batch_norms(gp.captured.gm) and loss_reduction(gp.captured) is not None
     if pipeline == "auto" and not named_pp and training_batch_norms(gp.captured.gm):
         # Micro-batches would normalise with their own statistics (autopar.microbatch): pipelines
         # only when asked for.
@@ -112,6 +114,13 @@ def plan_profile(gp, mesh, *, options: PlanOptions | None = None, **kwargs) -> P
         # and gradients of the replicated parameters too (ZeRO-2; same seconds in the cost model,
         # less memory), and keep whichever plan is faster.
         candidates += search_candidates(gp, dataclasses.replace(cfg, zero=2), force, pipeline, every, named_pp)
+    if budget is not None and force != "pp-tp" and not named_pp and micro_ok and memory_binds(candidates):
+        # Gradient accumulation: one micro-batch of activations at a time instead of recomputing
+        # (the fewest micro-batches that fit; ZeRO-2 where ZeRO is searched, as just above).
+        from autopar.planner.accumulate import accumulate_candidates
+
+        candidates += accumulate_candidates(gp, dataclasses.replace(cfg, zero=2 if zero == "auto" else cfg.zero,
+                                                                    checkpoint_every=every))
     if (force == "pp-tp" or named_pp) and not any(isinstance(c, Plan) for c in candidates):
         why = "; ".join(str(c) for c in candidates if isinstance(c, Exception))
         if candidates and all(isinstance(c, InfeasibleBudget) for c in candidates):

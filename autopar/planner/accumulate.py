@@ -14,6 +14,10 @@ a micro-batch's seconds plus the gradient sums once, unoverlapped (they run afte
 backward), and the peak is the replay of ``m`` micro-batches one at a time
 (``autopar.planner.stage_memory.pipeline_peaks`` with one stage under 1F1B: one micro-batch's
 activations live at a time, gradients accumulate in place, then the buckets are reduced).
+
+The free search tries it where the memory budget binds (:func:`accumulate_candidates`): the
+fewest micro-batches (2, 4, 8, ... down to one sample) whose plan fits, as a candidate beside the
+flat plan (which recomputes to fit) and the pipelines.
 """
 from __future__ import annotations
 
@@ -22,6 +26,36 @@ import dataclasses
 import solver
 from autopar.plan import InfeasibleBudget, Pipeline
 from autopar.planner.build import Config
+
+
+#: Micro-batch counts the free search tries, fewest first.
+COUNTS = (2, 4, 8, 16, 32, 64)
+
+
+def accumulate_candidates(gp, cfg: Config) -> list:
+    """Accumulated plans for the free search where the budget binds: for each count of
+    :data:`COUNTS` that cuts the batch, fewest first, its plan (``solve_accumulated``) until one
+    fits; a count whose micro-batch some op cannot split ends the list (larger counts split less)."""
+    from autopar.plan import Plan
+    from autopar.planner.labels import axes_label, axis_roles
+    from autopar.planner.micro import batch_size
+
+    batch = batch_size(gp)
+    out = []
+    for m in COUNTS:
+        if not batch or m > batch or batch % m:
+            continue
+        try:
+            got = solve_accumulated(gp, cfg, m)
+        except ValueError as err:
+            out.append(err)
+            break
+        out.append(got)
+        if isinstance(got, Plan):
+            roles = axis_roles(gp.captured, got.nodes, got.params, cfg.mesh.ndim)
+            got.options["family"] = f"{axes_label(roles, cfg.mesh.shape)} accumulating {m}"
+            break
+    return out
 
 
 def solve_accumulated(gp, cfg: Config, m: int):

@@ -15,7 +15,7 @@ import pytest
 import profiler
 from autopar import zoo
 from autopar.mesh import Mesh
-from autopar.plan import Plan, PlanError
+from autopar.plan import InfeasibleBudget, Plan, PlanError
 from autopar.planner import plan_profile
 
 GiB = 2 ** 30
@@ -70,3 +70,39 @@ def test_the_plan_file_keeps_the_micro_batch_count():
 
     with pytest.raises(PlanError, match="accumulate"):
         Plan.from_json(json.dumps(bad))
+
+
+def test_the_free_search_accumulates_where_nothing_else_fits():
+    """Under a budget no single-stage plan of the whole batch meets (with recomputation), the
+    free search runs the batch as accumulated micro-batches, the fewest that fit."""
+    from autopar.plan import InfeasibleBudget
+
+    whole = _plan({"dp": 8})
+    budget = 0.45 * whole.peak_bytes
+    with pytest.raises(InfeasibleBudget):
+        _plan({"dp": 8, "zero": 2}, memory_budget=budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = plan_profile(_gp(), Mesh((8,), cluster="h100"), memory_budget=budget)
+    assert got.accumulate > 1 and got.pipeline is None and got.peak_bytes <= budget
+    assert got.options["family"].endswith(f"accumulating {got.accumulate}")
+    fewer = _plan({"dp": 8, "zero": 2, "microbatches": got.accumulate // 2, "recompute": "none"})
+    assert fewer.peak_bytes > budget  # half as many micro-batches would not fit
+
+
+def test_the_free_search_does_not_accumulate_a_training_batch_norm():
+    """Accumulating would fit the budget (asked for by name it does), but micro-batches would
+    normalise with their own statistics: the free search does not make it."""
+    ex = zoo.build("resnet", batch=32, img=128, device="meta")
+    gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    mesh = Mesh((2,), cluster="h100")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        named = plan_profile(gp, mesh, layout={"dp": 2, "zero": 2, "microbatches": 4})
+        budget = 1.01 * named.peak_bytes
+        assert named.accumulate == 4 and plan_profile(gp, mesh).peak_bytes > budget
+        try:
+            free = plan_profile(gp, mesh, memory_budget=budget)
+        except InfeasibleBudget:
+            return
+    assert free.accumulate == 1
