@@ -114,9 +114,11 @@ def plan_profile(gp, mesh, *, options: PlanOptions | None = None, **kwargs) -> P
         # and gradients of the replicated parameters too (ZeRO-2; same seconds in the cost model,
         # less memory), and keep whichever plan is faster.
         candidates += search_candidates(gp, dataclasses.replace(cfg, zero=2), force, pipeline, every, named_pp)
-    if budget is not None and force != "pp-tp" and not named_pp and micro_ok and memory_binds(candidates):
-        # Gradient accumulation: one micro-batch of activations at a time instead of recomputing
-        # (the fewest micro-batches that fit; ZeRO-2 where ZeRO is searched, as just above).
+    flat = [c for c in candidates if not (isinstance(c, Plan) and c.pipeline is not None)]
+    if budget is not None and force != "pp-tp" and not named_pp and micro_ok and memory_binds(flat):
+        # Gradient accumulation where the single-stage plans recompute or do not fit: one
+        # micro-batch of activations at a time instead (the fewest micro-batches that fit; ZeRO-2
+        # where ZeRO is searched, as just above).
         from autopar.planner.accumulate import accumulate_candidates
 
         candidates += accumulate_candidates(gp, dataclasses.replace(cfg, zero=2 if zero == "auto" else cfg.zero,

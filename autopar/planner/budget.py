@@ -51,6 +51,41 @@ def solve_flat(gp, cfg: Config, every: bool = False, beat: float | None = None):
     return p if raf is None else raf
 
 
+def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None) -> list:
+    """Flat plans from the textbook ZeRO-3 layouts, for the free search (``cfg.family`` None).
+
+    The ILP prices ZeRO-3 gathers blocking and :func:`_prefetch_resolve` corrects that from the
+    plan it is given; a plan that gathers little gives it little to correct, and the free search
+    can end short of FSDP or HSDP, whose gathers hide behind compute. So those layouts are solved
+    too (FSDP: every axis ``fsdp``; HSDP on two axes: ``dp`` then ``fsdp``), each read back
+    honestly, and the free problem is solved once more at each one's exposed share of gathers.
+    Every plan returned is a flat plan of the free search's space, each labelled by what it does."""
+    from autopar.planner.labels import axes_label, axis_roles
+
+    shape = tuple(cfg.mesh.shape)
+    if cfg.family or cfg.reshard_after_forward or cfg.mesh.size < 2:
+        return []
+    fams = ["roles:" + ",".join(["fsdp"] * len(shape))]
+    if len(shape) == 2 and min(shape) > 1:
+        fams.append("roles:dp,fsdp")
+    built = build_cached(gp, cfg)
+    out = []
+    for fam in fams:
+        try:
+            seed = solve_flat(gp, dataclasses.replace(cfg, family=fam), every=every, beat=beat)
+        except ValueError:  # a dim the layout cannot split
+            continue
+        if not isinstance(seed, Plan):
+            continue
+        roles = axis_roles(gp.captured, seed.nodes, seed.params, len(shape))
+        seed.options["family"] = f"searched {'x'.join(map(str, shape))} ({axes_label(roles, shape)} seed)"
+        out.append(seed)
+        again = _prefetch_resolve(gp, cfg, built, seed, every, (None, cfg.memory_budget, None))
+        if again is not None:
+            out.append(again)
+    return out
+
+
 def _reshard_after_forward(gp, cfg: Config, built, p, every, solved):
     """Where the budget binds (the plan recomputes) and the plan gathers ZeRO-3 weights: the plan
     read back with those weights freed after the forward and gathered again (ahead) in backward

@@ -26,6 +26,10 @@ def search_candidates(gp, cfg: Config, force, pipeline, every: bool, named_pp: l
     found = []
     if force != "pp-tp" and not named_pp:
         found.append(solve_flat(gp, cfg, every=every, beat=beat))
+        if force is None:  # FSDP/HSDP seeds of the prefetch correction (budget.seeded_flat)
+            from autopar.planner.budget import seeded_flat
+
+            found += seeded_flat(gp, cfg, every=every, beat=beat)
     if (pipeline and force in (None, "pp-tp")) and mesh.ndim >= 2 and not named_pp:
         from autopar.planner.pipeline import factored_candidates
 
