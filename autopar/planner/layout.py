@@ -48,7 +48,8 @@ import dataclasses
 import math
 from typing import Any
 
-KEYS = ("pp", "dp", "dp_shard", "ep", "cp", "tp", "zero", "reshard_after_forward", "recompute", "microbatches", "schedule", "virtual_stages")
+KEYS = ("pp", "dp", "dp_shard", "ep", "cp", "tp", "zero", "reshard_after_forward", "recompute", "microbatches",
+        "schedule", "virtual_stages")
 RECOMPUTE = ("full", "none")
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 

@@ -101,7 +101,8 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
             p.breakdown["reshard_shared"] = saved  # seconds not paid: taken off the step time
     if step_time is None and lowered is not None:
         # ZeRO-3 gathers prefetched a layer ahead and reduce-scatters in flight behind compute; the
-        # gathers recomputed regions make again (autopar.planner.streams)
+        # gathers recomputed regions make again; gradient buckets' all-reduces in flight
+        # (autopar.planner.streams)
         from autopar.planner.streams import overlap
 
         ov = overlap(gp, cfg, built, pick, lowered, reshard_after_forward=cfg.reshard_after_forward)
@@ -112,6 +113,10 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
         if ov.regather:
             p.step_time += ov.regather
             p.breakdown["recompute_regather"] = ov.regather
+        if ov.grad_hidden:  # gradient buckets all-reduced behind the rest of backward (GradSync)
+            p.step_time -= ov.grad_hidden
+            p.breakdown["grad_sync_hidden"] = ov.grad_hidden
+            p.breakdown["grad_sync_comm"] = ov.grad_comm
     if cfg.reshard_after_forward and pipeline is None:
         p.reshard_after_forward = True
         extra = _regather_seconds(cfg, lowered)

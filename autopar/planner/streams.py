@@ -38,8 +38,11 @@ class Overlap:
     regather: float = 0.0
     """Seconds of ZeRO-3 gathers made again by recomputed regions in backward (blocking)."""
     comm: float = 0.0
-    """Seconds of the collectives the timeline runs on its communication stream (``hidden`` is
-    at most this)."""
+    """Seconds of those prefetched gathers and reduce-scatters (``hidden`` is at most this)."""
+    grad_hidden: float = 0.0
+    """Seconds of gradient buckets' all-reduces hidden behind backward, beyond ``hidden``."""
+    grad_comm: float = 0.0
+    """Seconds of those all-reduces (``grad_hidden`` is at most this)."""
 
 
 def copy_seconds(gp, cfg, nodes, e) -> tuple[float, float]:
@@ -60,13 +63,47 @@ def copy_seconds(gp, cfg, nodes, e) -> tuple[float, float]:
     return fwd, bwd
 
 
+def _bucket_sums(gp, cfg, lowered) -> list[tuple[tuple[str, ...], float, float]]:
+    """(parameters, seconds, compute share) of every gradient bucket whose all-reduce the runtime
+    launches asynchronously once its last gradient is in (``GradSync``; not ZeRO-2's buckets,
+    reduce-scattered synchronously): its seconds as the ILP priced them, the sum of its
+    parameters' ``comms.bucket_seconds``."""
+    import math
+
+    from autopar import placement as pl
+    from autopar.planner.comms import bucket_seconds, effective_bucket_bytes
+    from autopar.planner.build import zero_spec
+
+    if not lowered.buckets:
+        return []
+    width = effective_bucket_bytes(gp.captured.gm, set(gp.captured.params))
+    zero = zero_spec(cfg)
+    out = []
+    for b in lowered.buckets:
+        axes = [a for a in b.axes if cfg.mesh.shape[a] > 1]
+        if b.scatter or not axes:
+            continue
+        secs = 0.0
+        for ph in b.params:
+            p = lowered.params[ph]
+            item = 2 if cfg.dtype == "bf16-mixed" and cfg.grad_reduce == "bf16" else p.itemsize
+            try:
+                secs += bucket_seconds(pl.fmt(p.stored), pl.fmt(p.grad), p.shape, item, cfg.mesh, width, zero)
+            except ValueError:
+                continue
+        if secs > 0.0 and math.isfinite(secs):
+            out.append((tuple(b.params), secs, max(float(cfg.mesh.links[a].compute_share) for a in axes)))
+    return out
+
+
 def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = False) -> Overlap:
     """The :class:`Overlap` of a flat plan (``pick``: node -> strategy index of ``built``;
     ``lowered``: its lowered program)."""
     fetch = lowered.prefetch
     gathers_again = [e for e in lowered.makers() if e.param and e.region is not None
                      and any(s.kind == "all_gather" for s in e.forward)]
-    if not fetch and not gathers_again:
+    buckets = _bucket_sums(gp, cfg, lowered)
+    if not fetch and not gathers_again and not buckets:
         return Overlap()
     nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
     order = [n for n in built.order if n in nodes and nodes[n].op == "call_function"]
@@ -107,7 +144,7 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
                 last = max((r for r in readers if r in pos), key=pos.__getitem__, default=None)
                 if last is not None and (f.unit not in again_point or pos[last] > pos[again_point[f.unit]]):
                     again_point[f.unit] = last
-    if not fetch:
+    if not fetch and not buckets:
         return Overlap(0.0, regather)
     launch_at: dict[str, list[int]] = {}
     first_use: dict[str, list[int]] = {}
@@ -136,41 +173,70 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
     for u, at in sorted(again_point.items(), reverse=True):
         again_at.setdefault(at, []).append(u)
     unit_stall = {f.unit: stall[cid] for cid, f in fetch.items()}
+    # A parameter's gradient is in after the backward of its first reader (in forward order), or,
+    # prefetched, when its reduce-scatter is done; a bucket's all-reduce starts when all are.
+    fetched_param = {lowered.edges[lowered.copies[cid].edges[0]].producer: cid for cid in fetch}
+    first_reader: dict[str, list[str]] = {}
+    for ph in {ph for params, _, _ in buckets for ph in params}:
+        readers = [u.name for u in nodes[ph].users if u.name in pos] if ph in nodes else []
+        if readers and ph not in fetched_param:
+            first_reader.setdefault(min(readers, key=pos.__getitem__), []).append(ph)
+    cid_param = {cid: ph for ph, cid in fetched_param.items()}
 
-    # Forward: gathers start at their launch node on the communication stream, waited at first use.
-    t = comm = 0.0
-    done: dict[int, float] = {}
-    for n in order:
-        for cid in launch_at.get(n, ()):
-            comm = max(t, comm) + secs[cid][0]
-            done[cid] = comm
-            t += stall[cid] * secs[cid][0]
-        for cid in first_use.get(n, ()):
-            t = max(t, done.get(cid, t))
-        t += fwd[n]
-    t = max(t, comm)  # (every launched gather is waited for in the forward)
-    # Backward, in reverse: a copy's reduce-scatter starts after its first reader's backward (the
-    # last to hand its gradient back), once the one before it is done.
-    rs_done = t
-    bwd_done: dict[int, float] = {}  # unit -> when its gathers, started in backward, are done
-    for n in reversed(order):
-        for u in again_at.get(n, ()):  # a unit's region recomputes: its gathers, then the next unit's
-            t = max(t, bwd_done[u]) if u in bwd_done else t + again[u]
-            if u - 1 in again:
-                comm = max(t, comm) + again[u - 1]
-                bwd_done[u - 1] = comm
-                t += unit_stall[u - 1] * again[u - 1]
-        t += recompute_at.get(n, 0.0) + extra_bwd.get(n, 0.0) + bwd[n]
-        for cid in first_use.get(n, ()):
-            r = secs[cid][1]
-            if r <= 0.0:
-                continue
-            t = max(t, rs_done)  # the reduce-scatter before is waited for
-            comm = max(t, comm) + r
-            rs_done = comm
-            t += stall[cid] * r
-    t = max(t, rs_done)
-    blocking = (sum(fwd.values()) + sum(bwd.values()) + sum(recompute_at.values()) + sum(extra_bwd.values())
-                + sum(again.values()) + sum(g + r for g, r in secs.values()))
+    def run(bks) -> float:
+        """The step's end on the two streams, with the bucket all-reduces ``bks``."""
+        pending = [[set(params), secs_, share] for params, secs_, share in bks]
+        ready: dict[str, float] = {}
+
+        # Forward: gathers start at their launch node on the communication stream, waited at first use.
+        t = comm = 0.0
+        done: dict[int, float] = {}
+        for n in order:
+            for cid in launch_at.get(n, ()):
+                comm = max(t, comm) + secs[cid][0]
+                done[cid] = comm
+                t += stall[cid] * secs[cid][0]
+            for cid in first_use.get(n, ()):
+                t = max(t, done.get(cid, t))
+            t += fwd[n]
+        t = max(t, comm)  # (every launched gather is waited for in the forward)
+        # Backward, in reverse: a copy's reduce-scatter starts after its first reader's backward (the
+        # last to hand its gradient back), once the one before it is done.
+        rs_done = t
+        bwd_done: dict[int, float] = {}  # unit -> when its gathers, started in backward, are done
+        for n in reversed(order):
+            for u in again_at.get(n, ()):  # a unit's region recomputes: its gathers, then the next unit's
+                t = max(t, bwd_done[u]) if u in bwd_done else t + again[u]
+                if u - 1 in again:
+                    comm = max(t, comm) + again[u - 1]
+                    bwd_done[u - 1] = comm
+                    t += unit_stall[u - 1] * again[u - 1]
+            t += recompute_at.get(n, 0.0) + extra_bwd.get(n, 0.0) + bwd[n]
+            for cid in first_use.get(n, ()):
+                r = secs[cid][1]
+                if r <= 0.0:
+                    continue
+                t = max(t, rs_done)  # the reduce-scatter before is waited for
+                comm = max(t, comm) + r
+                rs_done = comm
+                t += stall[cid] * r
+            for cid in first_use.get(n, ()):
+                if cid in cid_param:
+                    ready[cid_param[cid]] = rs_done
+            for ph in first_reader.get(n, ()):
+                ready[ph] = t
+            for item in pending:  # buckets complete: their all-reduces start, in order
+                if item[0] and item[0] <= ready.keys():
+                    comm = max(max(ready[ph] for ph in item[0]), comm) + item[1]
+                    t += item[2] * item[1]
+                    item[0] = set()
+        t = max(t, rs_done, comm)
+        return t
+
+    fixed = (sum(fwd.values()) + sum(bwd.values()) + sum(recompute_at.values()) + sum(extra_bwd.values())
+             + sum(again.values()) + sum(g + r for g, r in secs.values()))
     comm_s = sum(again.values()) + sum(g + r for g, r in secs.values())
-    return Overlap(max(0.0, blocking - t), regather, comm_s)
+    hidden = max(0.0, fixed - run([])) if fetch else 0.0
+    bucket_s = sum(x for _, x, _ in buckets)
+    both = max(0.0, fixed + bucket_s - run(buckets)) if buckets else hidden
+    return Overlap(hidden, regather, comm_s, min(bucket_s, max(0.0, both - hidden)), bucket_s)
