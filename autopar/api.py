@@ -148,7 +148,7 @@ def compile(model, mesh=None, example_inputs=(), *, options: PlanOptions | None 
         text, failure = None, None
         if dist.get_rank() == 0:
             try:
-                text = _plan_on_rank0(gp, amesh, opts, cache_dir, quiet, type(model).__name__)
+                text = _plan_on_rank0(gp, amesh, opts, cache_dir, quiet, model, loss_fn)
             except Exception as err:  # tell the other ranks instead of leaving them waiting
                 failure, text = err, failure_text(err)
         got = _broadcast_text(text, device)
@@ -236,8 +236,8 @@ def warn_if_other_devices(plan: Plan, device_type: str, device_name: str | None 
                       stacklevel=3)
 
 
-def _plan_on_rank0(gp, amesh, opts: PlanOptions, cache_dir, quiet, model_name) -> str:
-    from autopar.planner import plan_profile
+def _plan_on_rank0(gp, amesh, opts: PlanOptions, cache_dir, quiet, model, loss_fn) -> str:
+    from autopar.planner import checked_plan
 
     path = None
     if cache_dir:
@@ -250,8 +250,8 @@ def _plan_on_rank0(gp, amesh, opts: PlanOptions, cache_dir, quiet, model_name) -
             except PlanError as err:
                 _log(f"ignoring unreadable cached plan ({err}); planning again", quiet)
     _log("solving the plan ...", quiet)
-    p = plan_profile(gp, amesh, options=opts)
-    p.model = model_name
+    p = checked_plan(gp, amesh, model, loss_fn, options=opts)
+    p.model = type(model).__name__
     text = p.to_json()
     if path:
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -8,9 +8,12 @@
 
 A pipeline runs the global batch as ``m`` micro-batches of the same graph and takes the step's
 loss as the mean of the micro-batch losses (gradients likewise). That is the full-batch loss
-exactly when the loss is a mean over the same number of terms in every micro-batch. Two things
+exactly when the loss is a mean over the same number of terms in every micro-batch. Three things
 break it, and neither is left silent:
 
+- **A scale computed from the batch size** (``x.sum() / x.shape[0]``) is a constant in each
+  capture: :func:`loss_reduction` compares it with the micro-batch capture's, so a sum over the
+  batch size is combined as a mean, and any other such scale is refused.
 - **Batch norm in training** normalises each micro-batch with its own statistics (what gradient
   accumulation does): not the full batch's numbers. :func:`training_batch_norms` finds it; the
   planner does not make pipelines of such a model unless asked (``pipeline=True``, a ``pp`` axis,
@@ -37,6 +40,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
 _BATCH_NORMS = (aten.batch_norm.default, aten.native_batch_norm.default,
@@ -156,11 +161,16 @@ def loss_reduction(captured, micro=None) -> str | None:
     to ``mean``/``sum`` over every dim of a tensor whose dim 0 carries the batch (a multiple of
     it). Micro-batches are equal (they must divide the batch).
 
+    A scale that the micro-batch capture holds at another value came from the batch size: a sum
+    divided by the batch (``x.sum() / x.shape[0]``, a hand-written mean) is a mean; any other such
+    scale is None (summing or averaging the micro-batches' losses would not give the batch's).
+
     Which tensors carry the batch in dim 0: with ``micro`` (the capture at ``batch / m``, which a
     micro-batched module builds), exactly those whose dim 0 differs between the two captures;
     without it, those whose dim 0 is a multiple of the batch (a guess that may also take an
     expert count for one, and then answers None: the safe side)."""
     shrunk = None
+    small_nodes = {n.name: n for n in micro.gm.graph.nodes} if micro is not None else {}
     if micro is not None:
         small = {n.name: n.meta.get("val") for n in micro.gm.graph.nodes}
         shrunk = set()
@@ -176,6 +186,13 @@ def loss_reduction(captured, micro=None) -> str | None:
         if isinstance(v, torch.Tensor) and v.dim() > 0:
             batch = int(v.shape[0])
             break
+    micro_ratio = None  # the batch over the micro-batch
+    if micro is not None and batch:
+        for name in micro.user_inputs:
+            v = small_nodes[name].meta.get("val") if name in small_nodes else None
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and int(v.shape[0]):
+                micro_ratio = batch / int(v.shape[0])
+                break
 
     def sized(x) -> bool:
         if shrunk is not None:
@@ -220,6 +237,23 @@ def loss_reduction(captured, micro=None) -> str | None:
     def constant(x) -> bool:
         return not isinstance(x, fx.Node)
 
+    def scaled(n, at, base, inner):
+        """``inner`` scaled by the constant ``n.args[at]``. A constant that differs in the
+        micro-batch capture came from the batch size: ``sum / batch`` (or ``sum * (1 / batch)``)
+        is a mean; any other such constant has no micro-batch form (None)."""
+        if micro is None or inner is None:
+            return inner
+        twin = small_nodes.get(n.name)
+        c_small = twin.args[at] if twin is not None and len(twin.args) > at else None
+        c = n.args[at]
+        if c_small == c:
+            return inner
+        if inner != "sum" or not micro_ratio or not isinstance(c, (int, float)) or \
+                not isinstance(c_small, (int, float)) or not c or not c_small:
+            return None
+        ratio = c / c_small if base == "div" else c_small / c
+        return "mean" if abs(ratio - micro_ratio) <= 1e-9 * micro_ratio else None
+
     def kind(n, depth=0) -> str | None:
         if not isinstance(n, fx.Node) or n.op != "call_function" or depth > 64:
             return None
@@ -237,10 +271,9 @@ def loss_reduction(captured, micro=None) -> str | None:
             return kind(n.args[0], depth + 1)
         if base in ("mul", "div"):
             a, b = n.args[0], n.args[1]
-            if constant(b):
-                return kind(a, depth + 1)
-            if base == "mul" and constant(a):
-                return kind(b, depth + 1)
+            for i, (x, y) in enumerate(((a, b), (b, a)) if base == "mul" else ((a, b),)):
+                if constant(y):
+                    return scaled(n, 1 - i, base, kind(x, depth + 1))
             return None
         if base in ("add", "sub"):
             a, b = n.args[0], n.args[1]
@@ -251,6 +284,47 @@ def loss_reduction(captured, micro=None) -> str | None:
     return kind(captured.loss_node)
 
 
+def microbatch_capture(model: nn.Module, captured, microbatches: int, loss_fn=None):
+    """The capture of ``model`` at ``batch / microbatches`` (see module docstring)."""
+    from profiler.capture import capture
+
+    (args, kwargs, target), _ = captured.ep.example_inputs
+
+    def cut(t):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        if t.shape[0] % microbatches:
+            raise ValueError(f"the batch dim {t.shape[0]} of an input does not divide into {microbatches} "
+                             f"micro-batches; use a batch size divisible by the micro-batch count")
+        return t[: t.shape[0] // microbatches]
+
+    small = pytree.tree_map(cut, (args, kwargs, target))
+    size = next((t.shape[0] for t in pytree.tree_leaves(small) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    if size == 1:
+        from autopar.microbatch import one_sample_capture
+
+        def at(b):  # the inputs' first b samples (repeated where the batch has fewer)
+            def take(t):
+                if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                    return t
+                return torch.cat([t] * -(-b // t.shape[0]))[:b]
+
+            a, k, tg = pytree.tree_map(take, (args, kwargs, target))
+            return capture(model, a, k, loss_fn=loss_fn, target=tg)
+
+        return one_sample_capture(at, captured)
+    args, kwargs, target = small
+    cap = capture(model, args, kwargs, loss_fn=loss_fn, target=target)
+    want = [(n.name, str(n.target)) for n in captured.gm.graph.nodes]
+    got = [(n.name, str(n.target)) for n in cap.gm.graph.nodes]
+    if want != got:
+        diff = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+        raise ValueError(f"the micro-batch capture differs from the planned graph at node {diff} "
+                         f"({want[diff] if diff < len(want) else None} vs {got[diff] if diff < len(got) else None}): "
+                         f"the model's graph depends on the batch size; plan without a pipeline")
+    return cap
+
+
 def one_sample_capture(capture_at, planned):
     """The micro-batch graph at one sample (module docstring), from ``capture_at(b)`` (the
     model's capture at ``b`` samples) and the plan's ``planned`` capture, whose nodes both
@@ -258,7 +332,6 @@ def one_sample_capture(capture_at, planned):
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     from torch.fx.passes.shape_prop import _extract_tensor_metadata
     from torch._guards import detect_fake_mode
-    from torch.utils import _pytree as pytree
 
     batch = next(int(v.shape[0]) for v in (n.meta.get("val") for n in planned.gm.graph.nodes
                                              if n.name in set(planned.user_inputs))
@@ -360,4 +433,5 @@ def one_sample_capture(capture_at, planned):
     return two
 
 
-__all__ = ["training_batch_norms", "target_counter", "TargetCounter", "loss_reduction", "one_sample_capture"]
+__all__ = ["training_batch_norms", "target_counter", "TargetCounter", "loss_reduction", "microbatch_capture",
+           "one_sample_capture"]

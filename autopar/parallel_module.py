@@ -78,7 +78,7 @@ class ParallelModule(nn.Module):
         pipelined = plan.pipeline is not None and len(plan.pipeline.stages) > 1
         accumulate = 1 if pipelined else int(getattr(plan, "accumulate", 1) or 1)
         if pipelined or accumulate > 1:
-            from autopar.runtime.pipeline import microbatch_capture
+            from autopar.microbatch import microbatch_capture
 
             # The plan is for the global batch; stages (or accumulated micro-batches) run
             # micro-batches of the same graph.

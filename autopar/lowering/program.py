@@ -676,6 +676,10 @@ def prefetches(captured, edges: list[Edge], copies: list[Copy], params: Mapping[
     sharded in a group, replicated across groups; not a ZeRO-2 bucket)."""
     nodes = {n.name: n for n in captured.gm.graph.nodes}
     pos = {name: i for i, name in enumerate(nodes)}
+    n_copies: dict[str, int] = {}
+    for c in copies:
+        ph = edges[c.edges[0]].producer
+        n_copies[ph] = n_copies.get(ph, 0) + 1
     start_of_region: dict[int, str] = {}
     for name, r in regions.items():  # regions are listed in graph order
         start_of_region.setdefault(r, name)
@@ -688,7 +692,8 @@ def prefetches(captured, edges: list[Edge], copies: list[Copy], params: Mapping[
         fwd = [s for s in e.forward if s.kind != "noop" and mesh_shape[s.axis] > 1]
         bwd = [s for s in e.backward if s.kind != "noop" and mesh_shape[s.axis] > 1]
         axes = sorted(s.axis for s in fwd)
-        if p.bucket is not None and (buckets[p.bucket].scatter or set(buckets[p.bucket].axes) & set(axes)):
+        if p.bucket is not None and (buckets[p.bucket].scatter or set(buckets[p.bucket].axes) & set(axes)
+                                     or not _one_copy_reads(nodes.get(e.producer), n_copies[e.producer], edges, c)):
             continue
         if (not fwd or any(s.kind != "all_gather" or s.dim != fwd[0].dim for s in fwd)
                 or len(set(axes)) != len(axes) or not _gathers_in_row_major(e.src, axes, fwd[0].dim)):
@@ -714,6 +719,14 @@ def prefetches(captured, edges: list[Edge], copies: list[Copy], params: Mapping[
         k = len(starts) - 1
         out[cid] = Prefetch(copy=cid, unit=k, launch=starts[k - 1] if k else starts[0], axes=step[0], dim=step[1])
     return out
+
+
+def _one_copy_reads(node, n_copies: int, edges, copy) -> bool:
+    """Whether ``copy`` is the only copy (of ``n_copies``) of the parameter ``node`` and serves
+    every op that reads it: its reduced shard then arrives once, whole, before its bucket may be
+    summed (a second copy or a direct read would add to the gradient after the bucket launched)."""
+    served = {edges[k].consumer for k in copy.edges}
+    return n_copies == 1 and node is not None and all(u.name in served for u in node.users)
 
 
 def _gathers_in_row_major(src, axes, dim) -> bool:

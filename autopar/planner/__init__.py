@@ -64,9 +64,32 @@ def plan(model, mesh, example_inputs=(), *, options: PlanOptions | None = None, 
     t0 = time.perf_counter()
     gp = profiler.profile(model, tuple(example_inputs), example_kwargs, loss_fn=loss_fn, target=target)
     t_prof = time.perf_counter() - t0
-    p = plan_profile(gp, mesh, options=opts)
+    p = checked_plan(gp, mesh, model, loss_fn, options=opts)
     p.timings["profile_seconds"] = t_prof
     p.model = type(model).__name__
+    return p
+
+
+def checked_plan(gp, mesh, model, loss_fn=None, *, options: PlanOptions) -> Plan:
+    """:func:`plan_profile`, and where its plan runs micro-batches of one sample (a pipeline's or
+    accumulated), the runtime's one-sample graph built once from ``model``
+    (``autopar.microbatch.one_sample_capture``); if the model refuses it (a float that depends on
+    the batch, a batch norm over a 1x1 map), the search runs again with micro-batches of at least 2
+    samples, and the plan says why (``options["one_sample_refused"]``). A layout that names such
+    micro-batches is kept as asked: the runtime refuses it by name."""
+    p = plan_profile(gp, mesh, options=options)
+    pipe = p.pipeline is not None and len(p.pipeline.stages) > 1
+    m = p.pipeline.microbatches if pipe else int(getattr(p, "accumulate", 1) or 1)
+    if m < 2 or p.options.get("microbatch_size") != 1 or options.layout is not None:
+        return p
+    from autopar.microbatch import microbatch_capture
+
+    try:
+        microbatch_capture(model, gp.captured, m, loss_fn)
+    except ValueError as err:
+        gp.one_sample_refused = str(err)
+        p = plan_profile(gp, mesh, options=options)
+        p.options["one_sample_refused"] = str(err)
     return p
 
 

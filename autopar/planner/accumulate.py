@@ -38,12 +38,12 @@ def accumulate_candidates(gp, cfg: Config) -> list:
     fits; a count whose micro-batch some op cannot split ends the list (larger counts split less)."""
     from autopar.plan import Plan
     from autopar.planner.labels import axes_label, axis_roles
-    from autopar.planner.micro import batch_size
+    from autopar.planner.micro import batch_size, smallest_micro_batch
 
     batch = batch_size(gp)
     out = []
     for m in COUNTS:
-        if not batch or m > batch or batch % m:
+        if not batch or m > batch or batch % m or batch // m < smallest_micro_batch(gp):
             continue
         try:
             got = solve_accumulated(gp, cfg, m)

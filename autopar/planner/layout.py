@@ -94,6 +94,9 @@ def parse(layout: Any) -> Layout:
         raise ValueError(f"layout['zero'] must be 0, 1, 2 or 3, got {zero!r}")
     shard = layout.get("dp_shard")
     if shard is not None:
+        if shard == 1:
+            raise ValueError("layout: dp_shard=1 shards nothing (it would be plain data parallelism): leave dp_shard "
+                             "out and give zero 0, 1 or 2, or give dp_shard >= 2 (HSDP, or FSDP when it equals dp)")
         if zero not in (None, 3):
             raise ValueError(f"layout: dp_shard shards the parameters over part of dp (HSDP, ZeRO-3 inside each "
                              f"group): give zero=3 or leave zero out, got zero={zero!r}")

@@ -43,11 +43,19 @@ def batch_size(gp) -> int | None:
     return None
 
 
-def microbatch_counts(batch: int | None, candidates) -> list[int]:
-    """The counts of ``candidates`` that cut ``batch`` into equal micro-batches the runtime can run."""
+def smallest_micro_batch(gp) -> int:
+    """The fewest samples a micro-batch of ``gp``'s model may have: 1, or 2 once the runtime's
+    one-sample graph was refused for it (``autopar.plan``/``compile`` check a plan that has one,
+    and plan again: ``planner.checked_plan``)."""
+    return 2 if getattr(gp, "one_sample_refused", None) else 1
+
+
+def microbatch_counts(batch: int | None, candidates, smallest: int = 1) -> list[int]:
+    """The counts of ``candidates`` that cut ``batch`` into equal micro-batches the runtime can run
+    (of at least ``smallest`` samples)."""
     if batch is None:
         return []
-    return sorted({m for m in candidates if 1 <= m <= batch and batch % m == 0})
+    return sorted({m for m in candidates if 1 <= m <= batch and batch % m == 0 and batch // m >= smallest})
 
 
 def depends_on_inputs(gm, inputs: set[str]) -> set[str]:

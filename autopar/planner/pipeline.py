@@ -36,7 +36,7 @@ from autopar.lowering.graph import tensor_vals
 from autopar.plan import Pipeline
 from autopar.planner.build import Config, choices
 from autopar.planner.families import roles_of
-from autopar.planner.micro import batch_size, microbatch_counts
+from autopar.planner.micro import batch_size, microbatch_counts, smallest_micro_batch
 
 SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved-1f1b")
 
@@ -191,7 +191,7 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
         if cfg.micro_choices:  # asked for by name (a layout)
             counts = sorted({m for m in cfg.micro_choices if batch and batch % m == 0})
         else:
-            counts = microbatch_counts(batch, tuple(k * p for k in per_stage))
+            counts = microbatch_counts(batch, tuple(k * p for k in per_stage), smallest_micro_batch(gp))
         if not counts:
             errors[ci] = ValueError(f"no pipeline over axis {axis} of {tuple(mesh.shape)}: a batch of {batch} does "
                                     f"not cut into {p} or more equal micro-batches; use a "

@@ -19,8 +19,14 @@ their edges; here one step is replayed on two streams:
   beside them (``Link.compute_share``: on a CPU the collectives' copies and sums run on its
   cores), the compute stream pays that share of each.
 
+Gradient buckets (``GradSync``) run on the communication stream too: a bucket's all-reduce starts
+once its last gradient is in (after its first reader's backward, or for a prefetched shard when
+the runtime adds it: at the next reduce-scatter's start, or at the end of backward); ZeRO-2's
+synchronous reduce-scatters stay blocking. The timeline is run without and with them.
+
 ``hidden`` = the step with every such collective blocking, less the timeline's step: the seconds
-the overlap saves (never more than those collectives' seconds). ``regather`` = the seconds of the
+the overlap saves (never more than those collectives' seconds); ``grad_hidden`` what the buckets
+add to it. ``regather`` = the seconds of the
 gathers recomputed regions make again, which the ILP's recompute term (the ops' forward seconds)
 does not hold. The two streams are taken as independent (a gather over the data-parallel links
 beside the tensor-parallel collectives of the compute stream, as on GPUs with NVLink inside a node
@@ -38,7 +44,8 @@ class Overlap:
     regather: float = 0.0
     """Seconds of ZeRO-3 gathers made again by recomputed regions in backward (blocking)."""
     comm: float = 0.0
-    """Seconds of those prefetched gathers and reduce-scatters (``hidden`` is at most this)."""
+    """Seconds of the prefetched gathers, reduce-scatters and backward re-gathers on the
+    communication stream (``hidden`` is at most this)."""
     grad_hidden: float = 0.0
     """Seconds of gradient buckets' all-reduces hidden behind backward, beyond ``hidden``."""
     grad_comm: float = 0.0
@@ -203,6 +210,7 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
         # Backward, in reverse: a copy's reduce-scatter starts after its first reader's backward (the
         # last to hand its gradient back), once the one before it is done.
         rs_done = t
+        in_flight = None  # the bucketed parameter whose reduce-scatter is in flight
         bwd_done: dict[int, float] = {}  # unit -> when its gathers, started in backward, are done
         for n in reversed(order):
             for u in again_at.get(n, ()):  # a unit's region recomputes: its gathers, then the next unit's
@@ -217,12 +225,12 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
                 if r <= 0.0:
                     continue
                 t = max(t, rs_done)  # the reduce-scatter before is waited for
+                if in_flight is not None:  # its shard is added now, and its bucket may start
+                    ready[in_flight] = t
                 comm = max(t, comm) + r
                 rs_done = comm
                 t += stall[cid] * r
-            for cid in first_use.get(n, ()):
-                if cid in cid_param:
-                    ready[cid_param[cid]] = rs_done
+                in_flight = cid_param.get(cid)
             for ph in first_reader.get(n, ()):
                 ready[ph] = t
             for item in pending:  # buckets complete: their all-reduces start, in order
@@ -230,7 +238,14 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
                     comm = max(max(ready[ph] for ph in item[0]), comm) + item[1]
                     t += item[2] * item[1]
                     item[0] = set()
-        t = max(t, rs_done, comm)
+        # End of backward: the last reduce-scatter is waited for; the buckets not yet started
+        # (the last shard's, or any the replay did not complete) start now.
+        t = max(t, rs_done)
+        for item in pending:
+            if item[0]:
+                comm = max(t, comm) + item[1]
+                t += item[2] * item[1]
+        t = max(t, comm)
         return t
 
     fixed = (sum(fwd.values()) + sum(bwd.values()) + sum(recompute_at.values()) + sum(extra_bwd.values())

@@ -19,9 +19,11 @@ need one sum each, as DDP does:
 Parameters stored sharded (ZeRO-3) need no work here: their all-gather in forward has a
 reduce-scatter as its backward (``autopar.codegen``), which leaves ``.grad`` as a shard. Under
 HSDP that shard is still Partial across the replicated groups and has a bucket; when its
-reduce-scatter runs asynchronously (``autopar.runtime.prefetch``) autograd fires the hook with no
-gradient (ignored) and the prefetch fires it again with the shard; :meth:`GradSync.finish` first
-waits for any still in flight.
+reduce-scatter runs asynchronously (``autopar.runtime.prefetch``) autograd fires the hook while
+the reduce-scatter is in flight, with nothing new in ``.grad`` (ignored), and the prefetch fires
+it again once the shard is added; :meth:`GradSync.finish` first waits for any still in flight.
+Such a shard has one copy that serves every read of its parameter
+(``autopar.lowering.program.prefetches``), so it arrives once.
 ZeRO-1/2 (:mod:`autopar.zero`): the reduced gradient of a compute copy becomes its optimizer
 shard's ``.grad``. Buckets of ZeRO-2 parameters whose gradient is Partial on all their
 replicating axes are *reduce-scattered* when complete (synchronously, so that only the shard
@@ -168,8 +170,8 @@ class GradSync:
         b = self._of.get(id(p))
         if b is None:  # a ZeRO parameter without a reduction: sliced in finish()
             return
-        if p.grad is None and in_flight(p):
-            return  # autograd handed it nothing: its shard comes with its reduce-scatter (and this hook)
+        if in_flight(p):
+            return  # autograd handed it nothing new: its shard comes with its reduce-scatter (and this hook)
         if b.scatter is not None:  # ZeRO-2: the split gradient goes into the rank-major buffer
             self._scatter_fill(b, p)
             return

@@ -5,9 +5,9 @@ its placements shard over the other axis. Steps:
 
 1. **Micro-batch graph.** The plan was made for the global batch; every stage runs one
    micro-batch at a time, so the model is captured again at ``batch / microbatches`` and the
-   capture must have the same nodes (names and ops) as the plan's graph. At one sample per
-   micro-batch, the graph comes from captures at two and three samples
-   (:func:`autopar.microbatch.one_sample_capture`).
+   capture must have the same nodes (names and ops) as the plan's graph
+   (:func:`autopar.microbatch.microbatch_capture`; at one sample per micro-batch the graph comes
+   from captures at two and three samples, :func:`autopar.microbatch.one_sample_capture`).
 2. **Per-rank graph** of that capture (``autopar.codegen.build`` on the sharding axis), every
    per-rank node tagged with the plan node it came from.
 3. **Split** by the stages: stage ``k`` gets its nodes, reads parameters, buffers and constants
@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 STATE_KINDS = ("param", "buffer", "constant", "none")
 
@@ -56,48 +55,6 @@ class StageGraph:
     """Per received value: (local shape, dtype, requires grad); stage 0: the global micro-batch."""
     output_meta: list
     """Per sent value (or the loss): (local shape, dtype, requires grad)."""
-
-
-# ---------------------------------------------------------------------- 1. micro-batch capture
-def microbatch_capture(model: nn.Module, captured, microbatches: int, loss_fn=None):
-    """The capture of ``model`` at ``batch / microbatches`` (see module docstring)."""
-    from profiler.capture import capture
-
-    (args, kwargs, target), _ = captured.ep.example_inputs
-
-    def cut(t):
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            return t
-        if t.shape[0] % microbatches:
-            raise ValueError(f"the batch dim {t.shape[0]} of an input does not divide into {microbatches} "
-                             f"micro-batches; use a batch size divisible by the micro-batch count")
-        return t[: t.shape[0] // microbatches]
-
-    small = pytree.tree_map(cut, (args, kwargs, target))
-    size = next((t.shape[0] for t in pytree.tree_leaves(small) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-    if size == 1:
-        from autopar.microbatch import one_sample_capture
-
-        def at(b):  # the inputs' first b samples (repeated where the batch has fewer)
-            def take(t):
-                if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                    return t
-                return torch.cat([t] * -(-b // t.shape[0]))[:b]
-
-            a, k, tg = pytree.tree_map(take, (args, kwargs, target))
-            return capture(model, a, k, loss_fn=loss_fn, target=tg)
-
-        return one_sample_capture(at, captured)
-    args, kwargs, target = small
-    cap = capture(model, args, kwargs, loss_fn=loss_fn, target=target)
-    want = [(n.name, str(n.target)) for n in captured.gm.graph.nodes]
-    got = [(n.name, str(n.target)) for n in cap.gm.graph.nodes]
-    if want != got:
-        diff = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-        raise ValueError(f"the micro-batch capture differs from the planned graph at node {diff} "
-                         f"({want[diff] if diff < len(want) else None} vs {got[diff] if diff < len(got) else None}): "
-                         f"the model's graph depends on the batch size; plan without a pipeline")
-    return cap
 
 
 # ---------------------------------------------------------------------- 3. split

@@ -69,7 +69,7 @@ def test_free_search_makes_no_pipeline_of_a_training_batch_norm():
 ], ids=["mean", "sum", "mean-combination", "scaled-sum", "mixed", "batch-means", "across-samples"])
 def test_how_a_loss_combines_over_the_batch(loss, want):
     from autopar.microbatch import loss_reduction
-    from autopar.runtime.pipeline import microbatch_capture
+    from autopar.microbatch import microbatch_capture
 
     ex = cases.example("mlp")
     cap = cases.capture(type(ex)(**{**ex.__dict__, "loss_fn": loss}))
@@ -82,7 +82,7 @@ def test_zoo_losses_combine_as_means():
     term (a product of batch means) has no micro-batch form. Mixtral's expert count equals its
     batch here: the one-capture guess cannot tell them apart (None), the micro-batch capture can."""
     from autopar.microbatch import loss_reduction
-    from autopar.runtime.pipeline import microbatch_capture
+    from autopar.microbatch import microbatch_capture
 
     for name in ("gpt2", "llama", "bert", "vit", "resnet", "t5", "mha", "moe", "mixtral"):
         ex, cap = _captured(name, batch=4)
@@ -111,6 +111,10 @@ def test_a_summed_loss_accumulates_as_a_sum():
         dm = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
         for loss, ok, m in ((lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="sum"), True, 2),
                             (torch.nn.functional.cross_entropy, True, 8),  # 8 micro-batches of one sample
+                            # a hand-written mean: the sum over the batch size (a constant in each
+                            # capture, another one in the micro-batch's): the batch's mean
+                            (lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="sum") / o.shape[0],
+                             True, 2),
                             (lambda o, t: o.mean(0).square().sum(), False, 2)):
             ex = cases.example("mlp")
             model = ex.model
@@ -156,7 +160,7 @@ def test_the_one_sample_graph_computes_the_models_loss_on_one_sample(name):
     with its sizes carried to one sample: it has the planned nodes, and run on one sample it gives
     the eager model's loss on that sample, bit for bit."""
     from autopar.microbatch import loss_reduction
-    from autopar.runtime.pipeline import microbatch_capture
+    from autopar.microbatch import microbatch_capture
 
     ex, cap = _captured(name, batch=4)
     one = microbatch_capture(ex.model, cap, 4, ex.loss_fn)
@@ -189,7 +193,7 @@ class _Scaled(torch.nn.Module):
     (lambda b: b * 0.5, "depends on the batch and is not a size"),   # a float
 ])
 def test_batch_dependent_arguments_are_carried_or_refused(scale, why):
-    from autopar.runtime.pipeline import microbatch_capture
+    from autopar.microbatch import microbatch_capture
     from profiler.capture import capture
 
     model, x = _Scaled(scale), torch.randn(4, 8)
@@ -204,8 +208,41 @@ def test_batch_dependent_arguments_are_carried_or_refused(scale, why):
 
 
 def test_an_op_that_cannot_run_on_one_sample_is_refused_by_name():
-    from autopar.runtime.pipeline import microbatch_capture
+    from autopar.microbatch import microbatch_capture
 
     ex, cap = _captured("resnet", batch=4)  # layer4's batch norm sees one value per channel
     with pytest.raises(ValueError, match="fails on one sample at node batch_norm"):
         microbatch_capture(ex.model, cap, 4, ex.loss_fn)
+
+
+def test_a_sum_over_the_batch_size_is_a_mean_and_other_batch_scales_have_no_micro_batch_form():
+    from autopar.microbatch import loss_reduction
+    from autopar.microbatch import microbatch_capture
+
+    def ce_sum(o, t):
+        return torch.nn.functional.cross_entropy(o, t, reduction="sum")
+
+    for loss, want in ((lambda o, t: ce_sum(o, t) / o.shape[0], "mean"),
+                       (lambda o, t: ce_sum(o, t) * (1.0 / o.shape[0]), "mean"),
+                       (lambda o, t: ce_sum(o, t) / (o.shape[0] * o.shape[0]), None)):
+        ex = cases.example("mlp")
+        cap = cases.capture(type(ex)(**{**ex.__dict__, "loss_fn": loss}))
+        assert loss_reduction(cap) == "sum"  # one capture cannot tell the scale from a constant
+        assert loss_reduction(cap, microbatch_capture(ex.model, cap, 2, loss)) == want
+
+
+def test_a_refused_one_sample_graph_keeps_the_search_to_two_samples():
+    """Once the runtime's one-sample graph is refused for a model (``planner.checked_plan``), the
+    pipeline search makes no micro-batch of one sample."""
+    import profiler
+    from autopar import zoo
+    from autopar.mesh import Mesh
+    from autopar.planner import plan_profile
+
+    ex = zoo.build("gpt2", batch=4, device="meta")
+    gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    gp.one_sample_refused = "a float that depends on the batch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_profile(gp, Mesh((2, 1), cluster="h100"), force="pp-tp")
+    assert plan.pipeline.microbatches == 2 and plan.options["microbatch_size"] == 2

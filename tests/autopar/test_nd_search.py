@@ -205,6 +205,7 @@ def test_layouts_reproduce_the_published_shapes():
     ({"dp": 0}, "positive int"),
     ({"dp": 8, "dp_shard": 4, "zero": 1}, "give zero=3"),
     ({"dp": 8, "dp_shard": 3}, "does not divide dp=8"),
+    ({"dp": 8, "dp_shard": 1}, "dp_shard=1 shards nothing"),
 ])
 def test_bad_layouts_are_named(layout, match):
     gp = _gp("gpt2", batch=16)
