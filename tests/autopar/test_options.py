@@ -73,7 +73,7 @@ def test_plan_and_compile_search_the_same_space_by_default():
         warnings.simplefilter("ignore")
         planned = plan_profile(gp, CPU22, time_limit=30.0)
         compiled = Plan.from_json(_plan_on_rank0(gp, CPU22, PlanOptions.make("compile", time_limit=30.0), None,
-                                                 True, "MLP"))
+                                                 True, ex.model, ex.loss_fn))
     assert planned.search == compiled.search == PlanOptions(time_limit=30.0).to_dict()
     assert compiled.nodes == planned.nodes and compiled.params == planned.params
     assert compiled.step_time == pytest.approx(planned.step_time, rel=1e-12)

@@ -74,6 +74,12 @@ def test_budget_below_replicated_weights_shards_parameters():
     assert free.peak_bytes > budget  # replicated weights really do not fit
 
 
+def _blocking(p) -> float:
+    """A flat plan's step at the ILP's prices, every collective blocking (before the read-back takes
+    off what its timeline overlaps)."""
+    return sum(p.breakdown.get(k, 0.0) for k in ("compute", "comm", "reshard", "recompute"))
+
+
 def test_memory_frontier_moves_towards_sharding_and_checkpointing():
     gp = _gp("gpt2", batch=8, seq=128, layers=2, hidden=128, heads=4, vocab=1024)
     mesh = Mesh((2, 2), cluster="a100")
@@ -83,7 +89,10 @@ def test_memory_frontier_moves_towards_sharding_and_checkpointing():
         budget = top.peak_bytes * factor
         p = plan_profile(gp, mesh, memory_budget=budget, pipeline=False)
         assert p.peak_bytes <= budget * (1 + 1e-9)
-        assert p.step_time >= last.step_time - 1e-12  # less memory never buys a faster plan
+        # Less memory never buys a faster plan at the prices the search optimises. (The overlap
+        # the read-back then takes off is a post-solve estimate: here the 0.64 plan reads back
+        # 0.6% faster than the 0.8 one; docs/limitations.md.)
+        assert _blocking(p) >= _blocking(last) - 1e-12
         last = p
     with pytest.raises(autopar.InfeasibleBudget, match="smallest feasible budget"):
         plan_profile(gp, mesh, memory_budget=top.peak_bytes * 0.2, pipeline=False)
