@@ -48,6 +48,16 @@ _BATCH_NORMS = (aten.batch_norm.default, aten.native_batch_norm.default,
                 aten._native_batch_norm_legit.default, aten._native_batch_norm_legit_functional.default)
 
 
+def batch_of(captured) -> int | None:
+    """The batch of a capture: dim 0 of its first user input that has a dim, or None."""
+    nodes = {n.name: n for n in captured.gm.graph.nodes}
+    for name in captured.user_inputs:
+        v = nodes[name].meta.get("val") if name in nodes else None
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return int(v.shape[0])
+    return None
+
+
 def training_batch_norms(gm: fx.GraphModule) -> list[str]:
     """Names of the batch-norm nodes of ``gm`` that normalise with the batch's statistics."""
     out = []
@@ -179,20 +189,9 @@ def loss_reduction(captured, micro=None) -> str | None:
             if isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) and v.dim() > 0 and w.dim() > 0 and \
                     int(v.shape[0]) != int(w.shape[0]):
                 shrunk.add(n.name)
-    batch = None
-    for name in captured.user_inputs:
-        n = next((x for x in captured.gm.graph.nodes if x.name == name), None)
-        v = n.meta.get("val") if n is not None else None
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            batch = int(v.shape[0])
-            break
-    micro_ratio = None  # the batch over the micro-batch
-    if micro is not None and batch:
-        for name in micro.user_inputs:
-            v = small_nodes[name].meta.get("val") if name in small_nodes else None
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and int(v.shape[0]):
-                micro_ratio = batch / int(v.shape[0])
-                break
+    batch = batch_of(captured)
+    micro_batch = batch_of(micro) if micro is not None else None
+    micro_ratio = batch / micro_batch if batch and micro_batch else None  # the batch over the micro-batch
 
     def sized(x) -> bool:
         if shrunk is not None:
@@ -333,9 +332,7 @@ def one_sample_capture(capture_at, planned):
     from torch.fx.passes.shape_prop import _extract_tensor_metadata
     from torch._guards import detect_fake_mode
 
-    batch = next(int(v.shape[0]) for v in (n.meta.get("val") for n in planned.gm.graph.nodes
-                                             if n.name in set(planned.user_inputs))
-                 if isinstance(v, torch.Tensor) and v.dim() > 0)
+    batch = batch_of(planned)
     two, three = capture_at(2), capture_at(3)
     # A third point checks the line: the planned capture, or one at 4 samples.
     far, check = (batch, planned) if batch >= 4 else (4, capture_at(4))

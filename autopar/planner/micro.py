@@ -34,13 +34,9 @@ from autopar.planner.build import _input_vals
 
 def batch_size(gp) -> int | None:
     """The global batch: dim 0 of the first user input with a dim, or None."""
-    cap = gp.captured
-    for name in cap.user_inputs:
-        node = next((n for n in cap.gm.graph.nodes if n.name == name), None)
-        val = node.meta.get("val") if node is not None else None
-        if val is not None and getattr(val, "ndim", 0) >= 1:
-            return int(val.shape[0])
-    return None
+    from autopar.microbatch import batch_of
+
+    return batch_of(gp.captured)
 
 
 def smallest_micro_batch(gp) -> int:
