@@ -33,6 +33,7 @@ from autopar import precision
 from autopar.codegen import executors as ex
 from autopar.codegen.context import MeshContext, mesh_context
 from autopar.codegen.modules import ReshardModule, WriteBack, _attr_name, check_local
+from autopar.strategies.routed import is_region_strategy
 from autopar.lowering.graph import is_getitem, mutated_args, tensor_vals
 from autopar.lowering.program import SKIPPED as _SKIP, LoweringError, lower_plan
 from autopar.lowering.rows import CHAIN_MATMULS, DROPPED, RESHAPES
@@ -538,6 +539,9 @@ class _Lowering:
             if strat is not None:
                 return ex.StrategyExec(node.name, node, strat, self.strategies.run_local, self.ctx,
                                        args_t, kwargs_t), "strategy"
+        if np_ is not None and is_region_strategy(np_.strategy):
+            raise CodegenError(f"node {node.name!r}: strategy {np_.strategy!r} runs a routing region per rank, which "
+                               f"only autopar.strategies implements: build with executor='auto' or 'strategy'")
         if self.mode == "strategy":
             raise CodegenError(f"node {node.name!r}: strategy {np_.strategy if np_ else None!r} has no local "
                                f"implementation in autopar.strategies")
@@ -590,19 +594,16 @@ def _strategies_module():
         import autopar.strategies as S
     except ImportError:
         return None
-    if not hasattr(S, "run_local") or not hasattr(S, "strategies_for"):
+    if not hasattr(S, "run_local") or not hasattr(S, "strategy_named"):
         return None
     return S
 
 
 def _find_strategy(S, node, name: str, mesh_shape):
     try:
-        for s in S.strategies_for(node, tuple(mesh_shape)):
-            if s.name == name:
-                return s
+        return S.strategy_named(node, name, tuple(mesh_shape))
     except Exception:  # noqa: BLE001 - no rule for this op: the DTensor executor runs it
         return None
-    return None
 
 
 def build(captured, plan, device_mesh, *, debug: bool = False, executor: str = "auto",

@@ -378,6 +378,34 @@ def _experts_split(allowed: list, node, kind, experts: dict, ep_axes: tuple[int,
     return allowed
 
 
+def _region_strategies(gm, cfg: Config, batch_axes: tuple[int, ...], ep_axes: tuple[int, ...]) -> dict[str, list]:
+    """{node: its strategies} for the members of every routing region a layout runs per rank:
+    ``routed`` on the data-parallel axes (every axis of the ``dp``/``zero3`` families), ``a2a``
+    on a single expert-parallel axis. A region some member of which has no such strategy (an
+    expert count the ep ranks do not divide) keeps the per-op rules, all of it."""
+    from autopar.strategies import routed
+
+    modes = {a: routed.ROUTED for a in batch_axes}
+    if cfg.family in ("dp", "zero3"):
+        modes = {a: routed.ROUTED for a, n in enumerate(cfg.mesh.shape) if n > 1}
+    if len(ep_axes) == 1:
+        modes[ep_axes[0]] = routed.A2A
+    elif ep_axes:
+        return {}  # experts over several axes: the all-gather dispatcher (per-op rules)
+    if not modes:
+        return {}
+    members = routed.regions(gm.graph)
+    if not members:
+        return {}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    out: dict[str, list] = {}
+    for region in {id(r): r for r in members.values()}.values():
+        got = {m: routed.region_strategies(by_name[m], region, cfg.mesh.shape, modes) for m in region.members}
+        if all(got.values()):
+            out.update(got)
+    return out
+
+
 def _no_batch_split(allowed: list, node, tp_axes: tuple[int, ...], batch: int | None) -> list:
     """The strategies of ``node`` that keep the batch whole on the tensor-parallel axes, when some
     do: Megatron's activations are replicated in the TP group (or split by sequence rows between
@@ -477,6 +505,9 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
     # against p x the budget over all stages, where one op's transient is not what binds).
     transient_at = gp.transient_bytes_by_node(cfg.dtype) if micro is None and hasattr(
         gp, "transient_bytes_by_node") else {}
+    # Routing regions run per rank on the axes that split the tokens (autopar.strategies.routed):
+    # every member takes a region strategy, or none does.
+    regions = _region_strategies(gm, cfg, batch_axes, ep_axes)
     priced, order = {}, []
     priced_memo: dict[tuple, PricedNode] = {}
     # Signatures per graph: one planning prices a graph's nodes many times (the flat problem,
@@ -503,6 +534,8 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
         if ep_axes:
             allowed = _experts_split(allowed, node, kind, experts, ep_axes, [cfg.mesh.shape[a] for a in ep_axes],
                                      _fqn(gp, node.name))
+        if node.name in regions:
+            allowed = regions[node.name]
         scale = 1.0 if micro is None else micro.scale(node.name)
         if micro is not None:
             allowed = micro.valid(allowed, node)

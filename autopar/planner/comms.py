@@ -347,10 +347,10 @@ def _saves(node) -> bool:
 
 
 def _strategy(node, name: str, mesh_shape):
-    from autopar.strategies import strategies_for
+    from autopar.strategies import strategy_named
 
     try:
-        return next((s for s in strategies_for(node, tuple(mesh_shape)) if s.name == name), None)
+        return strategy_named(node, name, mesh_shape)
     except Exception:  # noqa: BLE001 - no rule for this op: no in-op collective either
         return None
 

@@ -15,6 +15,7 @@ from autopar.strategies.registry import (
     rule_for,
     run_local,
     strategies_for,
+    strategy_named,
 )
 
 __all__ = [
@@ -31,4 +32,5 @@ __all__ = [
     "rule_for",
     "run_local",
     "strategies_for",
+    "strategy_named",
 ]

@@ -223,10 +223,20 @@ def run_local(node: fx.Node, strategy: Strategy, args: tuple, kwargs: dict, ctx)
         raise ValueError(f"strategy {strategy.name!r} has {len(strategy.inputs)} input placements but node "
                          f"{node.name} has {len(node.all_input_nodes)} inputs: pass one of "
                          f"strategies_for({node.name}, mesh_shape)")
+    if routed.modes_of(strategy):  # a routing region run per rank (autopar.strategies.routed)
+        return routed.run_region(node, strategy, args, kwargs, ctx)
     rule = rule_for(node)
     if rule is not None and rule.local is not None:
         return rule.local(node, strategy, args, kwargs, ctx)
     return node.target(*args, **kwargs)
+
+
+def strategy_named(node: fx.Node, name: str, mesh_shape) -> Strategy | None:
+    """The strategy a plan calls ``name`` for ``node``: one of :func:`strategies_for`, or of a
+    routing region (:func:`autopar.strategies.routed.region_strategies`); None if none is."""
+    if routed.is_region_strategy(name):
+        return routed.strategy_named(node, name, mesh_shape)
+    return next((s for s in strategies_for(node, tuple(mesh_shape)) if s.name == name), None)
 
 
 # The family modules register their rules on import; this is the one place that imports them.
@@ -243,6 +253,7 @@ from autopar.strategies import (  # noqa: E402,F401
     pointwise,
     pool,
     reduction,
+    routed,
     routing,
     view,
 )

@@ -90,6 +90,13 @@ def regathers() -> int:
     return Gathered.regathers
 
 
+def all_to_alls() -> int:
+    """Token all-to-alls this process ran so far (routing regions, ``autopar.strategies.routed``)."""
+    from autopar.strategies import routed
+
+    return routed.ALL_TO_ALLS[0]
+
+
 def prefetches() -> tuple[int, int, int, int]:
     """(ZeRO-3 gathers started ahead in forward, gradient reduce-scatters started asynchronously,
     gathers of recomputed layers started ahead in backward, reshard-after-forward's gathers

@@ -140,14 +140,19 @@ def _trains_like_one_device(pool8, label, case):
         sdpa = [n for n in plan.nodes if n.startswith("scaled_dot_product_attention")]
         assert sdpa and all("cp" in plan.nodes[n].strategy.split(" x ") for n in sdpa), \
             {n: plan.nodes[n].strategy for n in sdpa}
-    if "ep" in layout:  # every grouped expert matmul runs its rank's experts on the ep axis
+    if "ep" in layout:  # every grouped expert matmul runs its rank's experts on the ep axis, on
+        # the rows the all-to-all dispatcher sent them (autopar.strategies.routed)
         ep = plan.mesh["axis_names"].index("ep")
         grouped = [n for n in plan.nodes if n.startswith("grouped_mm")]
-        assert grouped and all(plan.nodes[n].strategy.split(" x ")[ep] == "experts" for n in grouped), \
+        assert grouped and all(plan.nodes[n].strategy.split(" x ")[ep] == "a2a" for n in grouped), \
             {n: plan.nodes[n].strategy for n in grouped}
     before = pool8.run("nd_workers:regathers")
     fetched = pool8.run("nd_workers:prefetches")
+    sent = pool8.run("nd_workers:all_to_alls")
     res = pool8.run("nd_workers:train_nd", name, plan.to_json())
+    # expert parallelism: every rank sent its tokens to their experts by all-to-all (and only then)
+    sent = [now - was for now, was in zip(pool8.run("nd_workers:all_to_alls"), sent)]
+    assert all(n > 0 for n in sent) if "ep" in layout else not any(sent), sent
     # ZeRO-3 without a pipeline: every rank started its weight gathers ahead and its gradient
     # reduce-scatters asynchronously (autopar.runtime.prefetch); other plans never do
     # (and, where layers are recomputed, the gathers of the layer recomputed next in backward)
