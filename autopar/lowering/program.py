@@ -487,8 +487,21 @@ class _Lower:
     def regions(self) -> dict[str, int]:
         """Runs of consecutive recomputed nodes, cut at a stage boundary and where the checkpoint
         segment changes (each planned segment, a layer, is recomputed on its own, so backward
-        holds one layer's activations at a time); a node that writes into an input ends one."""
+        holds one layer's activations at a time); a node that writes into an input ends one,
+        unless it is a routing region's write into a tensor the open region made (the inverse
+        order's ``index_put_``: a routing region is recomputed whole, its sort first, for its
+        all-to-alls to be exchanged again, ``autopar.strategies.routed``)."""
+        from autopar.strategies.routed import regions as routing_regions
+
+        routing = routing_regions(self.cap.gm.graph)
         out, rid, open_, r_stage, r_seg = {}, 0, False, None, None
+
+        def written_inside(node) -> bool:
+            if node.name not in routing or not open_:
+                return False
+            args = [node.args[i] if i < len(node.args) else None for i in mutated_args(node.target)]
+            return all(isinstance(a, torch.fx.Node) and out.get(a.name) == rid for a in args)
+
         for node in self.cap.gm.graph.nodes:
             if node.op != "call_function":
                 continue
@@ -499,7 +512,8 @@ class _Lower:
             name = node.name
             if name not in self.choice and is_getitem(node):  # an element of a multi-output node: as its producer
                 name = node.args[0].name
-            if name not in self.choice or not self.recomputed(name) or mutated_args(node.target):
+            if name not in self.choice or not self.recomputed(name) or \
+                    (mutated_args(node.target) and not written_inside(node)):
                 open_ = False
                 continue
             stage, seg = self.stage_of.get(node.name), self.segment(name)

@@ -59,7 +59,9 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
     can end short of FSDP or HSDP, whose gathers hide behind compute. So those layouts are solved
     too (FSDP: every axis ``fsdp``; HSDP on two axes: ``dp`` then ``fsdp``), each read back
     honestly, and the free problem is solved once more at each one's exposed share of gathers.
-    Every plan returned is a flat plan of the free search's space, each labelled by what it does."""
+    A model that routes tokens to experts (``autopar.strategies.routed``) also gets expert
+    parallelism on the innermost axis. Every plan returned is a flat plan of the free search's
+    space, each labelled by what it does."""
     from autopar.planner.labels import axes_label, axis_roles
 
     shape = tuple(cfg.mesh.shape)
@@ -68,6 +70,10 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
     fams = ["roles:" + ",".join(["fsdp"] * len(shape))]
     if len(shape) == 2 and min(shape) > 1:
         fams.append("roles:dp,fsdp")
+    if _experts_divide(gp, shape[-1]):
+        # Expert parallelism on the innermost axis, tokens sent to their experts by all-to-all
+        # (a per-op search cannot: autopar.strategies.routed), ZeRO-3 on the others.
+        fams.append("roles:" + ",".join(["fsdp"] * (len(shape) - 1) + ["ep"]))
     built = build_cached(gp, cfg)
     out = []
     for fam in fams:
@@ -84,6 +90,14 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
         if again is not None:
             out.append(again)
     return out
+
+
+def _experts_divide(gp, ranks: int) -> bool:
+    """The model routes its tokens in closed regions whose expert count ``ranks`` divides."""
+    from autopar.strategies import routed
+
+    regions = {r.root: r for r in routed.regions(gp.captured.gm.graph).values()}
+    return ranks > 1 and bool(regions) and all(r.experts % ranks == 0 for r in regions.values())
 
 
 def _reshard_after_forward(gp, cfg: Config, built, p, every, solved):

@@ -242,6 +242,8 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: fl
     # The op's own transient at this strategy's share (a loss's backward: the logits' gradient,
     # which the replay sees on top of every saved activation at the start of backward).
     work = max(work, transient * frac * scale)
+    if any(c.kind == "all_to_all" for c in strat.comm):  # a routing region's rows, as sent and as received
+        work += 2 * sum(_local_bytes(t, p, shape) for t, p in zip(outs, strat.outputs)) * act_scale * scale
     return fwd + bwd + comm, comm, 0.0, act, work, fwd
 
 
@@ -494,7 +496,7 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
     if ep_axes and not experts:
         raise ValueError("expert parallelism (ep) needs expert weights, stacked (experts, ...) parameters that grouped "
                          "matmuls read (HF Mixtral's experts), and this model has none: use dp for that axis")
-    weights = _weight_views(gm, kinds) if tp_axes or batch_axes else set()
+    weights = _weight_views(gm, kinds) if tp_axes or dp_axes else set()
     batch = _global_batch(gp) if tp_axes or cp_axes or batch_axes else None
     # Saved bytes in the plan's precision: the mixed replay's own sizes (what the per-rank memory
     # replay, which decides a plan's peak, counts too), where halving the fp32 run's figure
@@ -548,8 +550,10 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
             if node.target is _SDPA:  # attention keeps its query rows split there (not its heads)
                 allowed = [s for s in allowed if s.per_axis and all(
                     s.per_axis[a] in ("cp", "seq") for a in cp_axes)] or allowed
-        if dp_axes and node.op == "call_function":
-            # A layout's data- and context-parallel axes split every op's work where the op allows it.
+        if dp_axes and node.op == "call_function" and node.name not in weights:
+            # A layout's data- and context-parallel axes split every op's work where the op allows it
+            # (not a weight's view: a transpose of a stored weight is no work, and "splitting" it as a
+            # Partial sum would all-reduce the weight in forward).
             split = [s for s in allowed if all(s.per_axis and s.per_axis[a] != "R" for a in dp_axes)]
             allowed = split or allowed
             if batch_axes:

@@ -35,6 +35,11 @@ def _sharded_on(text: str | None, axis: int) -> int | None:
     return p[axis].dim
 
 
+def _part(strategy: str, a: int, n_axes: int) -> str | None:
+    parts = strategy.split(" x ")
+    return parts[a] if len(parts) == n_axes else None
+
+
 def axis_roles(captured, nodes: dict, params: dict, n_axes: int) -> list[str]:
     """The role of each of the ``n_axes`` sharding axes of a plan (``nodes``: name ->
     ``NodePlan``; ``params``: FQN -> stored placement) on the graph ``captured``."""
@@ -67,6 +72,9 @@ def axis_roles(captured, nodes: dict, params: dict, n_axes: int) -> list[str]:
                     used_sharded = True
                     break
         stored_sharded = any(_sharded_on(p, a) is not None for p in params.values())
+        if any(_part(np_.strategy, a, n_axes) == "a2a" for np_ in nodes.values()):
+            roles.append("ep")  # tokens sent to their experts by all-to-all (autopar.strategies.routed)
+            continue
         parts = []
         if batch:
             parts.append("fsdp" if stored_sharded and not used_sharded else "dp")

@@ -98,6 +98,16 @@ class _Ctx:
         return loc / glob if glob else 1.0
 
 
+def _sends_rows(node, strategy_name: str) -> bool:
+    """``node`` runs a routing region's all-to-all of token rows under this strategy."""
+    from autopar.strategies import routed
+
+    if node is None or routed.A2A not in strategy_name.split(" x "):
+        return False
+    r = routed.regions(node.graph).get(node.name)
+    return r is not None and (node.name in r.dispatch or node.name in r.combine)
+
+
 def _scaled_node(ctx: _Ctx, n):
     """``n`` (a ``profiler.memory.StepNode``) with this rank's sizes."""
     f = ctx.frac(n.name)
@@ -121,8 +131,12 @@ def _scaled_node(ctx: _Ctx, n):
         storages[key] = int(rows * keys * vals[0].element_size())
         saved.append(key)
         n = dataclasses.replace(n, float_size={**n.float_size, key: vals[0].element_size()})
-    return dataclasses.replace(n, storages=storages, fwd_alloc=int(n.fwd_alloc * f), bwd_alloc=int(n.bwd_alloc * f),
-                               fwd_max_op=int(n.fwd_max_op * f), bwd_max_op=int(n.bwd_max_op * f),
+    # A routing region's all-to-all (autopar.strategies.routed): the rows in the sender's order
+    # and as received live beside the reordered output, forward and backward.
+    extra = 2 * out_loc if s is not None and _sends_rows(ctx.nodes.get(n.name), s.name) else 0
+    return dataclasses.replace(n, storages=storages, fwd_alloc=int(n.fwd_alloc * f) + extra,
+                               bwd_alloc=int(n.bwd_alloc * f) + extra, fwd_max_op=int(n.fwd_max_op * f) + extra,
+                               bwd_max_op=int(n.bwd_max_op * f) + extra,
                                grad_bytes=int(n.grad_bytes * of), inputs=list(n.inputs), users=list(n.users),
                                saved=saved)
 

@@ -215,7 +215,8 @@ def _is_row(region: Region, n: fx.Node, t) -> bool:
     return t is not None and t.dim() >= 1 and region.row(n.name)
 
 
-def _entry(info: OpInfo, region: Region, mode: str) -> Entry:
+def _entry(info: OpInfo, region: Region, mode: str, ranks: int) -> Entry:
+    """The region's entry for ``info``'s node on an axis of ``ranks`` ranks run in ``mode``."""
     node = info.node
     grouped = node.name in region.grouped
     ins = []
@@ -232,15 +233,15 @@ def _entry(info: OpInfo, region: Region, mode: str) -> Entry:
     outs = [S(0) if row_out and t.dim() >= 1 else R for t in info.outs]
     comm = ()
     if mode == A2A:
-        item = info.outs[0].element_size() if info.outs else 4
+        # Each rank's buffer is its share of the rows (balanced routing: 1/n of them on this axis).
         if node.name in region.dispatch:
-            b = int(info.outs[0].numel()) * item
+            b = int(info.outs[0].numel()) * info.outs[0].element_size() // ranks
             comm = (CommSpec("all_to_all", b), CommSpec("all_to_all", b, backward=True))
         elif node.name in region.combine:
-            b = int(info.ins[0].numel()) * info.ins[0].element_size()
+            b = int(info.ins[0].numel()) * info.ins[0].element_size() // ranks
             comm = (CommSpec("all_to_all", b), CommSpec("all_to_all", b, backward=True))
-        elif node.name == region.root:
-            comm = (CommSpec("all_gather", 8 * region.experts * max(info.mesh_shape), scales=False),)
+        elif node.name == region.root:  # every rank's count per expert
+            comm = (CommSpec("all_gather", 8 * region.experts * ranks, scales=False),)
     return Entry(name=mode, inputs=tuple(ins), outputs=tuple(outs), split=True, comm=comm)
 
 
@@ -295,7 +296,7 @@ def region_strategies(node: fx.Node, region: Region, mesh_shape, modes: dict[int
     per_axis = []
     for a, n in enumerate(mesh_shape):
         if a in modes:
-            per_axis.append([_entry(info, region, modes[a])])
+            per_axis.append([_entry(info, region, modes[a], n)])
         else:
             per_axis.append(other if n > 1 else [rep])
     out = []

@@ -1,8 +1,8 @@
 """Expert parallelism in the search: ``layout={"ep": N}`` splits every stacked expert weight by
-expert over an axis of N ranks and runs each rank's experts on the tokens routed to them
-(tokens gathered over the axis, results reduce-scattered: Megatron's all-gather dispatcher);
-the free search shards the expert weights of a many-expert layer and keeps a two-expert one
-data parallel.
+expert over an axis of N ranks and runs each rank's experts on the tokens routed to them (each
+rank sorts its own tokens and sends each expert's rows to its rank by all-to-all, and gets them
+back: the routing region of ``autopar.strategies.routed``); the free search shards the expert
+weights of a many-expert layer and keeps a two-expert one data parallel.
 
 Numerics: Mixtral (4 experts, top-2) under ep 2 and ep 4 with dp/tp on the other axes on 8 gloo
 ranks against one device in ``tests/dist/test_nd.py``; the ``experts`` rule of the grouped
@@ -61,7 +61,7 @@ def test_layout_ep_splits_the_experts_and_keeps_the_rest_replicated():
         else:
             assert on_ep == Replicate(), (fqn, plan.nodes[name].outputs)
     grouped = [n for n in plan.nodes if n.startswith("grouped_mm")]
-    assert len(grouped) == 4 and all(plan.nodes[n].strategy.split(" x ")[0] == "experts" for n in grouped)
+    assert len(grouped) == 4 and all(plan.nodes[n].strategy.split(" x ")[0] == "a2a" for n in grouped)
     (ids,) = [plan.nodes[n] for n in gp.captured.user_inputs if n in plan.nodes and "label" not in n]
     assert pl.parse(ids.outputs[0])[0] == Shard(0)  # the batch is split over the ep ranks
 
@@ -71,14 +71,86 @@ def test_an_ep_degree_the_experts_do_not_divide_is_refused():
         _plan(_gp(), Mesh((8,), cluster="cpu"), layout={"ep": 8})
 
 
-def test_free_search_shards_many_experts_and_replicates_two():
-    """64 experts of 1024 x 2048 on 8 H100s: the expert weights dominate memory and compute, and the
-    search splits them (by expert or by columns); with 2 small experts, data parallelism."""
+def test_free_search_chooses_expert_parallelism_for_many_experts_and_data_parallelism_for_two():
+    """64 experts of 1024 x 2048 on 8 H100s: the expert weights dominate memory and compute, and
+    the search splits them by expert, tokens sent to them by all-to-all (expert parallelism);
+    with 2 small experts every rank runs both on its own tokens (data parallelism)."""
     kw = dict(seq=1024, hidden=1024, intermediate=2048, heads=8, kv_heads=8, vocab=1024, device="meta")
     many = _plan(_gp(experts=64, **kw), Mesh((8,), cluster="h100"))
     few = _plan(_gp(experts=2, **kw), Mesh((8,), cluster="h100"))
-    for plan, sharded in ((many, True), (few, False)):
-        gp = _gp(experts=64 if sharded else 2, **kw)
+    for plan, mode in ((many, "a2a"), (few, "routed")):
+        gp = _gp(experts=64 if mode == "a2a" else 2, **kw)
+        grouped = [n for n in plan.nodes if n.startswith("grouped_mm")]
+        assert len(grouped) == 4 and all(plan.nodes[n].strategy == mode for n in grouped), \
+            {n: plan.nodes[n].strategy for n in grouped}
         for name in expert_params(gp.captured.gm, _kinds(gp.captured)):
-            split = any(isinstance(p, Shard) for p in pl.parse(plan.nodes[name].outputs[0]))
-            assert split is sharded, (name, plan.nodes[name].outputs)
+            stored = pl.parse(plan.nodes[name].outputs[0])[0]
+            assert (stored == Shard(0)) is (mode == "a2a"), (name, plan.nodes[name].outputs)  # by expert
+    assert "ep(8)" in many.options["family"] and "ep" not in few.options["family"]
+
+
+# ---------------------------------------------------------------------- routing regions
+def _regions(gm):
+    from autopar.strategies import routed
+
+    return {r.root: r for r in routed.regions(gm.graph).values()}
+
+
+def test_each_mixtral_layer_routes_its_tokens_in_one_closed_region():
+    gp = _gp()
+    regions = _regions(gp.captured.gm)
+    assert len(regions) == 2  # one per layer
+    params = gp.captured.params
+    for i, r in enumerate(sorted(regions.values(), key=lambda r: r.root)):
+        assert r.experts == 4 and r.slots == 8 * 16 * 2  # tokens x top-2
+        assert len(r.dispatch) == 2 and len(r.combine) == 1 and len(r.grouped) == 2  # x and gates; gate_up, down
+        assert sorted(params[w] for w in r.weights if w in params) == \
+            [f"model.layers.{i}.mlp.experts.{w}" for w in ("down_proj", "gate_up_proj")]
+        assert r.grouped <= r.sorted_side and r.combine.isdisjoint(r.sorted_side)
+
+
+def test_a_region_read_from_outside_keeps_the_per_op_rules():
+    # A load-balancing term over the per-expert counts reads a value inside the region: run per
+    # rank, those counts would be one rank's, so the region is not one (the per-op rules gather).
+    import copy
+
+    import torch
+
+    from autopar.strategies import routed
+
+    gm = copy.deepcopy(_gp().captured.gm)
+    histc = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.histc.default)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):
+        aux = gm.graph.call_function(torch.ops.aten.sum.default, (histc,))
+    out.args = ((*out.args[0], aux),) if isinstance(out.args[0], tuple) else ((out.args[0], aux),)
+    roots = {r.root for r in routed.regions(gm.graph).values()}
+    assert roots == {r for r in _regions(_gp().captured.gm)} - {histc.args[0].args[0].args[0].name}, roots
+
+
+def test_the_all_to_all_is_priced_at_each_ranks_rows():
+    """dp 4 x ep 2: each rank sends its own 1/8 of the 256 (token, slot) rows of 64 floats, once
+    each way and once more in backward; nothing gathers the tokens; with dp alone, no collective
+    runs inside the region."""
+    from autopar.planner.comms import plan_collectives
+    from autopar.strategies import routed
+
+    gp = _gp()
+    members = routed.regions(gp.captured.gm.graph)
+    plan = _plan(gp, Mesh((8,), cluster="cpu"), layout={"dp": 4, "ep": 2})
+    weights = {w for r in members.values() for w in r.weights}
+
+    def within(c) -> bool:  # in the region, the expert weights' gradient sums over dp aside
+        ends = c.where.split(" -> ")
+        return ends[-1] in members and ends[0] not in weights
+
+    inside = [c for c in plan_collectives(gp.captured, plan) if within(c)]
+    rows = 256 // 8 * 64 * 4
+    dispatch = [c for c in inside if c.kind == "all_to_all" and c.where.startswith("index")]
+    assert {(c.nbytes, c.phase) for c in dispatch} >= {(rows, "forward"), (rows, "backward")}
+    assert len([c for c in inside if c.kind == "all_to_all"]) == 2 * 3 * 2  # 2 layers x (x, gates, combine) x fwd/bwd
+    assert {c.kind for c in inside} == {"all_to_all", "all_gather"}
+    assert all(c.nbytes <= 2 * 4 * 8 for c in inside if c.kind == "all_gather")  # the counts only
+    dp = _plan(gp, Mesh((8,), cluster="cpu"), layout={"dp": 8})
+    assert not [c for c in plan_collectives(gp.captured, dp) if within(c)]
+    assert all(dp.nodes[m].strategy == "routed" for m in members if dp.nodes[m].strategy != "replicate")

@@ -36,6 +36,9 @@ CASES = {
     # Expert parallelism: Mixtral's 4 experts (top-2) split over 2 and over 4 ranks.
     "mixtral dp4 x ep2 over (8,)": ("mixtral", (8,), None, {"dp": 4, "ep": 2}),
     "mixtral ep4 x tp2": ("mixtral", (4, 2), ("ep", "tp"), {"ep": 4, "tp": 2}),
+    # ... in pipeline stages of micro-batches, every layer recomputed (the routing exchanged again)
+    "mixtral pp2 x ep2 x tp2 recomputed": ("mixtral", (2, 2, 2), ("pp", "ep", "tp"),
+                                           {"pp": 2, "ep": 2, "tp": 2, "recompute": "full"}),
     # A pipeline of micro-batches of one sample (the general graph carried to one sample).
     "gpt2 pp2 x tp4 one sample per micro-batch": ("gpt2", (2, 4), ("pp", "tp"), {"pp": 2, "tp": 4, "microbatches": 8}),
     # Gradient accumulation of flat plans: the batch of 8 as 2 micro-batches of 4.
@@ -142,7 +145,7 @@ def _trains_like_one_device(pool8, label, case):
             {n: plan.nodes[n].strategy for n in sdpa}
     if "ep" in layout:  # every grouped expert matmul runs its rank's experts on the ep axis, on
         # the rows the all-to-all dispatcher sent them (autopar.strategies.routed)
-        ep = plan.mesh["axis_names"].index("ep")
+        ep = [a for a in plan.mesh["axis_names"] if a != "pp"].index("ep")  # strategies name the sharding axes
         grouped = [n for n in plan.nodes if n.startswith("grouped_mm")]
         assert grouped and all(plan.nodes[n].strategy.split(" x ")[ep] == "a2a" for n in grouped), \
             {n: plan.nodes[n].strategy for n in grouped}
