@@ -369,6 +369,32 @@ def _state(ctx) -> dict:
     return st
 
 
+def routing_of(table: torch.Tensor, me: int, device=None) -> _Routing:
+    """Rank ``me``'s routing from ``table[sender, expert]`` (slots each rank of the axis sends
+    each expert; the experts split evenly over the ranks, in order)."""
+    n, experts = int(table.shape[0]), int(table.shape[1])
+    per = experts // n
+    by_owner = table.reshape(n, n, per)  # [sender, owner, expert of owner]
+    send = [int(x) for x in by_owner[me].sum(-1)]
+    mine = by_owner[:, me, :]  # [sender, my expert]
+    recv = [int(x) for x in mine.sum(-1)]
+    # Received: blocks (sender, my expert) in sender-major order; block b of the expert-major
+    # order starts at ``start[b]`` there, and its rows follow on: position i of the expert-major
+    # order is i + (start[b] - its own start in that order).
+    sizes = mine.reshape(-1)
+    start = (torch.cumsum(sizes, 0) - sizes).reshape(n, per).t().reshape(-1)
+    em = mine.t().reshape(-1)
+    shift = start - (torch.cumsum(em, 0) - em)
+    dev = device if device is not None else table.device
+    total = int(em.sum())
+    to_exp = (torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(shift, em)).to(dev)
+    to_snd = torch.empty_like(to_exp)
+    to_snd[to_exp] = torch.arange(total, dtype=torch.int64, device=dev)
+    local = torch.zeros(experts, dtype=torch.int64)
+    local[me * per:(me + 1) * per] = mine.sum(0)
+    return _Routing(send, recv, to_exp, to_snd, local.to(dev))
+
+
 def _exchange(ctx, axis: int, counts: torch.Tensor, experts: int) -> _Routing:
     """Every rank of ``axis`` learns how many rows each rank sends each expert."""
     import torch.distributed._functional_collectives as funcol
@@ -377,34 +403,11 @@ def _exchange(ctx, axis: int, counts: torch.Tensor, experts: int) -> _Routing:
 
     n = int(ctx.shape[axis])
     me = int(ctx.coordinate(axis))
-    per = experts // n
     c = counts.to(torch.int64).contiguous()
     every = run_collective("all_gather of the routing counts", c, ctx.device_mesh, axis, None,
                            lambda: funcol.all_gather_tensor(c, 0, (ctx.device_mesh, axis)))
     table = every.reshape(n, experts).cpu()
-    by_owner = table.reshape(n, n, per)  # [sender, owner, expert of owner]
-    send = [int(x) for x in by_owner[me].sum(-1)]
-    mine = by_owner[:, me, :]  # [sender, my expert]
-    recv = [int(x) for x in mine.sum(-1)]
-    # received: sender-major blocks of (my experts) -> expert-major
-    order = []
-    start = 0
-    starts = torch.zeros(n, per, dtype=torch.int64)
-    for s in range(n):
-        for e in range(per):
-            starts[s, e] = start
-            start += int(mine[s, e])
-    for e in range(per):
-        for s in range(n):
-            b = int(starts[s, e])
-            order.extend(range(b, b + int(mine[s, e])))
-    dev = counts.device
-    to_exp = torch.tensor(order, dtype=torch.int64, device=dev)
-    to_snd = torch.empty_like(to_exp)
-    to_snd[to_exp] = torch.arange(len(order), dtype=torch.int64, device=dev)
-    local = torch.zeros(experts, dtype=torch.int64)
-    local[me * per:(me + 1) * per] = mine.sum(0)
-    return _Routing(send, recv, to_exp, to_snd, local.to(dev))
+    return routing_of(table, me, counts.device)
 
 
 ALL_TO_ALLS = [0]

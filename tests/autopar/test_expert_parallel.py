@@ -154,3 +154,38 @@ def test_the_all_to_all_is_priced_at_each_ranks_rows():
     dp = _plan(gp, Mesh((8,), cluster="cpu"), layout={"dp": 8})
     assert not [c for c in plan_collectives(gp.captured, dp) if within(c)]
     assert all(dp.nodes[m].strategy == "routed" for m in members if dp.nodes[m].strategy != "replicate")
+
+
+@pytest.mark.parametrize("ranks,experts", [(2, 4), (4, 8), (4, 4)])
+def test_the_all_to_all_delivers_the_global_sort_and_brings_every_row_home(ranks, experts):
+    """Each rank sorts its own slots by expert and sends each expert's rows to its owner; what an
+    owner holds after the exchange, in expert order, is the one-device sort of every slot
+    restricted to its experts (so each expert's product is the one-device product of the same
+    rows), and the way back returns each rank its rows in its own order. Simulated exchange."""
+    import torch
+
+    from autopar.strategies.routed import routing_of
+
+    g = torch.Generator().manual_seed(ranks * 100 + experts)
+    ids = [torch.randint(0, experts, (int(torch.randint(0, 12, (), generator=g)),), generator=g) for _ in range(ranks)]
+    ids[0] = ids[0][ids[0] != 0]  # an expert some rank sends nothing
+    table = torch.stack([torch.bincount(x, minlength=experts) for x in ids])
+    rows = [torch.stack([x.float(), torch.full_like(x, r).float(), torch.arange(len(x)).float()], 1)
+            for r, x in enumerate(ids)]  # (expert, sender, position) per slot
+    mine_sorted = [rws[torch.sort(x, stable=True).indices] for x, rws in zip(ids, rows)]
+    routes = [routing_of(table, r) for r in range(ranks)]
+    sent = [torch.split(mine_sorted[s], routes[s].send) for s in range(ranks)]  # sender -> [to owner]
+    every = torch.cat(rows)[torch.sort(torch.cat(ids), stable=True).indices]  # the one-device sort
+    per = experts // ranks
+    back: list[list] = [[] for _ in range(ranks)]
+    for r, route in enumerate(routes):
+        got = torch.cat([sent[s][r] for s in range(ranks)])
+        assert [len(sent[s][r]) for s in range(ranks)] == route.recv
+        held = got[route.to_expert_major]
+        want = every[(every[:, 0] >= r * per) & (every[:, 0] < (r + 1) * per)]
+        assert torch.equal(held, want)
+        assert route.local_counts.tolist() == [int((want[:, 0] == e).sum()) for e in range(experts)]
+        for s, part in enumerate(torch.split(held[route.to_sender_major], route.recv)):
+            back[s].append(part)
+    for s in range(ranks):
+        assert torch.equal(torch.cat(back[s]), mine_sorted[s])
