@@ -245,11 +245,22 @@ def _entry(info: OpInfo, region: Region, mode: str, ranks: int) -> Entry:
     return Entry(name=mode, inputs=tuple(ins), outputs=tuple(outs), split=True, comm=comm)
 
 
-def _other_entries(info: OpInfo, region: Region) -> list[Entry]:
+def _other_entries(info: OpInfo, region: Region, ragged: bool = False) -> list[Entry]:
     """Entries of the op's own rule on an axis outside the region's: the tokens stay whole there
     (no row dim split) and the experts are not split by expert (that is ``a2a``)."""
     from autopar.strategies.registry import rule_for
 
+    node = info.node
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        # an element of a member with several outputs: as its producer gives it on such an axis
+        from autopar.placement import fmt_one
+
+        k, out = int(node.args[1]), [replicate_entry(info)]
+        for e in _other_entries(OpInfo(node.args[0], info.mesh_shape), region, ragged):
+            p = e.outputs[k] if k < len(e.outputs) else None
+            if p is not None and not isinstance(p, Replicate) and all(p not in x.outputs for x in out):
+                out.append(Entry(name=fmt_one(p), inputs=(p,), outputs=(p,), split=False))
+        return out
     rule = rule_for(info.node)
     raw = []
     if rule is not None and not rule.full:
@@ -257,6 +268,18 @@ def _other_entries(info: OpInfo, region: Region) -> list[Entry]:
             raw = list(rule.fn(info))
         except Exception:  # noqa: BLE001 - the replicate entry is always there
             raw = []
+
+    # An op that runs as the plain op on its blocks (no rule of its own for the run: elementwise
+    # ops, chunks, casts) may split the region's rows there too: the ranks of such an axis hold
+    # the same tokens, so a block of the rows is a block of the same per-rank tensor (sequence
+    # parallelism inside the experts). Ops whose local run places blocks by rank offsets keep
+    # the rows whole: their offsets count global rows, not this rank's; so do the values in
+    # expert order under ``a2a`` (``ragged``), whose row count is whatever the rank received.
+    special = region.dispatch | region.combine | region.grouped | region.histc | {region.root}
+    plain = (rule is None or rule.local is None) and info.node.name not in special and \
+        not (ragged and info.node.name in region.sorted_side)
+    if plain:
+        return [replicate_entry(info)] + [e for e in raw if not e.is_replicate() and e.name != "experts"]
 
     def keeps_rows(e: Entry) -> bool:
         for n, t, p in zip(info.slots, info.ins, e.inputs):
@@ -292,7 +315,7 @@ def region_strategies(node: fx.Node, region: Region, mesh_shape, modes: dict[int
         return list(hit[1])
     info = OpInfo(node, mesh_shape)
     rep = replicate_entry(info)
-    other = _other_entries(info, region)
+    other = _other_entries(info, region, A2A in modes.values())
     per_axis = []
     for a, n in enumerate(mesh_shape):
         if a in modes:
