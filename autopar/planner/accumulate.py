@@ -15,9 +15,11 @@ backward), and the peak is the replay of ``m`` micro-batches one at a time
 (``autopar.planner.stage_memory.pipeline_peaks`` with one stage under 1F1B: one micro-batch's
 activations live at a time, gradients accumulate in place, then the buckets are reduced).
 
-The free search tries it where the memory budget binds (:func:`accumulate_candidates`): the
-fewest micro-batches (2, 4, 8, ... down to one sample) whose plan fits, as a candidate beside the
-flat plan (which recomputes to fit) and the pipelines.
+The free search tries it where the memory budget binds (:func:`accumulate_candidates`): 2, 4, 8,
+... micro-batches (down to one sample), each solved first without a memory row and, if that is
+over the budget, under the micro-batch's memory row (which may recompute layers), up to the first
+count that fits without recomputing; each plan that fits is a candidate beside the flat plan
+(which recomputes to fit) and the pipelines.
 """
 from __future__ import annotations
 
@@ -31,11 +33,16 @@ from autopar.planner.build import Config
 #: Micro-batch counts the free search tries, fewest first.
 COUNTS = (2, 4, 8, 16, 32, 64)
 
+#: Solves under the micro-batch's memory row when the unconstrained plan is over the budget.
+ACCUMULATE_ROUNDS = 4
+
 
 def accumulate_candidates(gp, cfg: Config) -> list:
     """Accumulated plans for the free search where the budget binds: for each count of
     :data:`COUNTS` that cuts the batch, fewest first, its plan (``solve_accumulated``) until one
-    fits; a count whose micro-batch some op cannot split ends the list (larger counts split less)."""
+    fits without recomputing (a count that fits only by recomputing may be slower than the next
+    one: both are candidates); a count whose micro-batch some op cannot split ends the list
+    (larger counts split less)."""
     from autopar.plan import Plan
     from autopar.planner.labels import axes_label, axis_roles
     from autopar.planner.micro import batch_size, smallest_micro_batch
@@ -54,7 +61,8 @@ def accumulate_candidates(gp, cfg: Config) -> list:
         if isinstance(got, Plan):
             roles = axis_roles(gp.captured, got.nodes, got.params, cfg.mesh.ndim)
             got.options["family"] = f"{axes_label(roles, cfg.mesh.shape)} accumulating {m}"
-            break
+            if not any(n.recompute for n in got.nodes.values()):
+                break  # more micro-batches fit too, but add latency and recompute nothing less
     return out
 
 
@@ -76,31 +84,48 @@ def solve_accumulated(gp, cfg: Config, m: int):
         raise ValueError(f"microbatches={m} does not cut the batch of {batch} into equal micro-batches")
     micro_cfg = dataclasses.replace(cfg, micro_batches=m, memory_budget=None)
     built = build_cached(gp, micro_cfg)  # a ValueError names an op no strategy of which divides
-    sol = solver.solve(built.problem)
-    if cfg.checkpoint_every:
-        sol = checkpoint_every(built.problem, sol)
     units = _stage_units(gp)
-    t, once, _, _, _ = _unit_figures(built, sol, units, m)
-    sync = float(once.sum())
-    step = m * float(t.sum()) + sync
-    pick = choices(built, sol)
-    segs = {s.id: s for s in built.problem.segments}
-    recompute: dict[str, str] = {}
-    for sid in sol.checkpointed:
-        for leader in segs[sid].nodes:
-            for n in built.order:
-                if built.leader[n] == leader:
-                    recompute.setdefault(n, sid)
-        recompute.update((n, sid) for n in layer_members(gp, sid) if n in built.priced and n not in recompute)
     nodes = list(built.order)
-    peaks = pipeline_peaks(gp, {n: built.priced[n].strategies[pick[n]] for n in nodes}, cfg.mesh,
-                           Pipeline(axis=0, stages=[nodes], microbatches=m, schedule="1f1b"),
-                           recompute=recompute, zero=zero_spec(cfg), optimizer=cfg.optimizer, dtype=cfg.dtype,
-                           chunks=chunk_counts(built.overlap, pick))
-    peak = float(peaks[0].peak)
-    if cfg.memory_budget is not None and peak > cfg.memory_budget:
+    segs = {s.id: s for s in built.problem.segments}
+
+    def priced(sol):
+        """(step seconds, gradient sums, peak bytes, recompute map) of a solution."""
+        if cfg.checkpoint_every:
+            sol = checkpoint_every(built.problem, sol)
+        t, once, _, _, _ = _unit_figures(built, sol, units, m)
+        pick = choices(built, sol)
+        recompute: dict[str, str] = {}
+        for sid in sol.checkpointed:
+            for leader in segs[sid].nodes:
+                for n in built.order:
+                    if built.leader[n] == leader:
+                        recompute.setdefault(n, sid)
+            recompute.update((n, sid) for n in layer_members(gp, sid) if n in built.priced and n not in recompute)
+        peaks = pipeline_peaks(gp, {n: built.priced[n].strategies[pick[n]] for n in nodes}, cfg.mesh,
+                               Pipeline(axis=0, stages=[nodes], microbatches=m, schedule="1f1b"),
+                               recompute=recompute, zero=zero_spec(cfg), optimizer=cfg.optimizer, dtype=cfg.dtype,
+                               chunks=chunk_counts(built.overlap, pick))
+        return sol, m * float(t.sum()) + float(once.sum()), float(once.sum()), float(peaks[0].peak)
+
+    sol, step, sync, peak = priced(solver.solve(built.problem))
+    budget = cfg.memory_budget
+    # Over the budget: solve again under the micro-batch's memory row (one micro-batch's
+    # activations live at a time: the flat row at 1/m of the batch), which may recompute layers,
+    # tightened by the replay's excess, as the flat budget loop does.
+    row = budget
+    for _ in range(ACCUMULATE_ROUNDS if budget is not None and peak > budget else 0):
+        try:
+            got = priced(solver.solve(dataclasses.replace(built.problem, memory_budget=row)))
+        except solver.Infeasible:
+            break
+        if got[3] <= budget or got[3] < peak:
+            sol, step, sync, peak = got
+        if peak <= budget:
+            break
+        row = row - (got[3] - budget)
+    if budget is not None and peak > budget:
         return InfeasibleBudget(f"{m} accumulated micro-batches peak at {size_text(peak)} per device, over the budget "
-                                f"of {size_text(cfg.memory_budget)}: recompute (recompute='full'), more micro-batches "
+                                f"of {size_text(budget)}: recompute (recompute='full'), more micro-batches "
                                 f"or more devices")
     plan = to_plan(gp, micro_cfg, built, sol, sharding_axes=list(range(cfg.mesh.ndim)), step_time=step,
                    peak_bytes=peak)

@@ -106,3 +106,17 @@ def test_the_free_search_does_not_accumulate_a_training_batch_norm():
         except InfeasibleBudget:
             return
     assert free.accumulate == 1
+
+
+def test_accumulated_micro_batches_recompute_to_meet_a_budget():
+    """Two micro-batches over a budget between their peak without and with every layer recomputed:
+    solved again under the micro-batch's memory row, the plan recomputes and fits (before, the
+    accumulated problem had no memory row and such a budget had no accumulated plan)."""
+    none = _plan({"dp": 8, "zero": 2, "microbatches": 2, "recompute": "none"})
+    full = _plan({"dp": 8, "zero": 2, "microbatches": 2, "recompute": "full"})
+    assert full.peak_bytes < none.peak_bytes
+    budget = (none.peak_bytes + full.peak_bytes) / 2
+    got = _plan({"dp": 8, "zero": 2, "microbatches": 2}, memory_budget=budget)
+    assert got.accumulate == 2 and got.peak_bytes <= budget
+    assert any(n.recompute for n in got.nodes.values())
+    assert none.step_time < got.step_time <= full.step_time * (1 + 1e-9)
