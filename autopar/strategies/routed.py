@@ -164,9 +164,13 @@ def _region(sort: fx.Node) -> Region | None:
     histc = {m for m in members if m.target is aten.histc.default}
     if not grouped or len(histc) != 1:
         return None
-    experts = int(next(iter(histc)).args[1]) if len(next(iter(histc)).args) > 1 else 100
-    if experts == slots:
-        return None  # counts and slots would be told apart by their sizes only
+    h = next(iter(histc))
+    bins = h.args[1] if len(h.args) > 1 else h.kwargs.get("bins", 100)
+    lo = h.args[2] if len(h.args) > 2 else h.kwargs.get("min", 0)
+    hi = h.args[3] if len(h.args) > 3 else h.kwargs.get("max", 0)
+    experts = int(bins)
+    if (float(lo), float(hi)) != (0.0, float(experts - 1)) or experts == slots:
+        return None  # not one bin per expert id; or counts and slots told apart by size only
     counts = set(histc)
     frontier = list(histc)
     while frontier:
@@ -183,8 +187,9 @@ def _region(sort: fx.Node) -> Region | None:
         while isinstance(w, fx.Node) and w.op == "call_function" and w.target in _VIEWS:
             weights.add(w)
             w = w.all_input_nodes[0] if w.all_input_nodes else None
-        if not isinstance(w, fx.Node) or w.op != "placeholder":
-            return None
+        if not isinstance(w, fx.Node) or w.op != "placeholder" or _val(w) is None or \
+                _val(w).dim() < 3 or int(_val(w).shape[0]) != experts:
+            return None  # the grouped matmul's weight is not one matrix per expert id
         weights.add(w)
     # Closed: nothing outside reads a value inside (the combines' outputs excepted), every value
     # inside is one row per token or slot (or a count), and every row input from outside is one.
