@@ -83,8 +83,11 @@ class ParallelModule(nn.Module):
             # The plan is for the global batch; stages (or accumulated micro-batches) run
             # micro-batches of the same graph.
             plan.check_fits(captured.graph_hash())
-            graph = microbatch_capture(model, captured, plan.pipeline.microbatches if pipelined else accumulate,
-                                       loss_fn if loss_fn is not None else getattr(captured, "loss_fn", None))
+            from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+            with maybe_disable_local_tensor_mode():  # capture the model itself (simulated ranks)
+                graph = microbatch_capture(model, captured, plan.pipeline.microbatches if pipelined else accumulate,
+                                           loss_fn if loss_fn is not None else getattr(captured, "loss_fn", None))
         else:
             graph = captured
         loss_sum = False

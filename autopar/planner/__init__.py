@@ -156,6 +156,12 @@ def plan_profile(gp, mesh, *, options: PlanOptions | None = None, **kwargs) -> P
     ok = [c for c in candidates if not isinstance(c, Exception)]
     if not ok:
         err = candidates[0]
+        acc = [c for c in candidates if isinstance(c, InfeasibleBudget) and getattr(c, "accumulated", 0)]
+        if acc and isinstance(err, InfeasibleBudget):
+            # The flat error's least budget is for the whole batch at once: say what accumulating gave.
+            raise InfeasibleBudget(str(err).replace("the smallest feasible budget is",
+                                                    "the smallest budget for the whole batch at once is")
+                                   + f". Accumulating micro-batches does not fit either: {acc[-1]}") from None
         raise err
     ok.sort(key=lambda p: (p.step_time, p.zero, p.peak_bytes))  # a tie goes to the plan with less ZeRO
     best = ok[0]

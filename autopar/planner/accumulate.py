@@ -124,9 +124,11 @@ def solve_accumulated(gp, cfg: Config, m: int):
             break
         row = row - (got[3] - budget)
     if budget is not None and peak > budget:
-        return InfeasibleBudget(f"{m} accumulated micro-batches peak at {size_text(peak)} per device, over the budget "
-                                f"of {size_text(budget)}: recompute (recompute='full'), more micro-batches "
-                                f"or more devices")
+        err = InfeasibleBudget(f"{m} accumulated micro-batches peak at {size_text(peak)} per device, over the budget "
+                               f"of {size_text(budget)}: recompute (recompute='full'), more micro-batches "
+                               f"or more devices")
+        err.accumulated = m
+        return err
     plan = to_plan(gp, micro_cfg, built, sol, sharding_axes=list(range(cfg.mesh.ndim)), step_time=step,
                    peak_bytes=peak)
     plan.accumulate = m

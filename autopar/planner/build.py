@@ -465,6 +465,16 @@ def _batch_split(allowed: list, node, dp_axes: tuple[int, ...], batch: int | Non
     return kept or allowed
 
 
+def _carries_batch(node, batch: int | None) -> bool:
+    """Some tensor ``node`` reads or makes has the samples in dim 0 (a multiple of the batch, of
+    two or more dims: ``(batch, seq, hidden)``, a flattened ``(batch * seq, hidden)``), or the
+    batch is not known."""
+    if not batch:
+        return True
+    return any(t.dim() >= 2 and int(t.shape[0]) > 1 and int(t.shape[0]) % batch == 0
+               for t in _input_vals(node) + tensor_vals(node))
+
+
 def _no_weight_gather(allowed: list, node, weights: set[str], tp_axes: tuple[int, ...]) -> list:
     """The strategies of ``node`` that read every matrix weight (or view of one) sharded on the
     tensor-parallel axes, when some do: the weight is used as stored, so the op's compute is
@@ -497,7 +507,7 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
         raise ValueError("expert parallelism (ep) needs expert weights, stacked (experts, ...) parameters that grouped "
                          "matmuls read (HF Mixtral's experts), and this model has none: use dp for that axis")
     weights = _weight_views(gm, kinds) if tp_axes or dp_axes else set()
-    batch = _global_batch(gp) if tp_axes or cp_axes or batch_axes else None
+    batch = _global_batch(gp) if tp_axes or dp_axes else None
     # Saved bytes in the plan's precision: the mixed replay's own sizes (what the per-rank memory
     # replay, which decides a plan's peak, counts too), where halving the fp32 run's figure
     # under-counted Llama-2-7B's saved activations by 26% (28.6 GiB a layer against 21.3).
@@ -553,8 +563,11 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
         if dp_axes and node.op == "call_function" and node.name not in weights:
             # A layout's data- and context-parallel axes split every op's work where the op allows it
             # (not a weight's view: a transpose of a stored weight is no work, and "splitting" it as a
-            # Partial sum would all-reduce the weight in forward).
-            split = [s for s in allowed if all(s.per_axis and s.per_axis[a] != "R" for a in dp_axes)]
+            # Partial sum would all-reduce the weight in forward; and on the data-parallel axes, not
+            # an op on values without samples, such as the rotary embedding's positions: split by
+            # some other dim, they would be gathered again where they meet the activations).
+            axes = dp_axes if _carries_batch(node, batch) else cp_axes
+            split = [s for s in allowed if all(s.per_axis and s.per_axis[a] != "R" for a in axes)]
             allowed = split or allowed
             if batch_axes:
                 # and data parallelism splits it by sample (weights gathered, never the matmuls

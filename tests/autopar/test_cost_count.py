@@ -47,7 +47,7 @@ def _plan(family: str):
         warnings.simplefilter("ignore")
         if family in ("zero1", "zero2"):  # data parallel over both axes with ZeRO-1/2
             return plan_profile(gp, MESH, force="dp", pipeline=False, zero=int(family[-1]))
-        if family == "free@0.6":  # a budget under the free plan's peak: layers are checkpointed
+        if family == "free@0.6":  # a budget under the free plan's peak: micro-batches accumulated, layers recomputed
             peak = plan_profile(gp, MESH, pipeline=False).peak_bytes
             return plan_profile(gp, MESH, pipeline=False, memory_budget=0.6 * peak)
         return plan_profile(gp, MESH, force=None if family == "free" else family, pipeline=False)
