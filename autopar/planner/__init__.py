@@ -160,7 +160,7 @@ def plan_profile(gp, mesh, *, options: PlanOptions | None = None, **kwargs) -> P
         if acc and isinstance(err, InfeasibleBudget):
             # The flat error's least budget is for the whole batch at once: say what accumulating gave.
             raise InfeasibleBudget(str(err).replace("the smallest feasible budget is",
-                                                    "the smallest budget for the whole batch at once is")
+                                                    "the smallest feasible budget for the whole batch at once is")
                                    + f". Accumulating micro-batches does not fit either: {acc[-1]}") from None
         raise err
     ok.sort(key=lambda p: (p.step_time, p.zero, p.peak_bytes))  # a tie goes to the plan with less ZeRO

@@ -95,7 +95,7 @@ def test_memory_frontier_moves_towards_sharding_and_checkpointing():
         assert _blocking(p) >= _blocking(last) - 1e-12
         last = p
     # 0.2 x fits by accumulating micro-batches; 0.1 x does not, and the error says both floors
-    with pytest.raises(autopar.InfeasibleBudget, match="smallest budget for the whole batch at once is .*"
+    with pytest.raises(autopar.InfeasibleBudget, match="smallest feasible budget for the whole batch at once is .*"
                                                        "Accumulating micro-batches does not fit either"):
         plan_profile(gp, mesh, memory_budget=top.peak_bytes * 0.1, pipeline=False)
 
