@@ -32,6 +32,7 @@ it open, and the per-op rules run it).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 import weakref
 
@@ -309,8 +310,6 @@ _STRATS: dict = {}
 def region_strategies(node: fx.Node, region: Region, mesh_shape, modes: dict[int, str]) -> list[Strategy]:
     """The strategies of ``node`` (a member of ``region``) with the region run per rank on the
     axes of ``modes`` (axis -> ``routed`` or ``a2a``), and the op's own rule on the others."""
-    import itertools
-
     from autopar.strategies.combine import finish
 
     mesh_shape = tuple(int(n) for n in mesh_shape)
@@ -341,6 +340,15 @@ def region_strategies(node: fx.Node, region: Region, mesh_shape, modes: dict[int
 def modes_of(strategy: Strategy) -> dict[int, str]:
     """{axis: mode} of a region strategy (empty for any other)."""
     return {a: m for a, m in enumerate(strategy.per_axis or ()) if m in (ROUTED, A2A)}
+
+
+def ragged_rows(node: fx.Node, strategy_name: str) -> bool:
+    """``node``'s outputs hold the rows a rank received by all-to-all (as many as routed to its
+    experts, not an even share) under this strategy."""
+    if A2A not in strategy_name.split(" x "):
+        return False
+    r = regions(node.graph).get(node.name)
+    return r is not None and node.name in r.sorted_side
 
 
 def is_region_strategy(name: str) -> bool:

@@ -107,10 +107,11 @@ def prefetches() -> tuple[int, int, int, int]:
     return (*counts(), Gathered.prefetched)
 
 
-def train_nd(name: str, plan_json: str) -> dict:
+def train_nd(name: str, plan_json: str, debug: bool = False) -> dict:
     """``workers.train_case`` of ``name`` at batch 8 on the job's (physical) mesh: a torch
     DeviceMesh named like the plan's when the plan is for it, generic names when the plan lays a
-    logical mesh over it (``ParallelModule`` reshapes it)."""
+    logical mesh over it (``ParallelModule`` reshapes it). ``debug``: every node's local output
+    shape is checked against its placement (``ParallelModule(debug=True)``)."""
     from autopar.plan import Plan
 
     ex, cap = example(name)
@@ -120,7 +121,7 @@ def train_nd(name: str, plan_json: str) -> dict:
     saved = workers.mesh
     workers.mesh = lambda _shape, _names=None: dm
     try:
-        return workers.train_case(name, plan_json, options={"loss_fn": ex.loss_fn})
+        return workers.train_case(name, plan_json, options={"loss_fn": ex.loss_fn, "debug": debug})
     finally:
         workers.mesh = saved
         workers._CACHE.pop(name, None)

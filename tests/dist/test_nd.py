@@ -152,7 +152,8 @@ def _trains_like_one_device(pool8, label, case):
     before = pool8.run("nd_workers:regathers")
     fetched = pool8.run("nd_workers:prefetches")
     sent = pool8.run("nd_workers:all_to_alls")
-    res = pool8.run("nd_workers:train_nd", name, plan.to_json())
+    # expert parallelism runs with every node's local shape checked (the received rows excepted)
+    res = pool8.run("nd_workers:train_nd", name, plan.to_json(), "ep" in layout)
     # expert parallelism: every rank sent its tokens to their experts by all-to-all (and only then)
     sent = [now - was for now, was in zip(pool8.run("nd_workers:all_to_alls"), sent)]
     assert all(n > 0 for n in sent) if "ep" in layout else not any(sent), sent
