@@ -43,6 +43,12 @@ class Link:
     with copy engines and a few SMs beside the compute. Near 1 where the same cores do both (gloo on
     a CPU host with a process per core: the kernel's TCP copies and gloo's sums). Measured by
     ``autopar.calibrate``; it prices chunked overlap (``autopar.planner.overlap``)."""
+    split: tuple = ()
+    """For an axis whose ranks straddle nodes, several in each (a layout's logical ``dp`` of 64
+    over 8 nodes of 8): ``(ranks of the axis in one node, alpha, beta of the intra-node link)``.
+    Its collectives are then hierarchical (``autopar.costs.collectives.axis_links``): across
+    nodes over this link, inside a node over that one. Empty otherwise; set by the cluster
+    presets' row-major rule."""
 
     def __post_init__(self):
         if not isinstance(self.compute_share, (int, float)) or not 0 <= self.compute_share <= 1:
@@ -52,6 +58,10 @@ class Link:
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (name == "beta" and v == 0):
                 raise ValueError(f"Link.{name} must be a finite {'positive' if name == 'beta' else 'non-negative'} "
                                  f"number, got {v!r}")
+        if self.split and not (isinstance(self.split, tuple) and len(self.split) == 3 and isinstance(self.split[0], int)
+                               and self.split[0] > 1 and all(isinstance(v, (int, float)) and math.isfinite(v)
+                                                             and v > 0 for v in self.split[1:])):
+            raise ValueError(f"Link.split must be (ranks per node > 1, alpha > 0, beta > 0), got {self.split!r}")
         for entry in self.kinds:
             ok = isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], str)
             if not ok or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in entry[1:]):
@@ -294,7 +304,8 @@ class Mesh:
                 "gpus_per_node": self.gpus_per_node,
                 "links": [{"alpha": lk.alpha, "beta": lk.beta,
                            **({"kinds": [list(k) for k in lk.kinds]} if lk.kinds else {}),
-                           **({"compute_share": lk.compute_share} if lk.compute_share else {})}
+                           **({"compute_share": lk.compute_share} if lk.compute_share else {}),
+                           **({"split": list(lk.split)} if lk.split else {})}
                           for lk in self.links],
                 "device": dataclasses.asdict(self.device), "calibration": self.calibration}
 
@@ -306,7 +317,7 @@ class Mesh:
             raise ValueError(f"mesh dict lacks {sorted(missing)}; build it with Mesh.to_dict()")
         try:
             links = [Link(lk["alpha"], lk["beta"], tuple(tuple(k) for k in lk.get("kinds", ())),
-                          lk.get("compute_share", 0.0)) for lk in d["links"]]
+                          lk.get("compute_share", 0.0), tuple(lk.get("split", ()))) for lk in d["links"]]
             device = Device(**d["device"])
         except (KeyError, TypeError) as e:
             raise ValueError(f"bad mesh dict: {e}") from e
@@ -376,11 +387,39 @@ def _check_links(links, ndim: int) -> tuple[Link, ...]:
 
 def _preset_links(shape, preset: Cluster, gpus_per_node) -> tuple[Link, ...]:
     # Row-major ranks: axis i spans prod(shape[i:]) consecutive ranks; inside one node iff that fits.
+    # An axis across nodes whose inner axes fill less than a node has several ranks in each node
+    # (a logical dp of 64 over 8 nodes of 8): its collectives are hierarchical (Link.split).
     out = []
     for i in range(len(shape)):
         inside = gpus_per_node is None or math.prod(shape[i:]) <= gpus_per_node
-        out.append(preset.intra if inside else preset.inter)
+        if inside:
+            out.append(preset.intra)
+            continue
+        inner = math.prod(shape[i + 1:])
+        per_node = gpus_per_node // inner if inner < gpus_per_node and gpus_per_node % inner == 0 else 1
+        if per_node > 1 and shape[i] % per_node == 0:
+            out.append(dataclasses.replace(preset.inter, split=(per_node, preset.intra.alpha, preset.intra.beta)))
+        else:
+            out.append(preset.inter)
     return tuple(out)
+
+
+def factor_link(link: Link, outer: int, inner: int) -> tuple[Link, Link]:
+    """The links of an axis factored row-major into ``(outer, inner)`` sub-axes. Both keep its
+    link, except where it straddles nodes with ``r`` ranks in each (``Link.split``): the inner
+    sub-axis (consecutive ranks) is then inside a node when ``inner <= r`` (the intra-node link),
+    else ``r`` per node; the outer one has ``r / inner`` per node, or one."""
+    if not link.split:
+        return link, link
+    r, alpha, beta = link.split
+    bare = dataclasses.replace(link, split=())
+
+    def straddling(k: int, per: int) -> Link:
+        return dataclasses.replace(link, split=(per, alpha, beta)) if 1 < per < k and k % per == 0 else bare
+
+    if inner <= r and r % inner == 0:
+        return straddling(outer, r // inner), Link(alpha, beta)
+    return bare, straddling(inner, r)
 
 
 def _apply_link_overrides(links, names, overrides) -> tuple[Link, ...]:
@@ -391,5 +430,6 @@ def _apply_link_overrides(links, names, overrides) -> tuple[Link, ...]:
             raise TypeError(f"unknown Mesh option {key!r}; valid: {', '.join(valid)}, links, device, gpus_per_node")
         name, field = key.rsplit("_", 1)
         i = names.index(name)
-        links[i] = dataclasses.replace(links[i], **{field: value}, kinds=())  # measured kinds no longer apply
+        # measured kinds no longer apply, nor the preset's split of an axis across nodes
+        links[i] = dataclasses.replace(links[i], **{field: value}, kinds=(), split=())
     return tuple(links)

@@ -447,6 +447,8 @@ _BIG: dict[str, tuple[Callable[..., Example], dict[str, Any]]] = {
                               vocab=128256, batch=8, seq=2048)),
     "llama3-70b": (llama, dict(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8,
                                vocab=128256, batch=8, seq=2048)),
+    "llama3.1-405b": (llama, dict(layers=126, hidden=16384, intermediate=53248, heads=128, kv_heads=8,
+                                  vocab=128256, batch=8, seq=2048)),
     "mixtral-8x7b": (mixtral, dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, experts=8,
                                    top_k=2, vocab=32000, batch=8, seq=4096)),
     "bert-base": (bert, dict(layers=12, hidden=768, heads=12, intermediate=3072, vocab=30522,

@@ -33,9 +33,15 @@ slow outer links carry 1/n_inner of the data:
 - all_to_all(B)     = all_to_all_inner(B) + all_to_all_outer(B)     (two-phase exchange)
 - broadcast(B)      = broadcast_outer(B) + broadcast_inner(B)
 - send(B)           = the slowest axis' send (the message crosses that link)
+
+An axis whose ranks straddle nodes, several per node (a logical axis of a layout), is two such
+axes: its nodes over the inter-node link, its ranks inside a node over the intra-node link
+(``Link.split``, set by the cluster preset's row-major rule: :func:`axis_links`), as NCCL runs them
+(the NICs of a node each carry 1/n_inner of the data).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -56,10 +62,23 @@ def collective_time(kind: str, nbytes: float, mesh: Mesh, axes: int | str | Sequ
     if not (nbytes >= 0 and math.isfinite(nbytes)):
         raise ValueError(f"nbytes must be finite and non-negative, got {nbytes!r}")
     axes = normalize_axes(mesh, axes)
-    group = [(mesh.shape[a], mesh.links[a]) for a in axes if mesh.shape[a] > 1]
+    group = [part for a in axes if mesh.shape[a] > 1 for part in axis_links(mesh, a)]
     if not group:
         return 0.0
     return _hierarchical(kind, float(nbytes), group)
+
+
+def axis_links(mesh: Mesh, axis: int) -> list[tuple[int, Link]]:
+    """The (size, link) parts of one mesh axis, outer to inner: one, or two for an axis whose
+    ranks straddle nodes, several in each (``Link.split``): its ranks across nodes over its own
+    link, its ranks inside a node over the intra-node link."""
+    n, link = mesh.shape[axis], mesh.links[axis]
+    if not link.split:
+        return [(n, link)]
+    per_node, alpha, beta = link.split
+    if n <= per_node or n % per_node:
+        return [(n, link)]
+    return [(n // per_node, dataclasses.replace(link, split=())), (per_node, Link(alpha, beta))]
 
 
 def normalize_axes(mesh: Mesh, axes) -> tuple[int, ...]:

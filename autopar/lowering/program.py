@@ -703,23 +703,18 @@ def prefetches(captured, edges: list[Edge], copies: list[Copy], params: Mapping[
         p = params.get(e.producer) if e.param else None
         if p is None:
             continue
-        fwd = [s for s in e.forward if s.kind != "noop" and mesh_shape[s.axis] > 1]
-        bwd = [s for s in e.backward if s.kind != "noop" and mesh_shape[s.axis] > 1]
-        axes = sorted(s.axis for s in fwd)
+        joint = _joint_gather(e, mesh_shape)
+        if joint is None:
+            continue
+        axes, dim = joint
         if p.bucket is not None and (buckets[p.bucket].scatter or set(buckets[p.bucket].axes) & set(axes)
                                      or not _one_copy_reads(nodes.get(e.producer), n_copies[e.producer], edges, c)):
-            continue
-        if (not fwd or any(s.kind != "all_gather" or s.dim != fwd[0].dim for s in fwd)
-                or len(set(axes)) != len(axes) or not _gathers_in_row_major(e.src, axes, fwd[0].dim)):
-            continue
-        if bwd and (any(s.kind != "reduce_scatter" or s.dim != fwd[0].dim for s in bwd)
-                    or sorted(s.axis for s in bwd) != axes):
             continue
         users = [edges[k].consumer for k in c.edges if edges[k].consumer in pos]
         if not users:
             continue
         first = min(users, key=pos.__getitem__)
-        cands.append((pos[first], c.id, first, (tuple(axes), fwd[0].dim)))
+        cands.append((pos[first], c.id, first, (axes, dim)))
     cands.sort()
     out: dict[int, Prefetch] = {}
     starts: list[str] = []
@@ -735,18 +730,33 @@ def prefetches(captured, edges: list[Edge], copies: list[Copy], params: Mapping[
     return out
 
 
+def _joint_gather(e: Edge, mesh_shape) -> tuple[tuple[int, ...], int] | None:
+    """``(axes, dim)`` when the copy of edge ``e`` gathers one dim split on ``axes`` (a plain
+    ``Shard(dim)`` on each, outer axis first: row-major chunks) back whole, and hands its
+    gradient back summed and split the same way, changing nothing on the other axes: what one
+    all-gather over those axes together does, and one reduce-scatter back. The edge's own steps
+    may take another route there (through an all-to-all that keeps the slow outer link's share
+    small); the runtime runs the joint collectives instead, and the planner prices those."""
+    axes = tuple(a for a in range(len(mesh_shape)) if mesh_shape[a] > 1 and e.src[a] != e.dst[a])
+    moves = [s for s in (*e.forward, *e.backward) if s.kind != "noop" and mesh_shape[s.axis] > 1]
+    if not axes or not e.forward or any(s.axis not in axes for s in moves):
+        return None
+    if any(type(e.src[a]) is not Shard or not isinstance(e.dst[a], Replicate) for a in axes):
+        return None
+    dim = e.src[axes[0]].dim
+    if any(e.src[a].dim != dim for a in axes):
+        return None
+    if e.backward and any(e.grad_src[a] != e.src[a] or not isinstance(e.grad_dst[a], Partial) for a in axes):
+        return None
+    return axes, dim
+
+
 def _one_copy_reads(node, n_copies: int, edges, copy) -> bool:
     """Whether ``copy`` is the only copy (of ``n_copies``) of the parameter ``node`` and serves
     every op that reads it: its reduced shard then arrives once, whole, before its bucket may be
     summed (a second copy or a direct read would add to the gradient after the bucket launched)."""
     served = {edges[k].consumer for k in copy.edges}
     return n_copies == 1 and node is not None and all(u.name in served for u in node.users)
-
-
-def _gathers_in_row_major(src, axes, dim) -> bool:
-    """Whether ``dim``, split on ``axes`` in ``src``, is split outer axis first (a plain ``Shard``
-    on each): the chunks then lie in the row-major order of those axes' ranks."""
-    return len(axes) == 1 or all(type(src[a]) is Shard and src[a].dim == dim for a in axes)
 
 
 #: The stage-independent part of recent lowerings (placements, gradients, buckets, edges and their

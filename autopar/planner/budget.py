@@ -24,11 +24,13 @@ def memory_binds(candidates: list) -> bool:
     return any(np_.recompute for np_ in best.nodes.values())
 
 
-def solve_flat(gp, cfg: Config, every: bool = False, beat: float | None = None):
+def solve_flat(gp, cfg: Config, every: bool = False, beat: float | None = None, search_raf: bool | None = None):
     """The single-stage plan over every mesh axis, or the :class:`InfeasibleBudget` error; with
     ``every``, the chosen strategies with every checkpoint segment recomputed; ``beat``: the step
     time of a plan found elsewhere (the best pipeline), against which the flat plan need not be
-    improved once the ILP's bound at the full budget is no faster.
+    improved once the ILP's bound at the full budget is no faster. ``search_raf``: whether FSDP's
+    reshard-after-forward is tried too (:func:`_reshard_after_forward`); by default in the free
+    search only (no ``cfg.family``), since a layout names it or leaves it to be searched.
 
     Under a budget the ILP's memory row is a linear bound of the step's peak, and the plan's
     peak is its per-rank replay (``simulated_peak``). Where the replay exceeds the budget, the
@@ -47,7 +49,10 @@ def solve_flat(gp, cfg: Config, every: bool = False, beat: float | None = None):
     first = solved.get(id(p), (None, cfg.memory_budget, None))
     again = _prefetch_resolve(gp, cfg, built, p, every, first)
     p = p if again is None else again
-    raf = _reshard_after_forward(gp, cfg, built, p, every, first if again is None else (None, first[1], None))
+    if search_raf is None:
+        search_raf = not cfg.family
+    raf = (_reshard_after_forward(gp, cfg, built, p, every, first if again is None else (None, first[1], None))
+           if search_raf else None)
     return p if raf is None else raf
 
 
@@ -78,7 +83,8 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
     out = []
     for fam in fams:
         try:
-            seed = solve_flat(gp, dataclasses.replace(cfg, family=fam), every=every, beat=beat)
+            # FSDP's reshard-after-forward is searched for the seeds too: torchtitan's default.
+            seed = solve_flat(gp, dataclasses.replace(cfg, family=fam), every=every, beat=beat, search_raf=True)
         except ValueError:  # a dim the layout cannot split
             continue
         if not isinstance(seed, Plan):
@@ -109,7 +115,7 @@ def _reshard_after_forward(gp, cfg: Config, built, p, every, solved):
     ``solved``: (the plan, its memory row, its solution)."""
     _, row, sol = solved
     if (not isinstance(p, Plan) or sol is None or cfg.reshard_after_forward or cfg.memory_budget is None
-            or cfg.family or not p.breakdown.get("prefetch_comm")
+            or not p.breakdown.get("prefetch_comm")
             or not any(np_.recompute for np_ in p.nodes.values())):
         return None
     c = dataclasses.replace(cfg, reshard_after_forward=True)

@@ -43,6 +43,8 @@ In the tensor-parallel families a parameter is a matrix when it has two or more 
 """
 from __future__ import annotations
 
+import math
+
 import functools
 import itertools
 from typing import Callable, Sequence
@@ -227,9 +229,25 @@ def _roles_predicate(roles: tuple[str, ...], mesh_shape: tuple) -> Predicate:
             return _is(p, Replicate) or (len(shape) >= 3 and _is(p, Shard) and p.dim % len(shape) == 0)
         return _is(p, Replicate)
 
+    fsdp_axes = [a for a, r in enumerate(roles) if r == "fsdp" and mesh_shape[a] > 1]
+
+    def one_buffer(kind, pls, shape):
+        # Several fsdp axes shard one dim, the ranks flattened row-major: one all-gather over them
+        # together (FSDP's flat buffer over the whole group), which the runtime prefetches.
+        # That dim is the first one the group divides (FSDP2 shards dim 0), as the runtime gathers
+        # the other dims through an all-to-all that is not prefetched.
+        if kind != "param" or len(fsdp_axes) < 2:
+            return True
+        on = [a for a in fsdp_axes if _is(pls[a], Shard)]
+        dims = {pls[a].dim % len(shape) for a in on}
+        if len(dims) != 1:
+            return not dims
+        group = math.prod(mesh_shape[a] for a in on)
+        return dims.pop() == next((d for d, n in enumerate(shape) if n % group == 0), None)
+
     dp_axes = tuple(a for a, r in enumerate(roles) if r in ("dp", "fsdp", "ep"))
     cp_axes = tuple(a for a, r in enumerate(roles) if r == "cp")
-    return _all(_batch_split_on(dp_axes, cp_axes), _params(param))
+    return _all(_batch_split_on(dp_axes, cp_axes), _params(param), one_buffer)
 
 
 def _predicate(family: str, mesh_shape: tuple) -> Predicate:

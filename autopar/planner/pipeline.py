@@ -95,7 +95,10 @@ def factor_axis(mesh, axis: int, stages: int, name: str = "pp"):
     """``mesh`` with physical axis ``axis`` (size n) factored into a pipeline axis of ``stages``
     and the rest, ``n / stages``, in row-major order (pipeline outermost): ``(64, 8)`` factored on
     axis 0 into 4 stages is ``(4, 16, 8)``. Both sub-axes keep the physical axis's link (a
-    pipeline stage's neighbour and a data-parallel peer lie across the same nodes)."""
+    pipeline stage's neighbour and a data-parallel peer lie across the same nodes), with the ranks
+    per node of an axis that straddles nodes shared out (:func:`autopar.mesh.factor_link`)."""
+    from autopar.mesh import factor_link
+
     n = mesh.shape[axis]
     if stages < 2 or n % stages or n // stages < 2:
         raise ValueError(f"axis {axis} of size {n} does not factor into {stages} stages and a rest of at least 2")
@@ -103,7 +106,8 @@ def factor_axis(mesh, axis: int, stages: int, name: str = "pp"):
     pp = name if name not in names else f"{name}{axis}"
     return mesh.replace(shape=mesh.shape[:axis] + (stages, n // stages) + mesh.shape[axis + 1:],
                         axis_names=tuple(names[:axis] + [pp] + names[axis:]),
-                        links=mesh.links[:axis] + (mesh.links[axis], mesh.links[axis]) + mesh.links[axis + 1:])
+                        links=mesh.links[:axis] + factor_link(mesh.links[axis], stages, n // stages)
+                        + mesh.links[axis + 1:])
 
 
 def factorings(mesh, layers: int) -> list:

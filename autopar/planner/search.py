@@ -66,8 +66,9 @@ def plan_layout(gp, cfg: Config, layout) -> Plan:
                 from autopar.planner.accumulate import solve_accumulated
 
                 got = solve_accumulated(gp, c, lay.microbatches)
-            else:
-                got = solve_flat(gp, c, every=lay.recompute == "full")
+            else:  # reshard-after-forward searched when the layout leaves it out
+                got = solve_flat(gp, c, every=lay.recompute == "full",
+                                 search_raf=lay.reshard_after_forward is None and lay.zero in (None, 3))
         except ValueError as err:  # a degree no tensor divides (a batch of 64 over dp 128)
             got = err
         if isinstance(got, Exception):

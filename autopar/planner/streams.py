@@ -25,7 +25,9 @@ the runtime adds it: at the next reduce-scatter's start, or at the end of backwa
 synchronous reduce-scatters stay blocking. The timeline is run without and with them.
 
 ``hidden`` = the step with every such collective blocking, less the timeline's step: the seconds
-the overlap saves (never more than those collectives' seconds); ``grad_hidden`` what the buckets
+the overlap saves (never more than those collectives' seconds), plus, for a prefetched gather whose
+edge the ILP priced by another route (its own reshard steps), what the joint all-gather and
+reduce-scatter the runtime runs instead save on that; ``grad_hidden`` what the buckets
 add to it. ``regather`` = the seconds of the
 gathers recomputed regions make again, which the ILP's recompute term (the ops' forward seconds)
 does not hold. The two streams are taken as independent (a gather over the data-parallel links
@@ -52,10 +54,13 @@ class Overlap:
     """Seconds of those all-reduces (``grad_hidden`` is at most this)."""
 
 
-def copy_seconds(gp, cfg, nodes, e) -> tuple[float, float]:
+def copy_seconds(gp, cfg, nodes, e, joint=None) -> tuple[float, float]:
     """(forward, backward) seconds of the collectives of the copy ``e`` makes, in the dtypes it
-    moves in (0 for an edge into the graph's output)."""
+    moves in (0 for an edge into the graph's output). ``joint``: the copy's
+    :class:`~autopar.lowering.program.Prefetch`, when it is prefetched: the runtime then runs one
+    all-gather over its axes together, and one reduce-scatter back, instead of the edge's steps."""
     from autopar import precision
+    from autopar.costs.collectives import collective_time
     from autopar.costs.reshard import reshard
     from autopar.lowering.graph import tensor_vals
 
@@ -65,6 +70,16 @@ def copy_seconds(gp, cfg, nodes, e) -> tuple[float, float]:
     itemsizes = gp.output_itemsizes(cfg.dtype) if cfg.dtype == "bf16-mixed" else None
     item, gitem = precision.edge_itemsizes(cfg.dtype, cfg.grad_reduce, prod, cons, tensor_vals(prod)[e.out_index],
                                            itemsizes, e.out_index, e.param)
+    if joint is not None:
+        numel = 1
+        for n in e.shape:
+            numel *= int(n)
+        for a, p in enumerate(e.src):  # a dim split on the other axes: the group's tensor is a part
+            if a not in joint.axes and hasattr(p, "dim"):
+                numel //= cfg.mesh.shape[a]
+        fwd = collective_time("all_gather", numel * item, cfg.mesh, joint.axes) if e.forward else 0.0
+        bwd = collective_time("reduce_scatter", numel * gitem, cfg.mesh, joint.axes) if e.backward else 0.0
+        return float(fwd), float(bwd)
     fwd = float(reshard(e.src, e.dst, e.shape, item, cfg.mesh).cost) if e.forward else 0.0
     bwd = float(reshard(e.grad_dst, e.grad_src, e.shape, gitem, cfg.mesh).cost) if e.backward else 0.0
     return fwd, bwd
@@ -128,9 +143,9 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
     again: dict[int, float] = {}  # unit -> seconds of its recomputed regions' gathers
     again_region: dict[int, int] = {}  # unit -> the last of its regions (the first to recompute)
     for e in gathers_again:
-        g = copy_seconds(gp, cfg, nodes, e)[0]
-        regather += g
         f = fetch.get(e.copy)
+        g = copy_seconds(gp, cfg, nodes, e, f)[0]
+        regather += g
         if f is None:
             extra_bwd[e.consumer] = extra_bwd.get(e.consumer, 0.0) + g
             continue
@@ -141,8 +156,8 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
     if reshard_after_forward:  # a prefetched weight's gathers again start with the unit after it's
         for e in lowered.makers():
             if e.param and e.region is None and any(s.kind == "all_gather" for s in e.forward):
-                g = copy_seconds(gp, cfg, nodes, e)[0]
                 f = fetch.get(e.copy)
+                g = copy_seconds(gp, cfg, nodes, e, f)[0]
                 if f is None:
                     extra_bwd[e.consumer] = extra_bwd.get(e.consumer, 0.0) + g
                     continue
@@ -157,11 +172,14 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
     first_use: dict[str, list[int]] = {}
     secs: dict[int, tuple[float, float]] = {}
     stall: dict[int, float] = {}  # the share of a message's time it stalls the compute beside it
+    joint_saved = 0.0
     for cid, f in fetch.items():
         e = lowered.edges[lowered.copies[cid].edges[0]]
         launch_at.setdefault(f.launch, []).append(cid)
         first_use.setdefault(e.consumer, []).append(cid)
-        secs[cid] = copy_seconds(gp, cfg, nodes, e)
+        secs[cid] = copy_seconds(gp, cfg, nodes, e, f)
+        # The ILP priced the edge's own steps; the runtime runs the joint collectives instead.
+        joint_saved += max(0.0, sum(copy_seconds(gp, cfg, nodes, e)) - sum(secs[cid]))
         stall[cid] = max(float(cfg.mesh.links[a].compute_share) for a in f.axes)
     # region -> its nodes' forward seconds, recomputed before the region's backward
     region_fwd: dict[int, float] = {}
@@ -251,7 +269,7 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
     fixed = (sum(fwd.values()) + sum(bwd.values()) + sum(recompute_at.values()) + sum(extra_bwd.values())
              + sum(again.values()) + sum(g + r for g, r in secs.values()))
     comm_s = sum(again.values()) + sum(g + r for g, r in secs.values())
-    hidden = max(0.0, fixed - run([])) if fetch else 0.0
+    hidden = max(0.0, fixed - run([])) + joint_saved if fetch else 0.0
     bucket_s = sum(x for _, x, _ in buckets)
     both = max(0.0, fixed + bucket_s - run(buckets)) if buckets else hidden
     return Overlap(hidden, regather, comm_s, min(bucket_s, max(0.0, both - hidden)), bucket_s)

@@ -28,12 +28,39 @@ def test_inner_axis_nvlink_outer_infiniband(cluster, intra, inter):
     assert Mesh((4, 8), cluster=cluster).links == (inter, intra)
     # One node holds the whole 2x4 mesh: both axes on NVLink.
     assert Mesh((2, 4), cluster=cluster).links == (intra, intra)
-    # 4x4 on 8-GPU nodes: the outer axis' ring crosses nodes.
-    assert Mesh((4, 4), cluster=cluster).links == (inter, intra)
-    # An axis wider than a node is priced at the inter-node link.
-    assert Mesh((2, 16), cluster=cluster).links == (inter, inter)
-    assert Mesh((16,), cluster=cluster).links == (inter,)
+    # 4x4 on 8-GPU nodes: the outer axis crosses nodes, two of its ranks in each.
+    split = lambda k: dataclasses.replace(inter, split=(k, intra.alpha, intra.beta))  # noqa: E731
+    assert Mesh((4, 4), cluster=cluster).links == (split(2), intra)
+    # An axis wider than a node crosses nodes with 8 ranks in each: across over the inter-node
+    # link, inside over NVLink (hierarchical collectives).
+    assert Mesh((2, 16), cluster=cluster).links == (inter, split(8))
+    assert Mesh((16,), cluster=cluster).links == (split(8),)
     assert Mesh((8,), cluster=cluster).links == (intra,)
+
+
+def test_axis_across_nodes_prices_like_the_physical_axes():
+    """A layout's logical dp of 64 over 8 nodes of 8 is priced as the (nodes, GPUs) mesh's two
+    axes together: NCCL's collectives over it cross the slow links with 1/8 of the data."""
+    from autopar.costs.collectives import axis_links, collective_time
+    from autopar.mesh import factor_link
+
+    flat, phys = Mesh((64,), cluster="a100"), Mesh((8, 8), cluster="a100")
+    assert axis_links(flat, 0) == [(8, HDR), (8, NVLINK3)]
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+        assert collective_time(kind, 3e9, flat, 0) == pytest.approx(collective_time(kind, 3e9, phys, (0, 1)))
+    # The flat ring at the inter-node link would be several times slower.
+    assert collective_time("all_gather", 3e9, flat, 0) < 0.3 * (63 / 64 * 3e9 / HDR.beta)
+    # Factored row-major (a pipeline over a factor of the axis): the inner part keeps its ranks
+    # per node, the outer one has the rest.
+    link = flat.links[0]
+    assert factor_link(link, 4, 16) == (HDR, link)
+    assert factor_link(link, 8, 8) == (HDR, NVLINK3)
+    assert factor_link(link, 16, 4) == (dataclasses.replace(HDR, split=(2, NVLINK3.alpha, NVLINK3.beta)), NVLINK3)
+    # It survives JSON; an override of the axis' link is the whole axis' link.
+    assert Mesh.from_dict(flat.to_dict()) == flat
+    assert Mesh((64,), cluster="a100", dp_beta=1e9).links[0].split == ()
+    with pytest.raises(ValueError, match="split"):
+        dataclasses.replace(HDR, split=(1, 1e-6, 1e9))
 
 
 def test_preset_figures():
