@@ -27,7 +27,8 @@ model as its own. Keys left out are searched.
                    and reduce-scatters stay in a group (a node), gradients are then all-reduced
                    across groups. ``dp_shard == dp`` is FSDP.
 ``reshard_after_forward`` with ``zero`` 3: gathered weights freed after the forward and gathered again
-                   in backward (FSDP's default; single-stage plans)
+                   in backward (FSDP's default; single-stage plans); left out, tried where the
+                   memory budget binds
 ``recompute``      ``"full"`` (every layer), ``"none"``, or left out (the search chooses per layer)
 ``microbatches``   micro-batches per step: of the pipeline with ``pp > 1``; with ``pp`` 1, gradient
                    accumulation (the batch run in that many micro-batches, gradients reduced once)
