@@ -62,7 +62,9 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
     The ILP prices ZeRO-3 gathers blocking and :func:`_prefetch_resolve` corrects that from the
     plan it is given; a plan that gathers little gives it little to correct, and the free search
     can end short of FSDP or HSDP, whose gathers hide behind compute. So those layouts are solved
-    too (FSDP: every axis ``fsdp``; HSDP on two axes: ``dp`` then ``fsdp``), each read back
+    too (FSDP: every axis ``fsdp``; HSDP on two axes: ``dp`` then ``fsdp``; DDP, every axis ``dp``,
+    where a replica of the weights and their state fits: its buckets' all-reduces overlap
+    backward, which the ILP prices blocking too), each read back
     honestly, and the free problem is solved once more at each one's exposed share of gathers.
     A model that routes tokens to experts (``autopar.strategies.routed``) also gets expert
     parallelism on the innermost axis. Every plan returned is a flat plan of the free search's
@@ -75,6 +77,9 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
     fams = ["roles:" + ",".join(["fsdp"] * len(shape))]
     if len(shape) == 2 and min(shape) > 1:
         fams.append("roles:dp,fsdp")
+    if _replicas_fit(gp, cfg):
+        # DDP: its gradient buckets' all-reduces overlap backward, which the ILP prices blocking.
+        fams.append("roles:" + ",".join(["dp"] * len(shape)))
     if _experts_divide(gp, shape[-1]):
         # Expert parallelism on the innermost axis, tokens sent to their experts by all-to-all
         # (a per-op search cannot: autopar.strategies.routed), ZeRO-3 on the others.
@@ -95,7 +100,32 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
         again = _prefetch_resolve(gp, cfg, built, seed, every, (None, cfg.memory_budget, None))
         if again is not None:
             out.append(again)
+    if len(shape) >= 2 and _replicas_fit(gp, cfg):
+        # DDP over the whole mesh as one axis: one all-reduce per bucket over every rank (NCCL's
+        # hierarchical ring), where the mesh's axes would reduce axis by axis with copies between.
+        from autopar.planner.search import plan_layout
+
+        try:
+            flat = plan_layout(gp, dataclasses.replace(cfg, family=None), {"dp": cfg.mesh.size, "zero": 0,
+                                                                          "pp": 1})
+        except ValueError:  # InfeasibleBudget included
+            flat = None
+        if flat is not None:
+            flat.options["family"] = f"searched {'x'.join(map(str, shape))} (dp({cfg.mesh.size}) seed)"
+            flat.options.pop("layout", None)
+            out.append(flat)
     return out
+
+
+def _replicas_fit(gp, cfg: Config) -> bool:
+    """Whether a replica of the parameters, their gradients and optimizer state fits the budget
+    (DDP's floor, before any activation)."""
+    from profiler.memory import OPTIMIZER_STATES
+
+    if cfg.memory_budget is None:
+        return True
+    per = 2 + OPTIMIZER_STATES.get(cfg.optimizer, 2) + (0.5 if cfg.dtype == "bf16-mixed" else 0.0)
+    return gp.param_bytes * per < cfg.memory_budget
 
 
 def _experts_divide(gp, ranks: int) -> bool:

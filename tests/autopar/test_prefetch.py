@@ -186,3 +186,44 @@ def test_hsdp_prefetch_trains_like_one_device(mesh):
     assert cases.loss_err(losses, ref["losses"]) < TOL
     assert cases.grad_err(grads, ref["grads"]) < TOL
     assert cases.compare_state(state, ref["state"])["global"] < TOL
+
+
+def test_fsdp_over_two_axes_gathers_jointly_whatever_route_its_edges_take(mesh):
+    """FSDP over both axes of a 2 x 2 mesh whose outer link is slow (as InfiniBand beside NVLink):
+    the ``fsdp`` role shards one dim over both axes, and the reshard search routes weights'
+    gathers through an all-to-all that keeps the outer link's share small. The runtime gathers each
+    ahead by one all-gather over both axes instead (and reduce-scatters back), and the planner
+    prices that, never above the route's price; three AdamW steps equal one device."""
+    import profiler
+    from autopar.mesh import Link, Mesh
+    from autopar.planner.budget import solve_flat
+    from autopar.planner.build import Config
+    from autopar.planner.streams import copy_seconds
+    from autopar.runtime import prefetch
+
+    ex = _example("llama")
+    gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    slow_outer = Mesh((2, 2), axis_names=("dp", "tp"), cluster="cpu", links=[Link(1e-9, 1e6), Link(1e-9, 1e12)])
+    cfg = Config(mesh=slow_outer, family="roles:fsdp,fsdp", checkpoint=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = solve_flat(gp, cfg, every=True)
+    sharded = [p for p in plan.params.values() if p != "RR"]
+    assert sharded and all(p[:4] == p[4:] for p in sharded), plan.params  # one dim on both axes
+    low = lower_plan(_cap("llama"), plan)
+    assert low.prefetch and all(f.axes == (0, 1) for f in low.prefetch.values()), low.prefetch
+    routed = [cid for cid in low.prefetch
+              if any(s.kind == "all_to_all" for s in low.edges[low.copies[cid].edges[0]].forward)]
+    assert routed, "no gather took the all-to-all route"
+    nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
+    for cid in routed:
+        e = low.edges[low.copies[cid].edges[0]]
+        joint, route = copy_seconds(gp, cfg, nodes, e, low.prefetch[cid]), copy_seconds(gp, cfg, nodes, e)
+        assert 0 < joint[0] <= route[0] and 0 < joint[1] <= route[1], (joint, route)
+    before = prefetch.counts()
+    _, losses, grads, state = cases.train_local(ex, _cap("llama"), plan, mesh, world=4)
+    assert all(a > b for a, b in zip(prefetch.counts(), before)) and prefetch.pending() == 0
+    ref = cases.reference(ex)
+    assert cases.loss_err(losses, ref["losses"]) < TOL
+    assert cases.grad_err(grads, ref["grads"]) < TOL
+    assert cases.compare_state(state, ref["state"])["global"] < TOL
