@@ -105,12 +105,15 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
         # hierarchical ring), where the mesh's axes would reduce axis by axis with copies between.
         from autopar.planner.search import plan_layout
 
+        recompute = {"recompute": "full"} if every else ({} if cfg.checkpoint else {"recompute": "none"})
         try:
             flat = plan_layout(gp, dataclasses.replace(cfg, family=None), {"dp": cfg.mesh.size, "zero": 0,
-                                                                          "pp": 1})
+                                                                          "pp": 1, **recompute})
         except ValueError:  # InfeasibleBudget included
             flat = None
-        if flat is not None:
+        # Kept where it beats every plan on the mesh's own axes (a logical mesh only where it pays).
+        best = min((p.step_time for p in out), default=math.inf)
+        if flat is not None and flat.step_time < best * (1 - 1e-9):
             flat.options["family"] = f"searched {'x'.join(map(str, shape))} (dp({cfg.mesh.size}) seed)"
             flat.options.pop("layout", None)
             out.append(flat)
