@@ -62,9 +62,9 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
     The ILP prices ZeRO-3 gathers blocking and :func:`_prefetch_resolve` corrects that from the
     plan it is given; a plan that gathers little gives it little to correct, and the free search
     can end short of FSDP or HSDP, whose gathers hide behind compute. So those layouts are solved
-    too (FSDP: every axis ``fsdp``; HSDP on two axes: ``dp`` then ``fsdp``; DDP, every axis ``dp``,
-    where a replica of the weights and their state fits: its buckets' all-reduces overlap
-    backward, which the ILP prices blocking too), each read back
+    too (FSDP: every axis ``fsdp``; HSDP on two axes: ``dp`` then ``fsdp``; on a mesh across nodes,
+    DDP, every axis ``dp``, where a replica of the weights and their state fits: its buckets'
+    all-reduces overlap backward, which the ILP prices blocking too), each read back
     honestly, and the free problem is solved once more at each one's exposed share of gathers.
     A model that routes tokens to experts (``autopar.strategies.routed``) also gets expert
     parallelism on the innermost axis. Every plan returned is a flat plan of the free search's
@@ -77,8 +77,10 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
     fams = ["roles:" + ",".join(["fsdp"] * len(shape))]
     if len(shape) == 2 and min(shape) > 1:
         fams.append("roles:dp,fsdp")
-    if _replicas_fit(gp, cfg):
-        # DDP: its gradient buckets' all-reduces overlap backward, which the ILP prices blocking.
+    ddp = _replicas_fit(gp, cfg) and _across_nodes(cfg.mesh)
+    if ddp:
+        # DDP: its gradient buckets' all-reduces overlap backward, which the ILP prices blocking,
+        # and across nodes they are what the plan's step turns on.
         fams.append("roles:" + ",".join(["dp"] * len(shape)))
     if _experts_divide(gp, shape[-1]):
         # Expert parallelism on the innermost axis, tokens sent to their experts by all-to-all
@@ -100,7 +102,7 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
         again = _prefetch_resolve(gp, cfg, built, seed, every, (None, cfg.memory_budget, None))
         if again is not None:
             out.append(again)
-    if len(shape) >= 2 and _replicas_fit(gp, cfg):
+    if ddp and len(shape) >= 2 and _preset_links(cfg.mesh):
         # DDP over the whole mesh as one axis: one all-reduce per bucket over every rank (NCCL's
         # hierarchical ring), where the mesh's axes would reduce axis by axis with copies between.
         from autopar.planner.search import plan_layout
@@ -120,6 +122,19 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
     return out
 
 
+def _across_nodes(mesh) -> bool:
+    """The mesh spans several nodes of a GPU cluster."""
+    return mesh.gpus_per_node is not None and mesh.size > mesh.gpus_per_node
+
+
+def _preset_links(mesh) -> bool:
+    """The mesh's links are its cluster preset's (a logical mesh over its devices gets those)."""
+    from autopar.mesh import CLUSTERS, Mesh
+
+    return mesh.cluster in CLUSTERS and mesh.calibration is None and \
+        mesh.links == Mesh(mesh.shape, cluster=mesh.cluster, gpus_per_node=mesh.gpus_per_node).links
+
+
 def _replicas_fit(gp, cfg: Config) -> bool:
     """Whether a replica of the parameters, their gradients and optimizer state fits the budget
     (DDP's floor, before any activation)."""
@@ -127,7 +142,7 @@ def _replicas_fit(gp, cfg: Config) -> bool:
 
     if cfg.memory_budget is None:
         return True
-    per = 2 + OPTIMIZER_STATES.get(cfg.optimizer, 2) + (0.5 if cfg.dtype == "bf16-mixed" else 0.0)
+    per = 2 + OPTIMIZER_STATES[cfg.optimizer] + (0.5 if cfg.dtype == "bf16-mixed" else 0.0)
     return gp.param_bytes * per < cfg.memory_budget
 
 
