@@ -140,6 +140,20 @@ def test_prefetched_plan_trains_like_one_device(mesh):
     assert cases.compare_state(state, ref["state"])["global"] < TOL
 
 
+def _trains_with_gathers_ahead(ex, plan, mesh):
+    """Three AdamW steps of ``plan`` on 2 x 2 simulated ranks equal one device; gathers were
+    started ahead in forward and backward, and every reduce-scatter was waited for."""
+    from autopar.runtime import prefetch
+
+    before = prefetch.counts()
+    _, losses, grads, state = cases.train_local(ex, _cap("llama"), plan, mesh, world=4)
+    assert all(a > b for a, b in zip(prefetch.counts(), before)) and prefetch.pending() == 0
+    ref = cases.reference(ex)
+    assert cases.loss_err(losses, ref["losses"]) < TOL
+    assert cases.grad_err(grads, ref["grads"]) < TOL
+    assert cases.compare_state(state, ref["state"])["global"] < TOL
+
+
 def test_gathers_over_two_axes_train_like_one_device(mesh):
     """Weights stored split on both axes of the 2 x 2 mesh (the ``zero3`` family, every layer
     recomputed): each is gathered ahead by one all-gather over both axes together, and trains like
@@ -156,13 +170,7 @@ def test_gathers_over_two_axes_train_like_one_device(mesh):
                             pipeline=False, checkpoint="all")
     low = lower_plan(_cap("llama"), plan)
     assert low.prefetch and all(f.axes == (0, 1) for f in low.prefetch.values()), low.prefetch
-    before = prefetch.counts()
-    _, losses, grads, state = cases.train_local(ex, _cap("llama"), plan, mesh, world=4)
-    assert all(a > b for a, b in zip(prefetch.counts(), before)) and prefetch.pending() == 0
-    ref = cases.reference(ex)
-    assert cases.loss_err(losses, ref["losses"]) < TOL
-    assert cases.grad_err(grads, ref["grads"]) < TOL
-    assert cases.compare_state(state, ref["state"])["global"] < TOL
+    _trains_with_gathers_ahead(ex, plan, mesh)
 
 
 def test_hsdp_prefetch_trains_like_one_device(mesh):
@@ -220,10 +228,4 @@ def test_fsdp_over_two_axes_gathers_jointly_whatever_route_its_edges_take(mesh):
         e = low.edges[low.copies[cid].edges[0]]
         joint, route = copy_seconds(gp, cfg, nodes, e, low.prefetch[cid]), copy_seconds(gp, cfg, nodes, e)
         assert 0 < joint[0] <= route[0] and 0 < joint[1] <= route[1], (joint, route)
-    before = prefetch.counts()
-    _, losses, grads, state = cases.train_local(ex, _cap("llama"), plan, mesh, world=4)
-    assert all(a > b for a, b in zip(prefetch.counts(), before)) and prefetch.pending() == 0
-    ref = cases.reference(ex)
-    assert cases.loss_err(losses, ref["losses"]) < TOL
-    assert cases.grad_err(grads, ref["grads"]) < TOL
-    assert cases.compare_state(state, ref["state"])["global"] < TOL
+    _trains_with_gathers_ahead(ex, plan, mesh)
