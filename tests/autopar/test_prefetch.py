@@ -160,7 +160,6 @@ def test_gathers_over_two_axes_train_like_one_device(mesh):
     one device."""
     import autopar
     from autopar.mesh import Mesh
-    from autopar.runtime import prefetch
 
     ex = _example("llama")
     with warnings.catch_warnings():
@@ -207,7 +206,6 @@ def test_fsdp_over_two_axes_gathers_jointly_whatever_route_its_edges_take(mesh):
     from autopar.planner.budget import solve_flat
     from autopar.planner.build import Config
     from autopar.planner.streams import copy_seconds
-    from autopar.runtime import prefetch
 
     ex = _example("llama")
     gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
