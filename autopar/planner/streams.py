@@ -61,7 +61,7 @@ def copy_seconds(gp, cfg, nodes, e, joint=None) -> tuple[float, float]:
     all-gather over its axes together, and one reduce-scatter back, instead of the edge's steps."""
     from autopar import precision
     from autopar.costs.collectives import collective_time
-    from autopar.costs.reshard import reshard
+    from autopar.costs.reshard import local_bytes, reshard
     from autopar.lowering.graph import tensor_vals
 
     prod, cons = nodes[e.producer], nodes.get(e.consumer)
@@ -71,14 +71,11 @@ def copy_seconds(gp, cfg, nodes, e, joint=None) -> tuple[float, float]:
     item, gitem = precision.edge_itemsizes(cfg.dtype, cfg.grad_reduce, prod, cons, tensor_vals(prod)[e.out_index],
                                            itemsizes, e.out_index, e.param)
     if joint is not None:
-        numel = 1
-        for n in e.shape:
-            numel *= int(n)
-        for a, p in enumerate(e.src):  # a dim split on the other axes: the group's tensor is a part
-            if a not in joint.axes and hasattr(p, "dim"):
-                numel //= cfg.mesh.shape[a]
-        fwd = collective_time("all_gather", numel * item, cfg.mesh, joint.axes) if e.forward else 0.0
-        bwd = collective_time("reduce_scatter", numel * gitem, cfg.mesh, joint.axes) if e.backward else 0.0
+        # The group's whole tensor: what the copy holds (split on the other axes as the source is).
+        fwd = collective_time("all_gather", local_bytes(e.shape, e.dst, cfg.mesh.shape, item), cfg.mesh,
+                              joint.axes) if e.forward else 0.0
+        bwd = collective_time("reduce_scatter", local_bytes(e.shape, e.dst, cfg.mesh.shape, gitem), cfg.mesh,
+                              joint.axes) if e.backward else 0.0
         return float(fwd), float(bwd)
     fwd = float(reshard(e.src, e.dst, e.shape, item, cfg.mesh).cost) if e.forward else 0.0
     bwd = float(reshard(e.grad_dst, e.grad_src, e.shape, gitem, cfg.mesh).cost) if e.backward else 0.0
