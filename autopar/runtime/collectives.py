@@ -182,9 +182,6 @@ def zero_partial(x: torch.Tensor, dm: DeviceMesh, axis: int) -> torch.Tensor:
     return _keep_on_first(x, axis_coordinate(dm, axis))
 
 
-_FLATTENED: dict = {}
-
-
 def axes_group(dm: DeviceMesh, axes) -> "dist.ProcessGroup":
     """The process group of mesh ``axes`` together (one axis: its own; several: the ranks of
     those axes flattened in row-major order, ``DeviceMesh._flatten``, made once per mesh)."""
@@ -194,7 +191,10 @@ def axes_group(dm: DeviceMesh, axes) -> "dist.ProcessGroup":
     names = dm.mesh_dim_names
     if not names:
         raise ValueError(f"mesh axes {axes} can only be grouped on a DeviceMesh with mesh_dim_names")
-    key = (id(dm), axes)
-    if key not in _FLATTENED:
-        _FLATTENED[key] = dm[tuple(names[a] for a in axes)]._flatten("_".join(names[a] for a in axes)).get_group(0)
-    return _FLATTENED[key]
+    # Cached on the mesh object itself: not by id() (a freed mesh's id is reused, and a rank that
+    # took another mesh's group would join the wrong collectives), nor by equality (an equal mesh
+    # of an earlier, destroyed process group has unusable groups).
+    cache = dm.__dict__.setdefault("_autopar_flattened", {})
+    if axes not in cache:
+        cache[axes] = dm[tuple(names[a] for a in axes)]._flatten("_".join(names[a] for a in axes)).get_group(0)
+    return cache[axes]

@@ -16,8 +16,11 @@ import faulthandler
 import importlib
 import os
 import queue
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 
@@ -37,7 +40,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world: int, port: int, tasks, results, log: str) -> None:
+    # A fatal signal or a hang writes every thread's stack to this rank's log, which the test's
+    # error message quotes (a spawned worker's stderr is not the test's).
+    trace = open(log, "w", buffering=1)  # noqa: SIM115 - open for the life of the worker
+    faulthandler.enable(file=trace)
+    faulthandler.register(signal.SIGUSR1, file=trace, all_threads=True)
     for p in (HERE, ROOT):
         if p not in sys.path:
             sys.path.insert(0, p)
@@ -54,7 +62,7 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
             break
         key, name, args, kwargs, timeout = job
         # A case that hangs prints every rank's stack before the test reports the timeout.
-        faulthandler.dump_traceback_later(max(1.0, timeout - 5), exit=False)
+        faulthandler.dump_traceback_later(max(1.0, timeout - 5), exit=False, file=trace)
         try:
             mod_name, fn_name = name.split(":")
             fn = getattr(importlib.import_module(mod_name), fn_name)
@@ -73,6 +81,7 @@ class Pool:
         self.world = world
         self.procs = []
         self._key = 0
+        self.logs = []
 
     def start(self, timeout: float = 300.0) -> "Pool":
         ctx = mp.get_context("spawn")
@@ -80,8 +89,11 @@ class Pool:
         self.tasks = [ctx.Queue() for _ in range(self.world)]
         port = _free_port()
         t0 = time.time()
+        self._logdir = tempfile.mkdtemp(prefix="autopar-pool-")
+        self.logs = [os.path.join(self._logdir, f"rank{r}.log") for r in range(self.world)]
         for r in range(self.world):
-            p = ctx.Process(target=_worker, args=(r, self.world, port, self.tasks[r], self.results), daemon=True)
+            p = ctx.Process(target=_worker, args=(r, self.world, port, self.tasks[r], self.results, self.logs[r]),
+                            daemon=True)
             p.start()
             self.procs.append(p)
         ready = 0
@@ -109,16 +121,20 @@ class Pool:
         for q in self.tasks:
             q.put((key, name, args, kwargs, timeout))
         out, errors = [None] * self.world, {}
-        deadline = time.time() + timeout
+        t_start = time.time()
+        deadline = t_start + timeout
         got = 0
         while got < self.world:
             try:
                 rank, k, res = self.results.get(timeout=max(0.1, deadline - time.time()))
             except queue.Empty:
-                self.close()
                 stuck = [r for r in range(self.world) if out[r] is None and r not in errors]
-                first = f"; rank {min(errors)} failed first:\n{errors[min(errors)]}" if errors else ""
-                raise CaseError(f"case {name} timed out after {timeout:.0f} s on ranks {stuck}{first}") from None
+                why = self._why(stuck)  # before close(): which ranks died, and their stacks
+                self.close()
+                first = f"; rank {min(errors)} failed (lowest rank of {sorted(errors)}):\n{errors[min(errors)]}" \
+                    if errors else ""
+                raise CaseError(f"case {name} got no answer within {time.time() - t_start:.0f} s from ranks "
+                                f"{stuck}{first}{why}") from None
             if k != key:
                 continue
             got += 1
@@ -133,6 +149,27 @@ class Pool:
             raise CaseError(f"case {name} failed on rank(s) {sorted(errors)}; rank {rank}:\n{errors[rank]}")
         return out
 
+    def _why(self, ranks: list[int]) -> str:
+        """For ranks that gave no answer: dead (with the exit code: negative is the signal) or
+        alive, and the end of each one's log (its stacks at a fatal signal or a hang)."""
+        parts = []
+        for r in ranks:
+            p = self.procs[r] if r < len(self.procs) else None
+            state = "alive" if p is not None and p.is_alive() else f"dead, exit code {getattr(p, 'exitcode', None)}"
+            if p is not None and p.is_alive():  # its stacks now
+                try:
+                    os.kill(p.pid, signal.SIGUSR1)
+                    time.sleep(1.0)
+                except OSError:
+                    pass
+            try:
+                with open(self.logs[r]) as f:
+                    tail = f.read()[-4000:]
+            except (OSError, IndexError):
+                tail = ""
+            parts.append(f"\n--- rank {r} ({state}); its log:\n{tail}")
+        return "".join(parts)
+
     def close(self) -> None:
         for q in getattr(self, "tasks", []):
             try:
@@ -144,3 +181,4 @@ class Pool:
             if p.is_alive():
                 p.kill()
         self.procs = []
+        shutil.rmtree(getattr(self, "_logdir", ""), ignore_errors=True)
