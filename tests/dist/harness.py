@@ -30,6 +30,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
+def _recent_collectives(last: int = 16) -> str:
+    """This rank's last collectives from the flight recorder (process group, op, sizes, state)."""
+    import json
+
+    import torch
+
+    try:
+        raw = torch._C._distributed_c10d._dump_fr_trace_json(True, True)
+        entries = json.loads(raw.decode() if isinstance(raw, bytes) else raw).get("entries", [])
+    except Exception as err:  # noqa: BLE001 - a diagnostic only
+        return f"\n(no flight recorder trace: {err})"
+    lines = [f"  pg {e.get('process_group', ['?'])[0]} #{e.get('collective_seq_id')} {e.get('profiling_name')} "
+             f"in {e.get('input_sizes')} out {e.get('output_sizes')} {e.get('state')}" for e in entries[-last:]]
+    return "\nthis rank's last collectives (flight recorder):\n" + "\n".join(lines)
+
+
+def _lost_connection(text: str) -> bool:
+    """Whether a case's failure is its processes losing each other (see ``Pool.run``)."""
+    return any(m in text for m in ("dead, exit code", "Connection reset by peer", "Connection closed by peer"))
+
+
 class CaseError(RuntimeError):
     """A case raised on some rank, or timed out."""
 
@@ -44,12 +65,16 @@ def _worker(rank: int, world: int, port: int, tasks, results, log: str) -> None:
     # A fatal signal or a hang writes every thread's stack to this rank's log, which the test's
     # error message quotes (a spawned worker's stderr is not the test's).
     trace = open(log, "w", buffering=1)  # noqa: SIM115 - open for the life of the worker
+    os.dup2(trace.fileno(), 2)  # what C++ prints before an abort (gloo's collective mismatch) too
     faulthandler.enable(file=trace)
     faulthandler.register(signal.SIGUSR1, file=trace, all_threads=True)
     for p in (HERE, ROOT):
         if p not in sys.path:
             sys.path.insert(0, p)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The flight recorder keeps this rank's last collectives (every process group): a case that
+    # fails reports them, so that a desynchronised rank shows where its sequence left the others'.
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "64")
     import torch
     import torch.distributed as dist
 
@@ -68,7 +93,7 @@ def _worker(rank: int, world: int, port: int, tasks, results, log: str) -> None:
             fn = getattr(importlib.import_module(mod_name), fn_name)
             out = ("ok", fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - reported to the test with the traceback
-            out = ("error", traceback.format_exc())
+            out = ("error", traceback.format_exc() + _recent_collectives())
         faulthandler.cancel_dump_traceback_later()
         results.put((rank, key, out))
     dist.destroy_process_group()
@@ -112,7 +137,26 @@ class Pool:
         return bool(self.procs) and all(p.is_alive() for p in self.procs)
 
     def run(self, name: str, *args, timeout: float = 600.0, **kwargs) -> list:
-        """Run ``name(*args, **kwargs)`` on every rank; the results in rank order."""
+        """Run ``name(*args, **kwargs)`` on every rank; the results in rank order.
+
+        A case whose ranks lost their connections (a worker process died, or gloo reported a
+        connection reset or closed by a peer) is run once more on a fresh pool, after the first
+        failure is printed in full to the terminal: such a failure says nothing about the
+        numbers the case checks, and the second run must pass on its own. Any other failure (an
+        assertion, a wrong shape, a hang with every worker alive) is raised at once."""
+        try:
+            return self._run_once(name, args, kwargs, timeout)
+        except CaseError as err:
+            if not _lost_connection(str(err)):
+                raise
+            sys.__stderr__.write(f"\n[harness] case {name} lost a worker or its connections; the whole failure "
+                                 f"follows, and the case runs once more on a fresh pool:\n{err}\n")
+            sys.__stderr__.flush()
+            self.close()
+            self.start()
+            return self._run_once(name, args, kwargs, timeout)
+
+    def _run_once(self, name: str, args, kwargs, timeout: float) -> list:
         if not self.alive:  # a previous case failed with a hang: start a fresh pool
             self.close()
             self.start()
