@@ -172,8 +172,8 @@ class Gathered:
     """Reshard-after-forward of ZeRO-3 parameters (FSDP's ``reshard_after_forward``), as saved-
     tensor hooks around one forward: a gathered weight an op saves for backward is saved as a
     token instead (its storage then dies after the forward, leaving the shard), and is gathered
-    again from the shard when backward unpacks it; consumers unpacking it at once share one
-    gather. Tensors saved inside checkpointed regions are the regions' own (they keep their
+    again from the shard when backward first unpacks it; the ops that saved it share that one
+    gather (:class:`_Token`). Tensors saved inside checkpointed regions are the regions' own (they keep their
     inputs), and views of a gathered weight are rebuilt on the new gather."""
 
     active: "Gathered | None" = None
@@ -202,7 +202,7 @@ class Gathered:
     def start(self, unit: int) -> None:
         """Start the gathers of ``unit``'s tokens not yet gathered again."""
         for token in self.units.pop(unit, ()):
-            if token.ref() is None and token.pending is None:
+            if token.value is None and token.pending is None:
                 token.pending = token.start()
                 Gathered.prefetched += 1
 
@@ -214,6 +214,7 @@ class Gathered:
         if hit is None or hit[0]() is None:
             return t
         token = hit[1]
+        token.saves += 1
         return token, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.requires_grad
 
     @staticmethod
@@ -239,24 +240,30 @@ class Gathered:
 
 class _Token:
     """One gathered weight of a forward: gathered again on the first unpack (from the gather
-    started ahead, if one was), shared while alive."""
+    started ahead, if one was) and held until every tensor the forward saved of it has been
+    unpacked, then let go.
+
+    Whether a collective runs never depends on when Python frees a tensor (garbage collection
+    differs between ranks, and a rank that gathered once more than its peers would desynchronise
+    the group): one gather per token and backward, as ``planner.readback`` prices it, whatever
+    else still references the gathered tensor."""
 
     def __init__(self, regather, owner=None, unit=None, start=None):
-        import weakref
-
-        self.regather, self.ref = regather, lambda: None
+        self.regather, self.value, self.saves, self.unpacked = regather, None, 0, 0
         self.owner, self.unit, self.start, self.pending = owner, unit, start, None
-        self._weakref = weakref.ref
 
     def get(self) -> torch.Tensor:
-        t = self.ref()
+        t = self.value
         if t is None:
             pend, self.pending = self.pending, None
             t = pend.take() if pend is not None else None
             if t is None:
                 t = self.regather()
-            self.ref = self._weakref(t)
+            self.value = t
             Gathered.regathers += 1
             if self.owner is not None:
                 self.owner.start(self.unit - 1)  # the unit backward reaches next
+        self.unpacked += 1
+        if self.unpacked >= self.saves:  # its last saver has it: hold it no longer
+            self.value, self.unpacked = None, 0
         return t

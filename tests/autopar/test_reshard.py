@@ -300,3 +300,41 @@ def test_priced_copies_are_the_runtime_copies(sim):
             assert (c.kernels > 0) == (kernels > 0), f"{step} from {fmt(state)}"
             seen.add(step.kind)
     assert seen == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "slice", "zero_partial"}
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["freed", "held elsewhere"])
+def test_reshard_after_forward_gathers_once_per_weight_whatever_python_frees(held):
+    """A weight two ops save is gathered again once in backward, whether or not something else
+    still holds the forward's gathered tensor: the count never depends on when Python frees a
+    tensor (it differs between ranks, and one extra gather on one rank desynchronises the group)."""
+    from autopar.runtime.reshard import Gathered
+
+    torch.manual_seed(0)
+    shard = torch.randn(4, 6, requires_grad=True)
+    x = torch.randn(3, 4)
+    calls = []
+
+    def regather():
+        calls.append(1)
+        return shard.detach() * 1.0  # what the gather returns: the full weight again
+
+    def run(with_tokens: bool):
+        w = shard * 1.0  # the "gathered" weight (a non-leaf, so ops save it)
+        kept = [w] if held else []
+        ctx = Gathered() if with_tokens else None
+        if ctx is not None:
+            ctx.__enter__()
+            ctx.add(w, regather)
+        y = torch.tanh(x @ w) @ w.t() @ w  # w saved by three matmuls, across the graph
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        del w
+        y.sum().backward()
+        kept.clear()
+        g, shard.grad = shard.grad.clone(), None
+        return g
+
+    want = run(False)
+    got = run(True)
+    assert len(calls) == 1, f"gathered {len(calls)} times in backward"
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
