@@ -68,7 +68,8 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
     honestly, and the free problem is solved once more at each one's exposed share of gathers.
     A model that routes tokens to experts (``autopar.strategies.routed``) also gets expert
     parallelism on the innermost axis. Every plan returned is a flat plan of the free search's
-    space, each labelled by what it does."""
+    space, each labelled by what it does (the whole-mesh DDP seed
+    runs on a logical one-axis mesh over the same ranks: ``options["physical_mesh"]``)."""
     from autopar.planner.labels import axes_label, axis_roles
 
     shape = tuple(cfg.mesh.shape)
@@ -109,7 +110,7 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
 
         recompute = {"recompute": "full"} if every else ({} if cfg.checkpoint else {"recompute": "none"})
         try:
-            flat = plan_layout(gp, dataclasses.replace(cfg, family=None), {"dp": cfg.mesh.size, "zero": 0,
+            flat = plan_layout(gp, dataclasses.replace(cfg, family=None), {"dp": cfg.mesh.size, "zero": cfg.zero,
                                                                           "pp": 1, **recompute})
         except ValueError:  # InfeasibleBudget included
             flat = None

@@ -238,6 +238,8 @@ def _roles_predicate(roles: tuple[str, ...], mesh_shape: tuple) -> Predicate:
         # the other dims through an all-to-all that is not prefetched.
         if kind != "param" or len(fsdp_axes) < 2:
             return True
+        if not any(n % math.prod(mesh_shape[a] for a in fsdp_axes) == 0 for n in shape):
+            return True  # no dim takes the whole group: each axis shards what it divides
         on = [a for a in fsdp_axes if _is(pls[a], Shard)]
         dims = {pls[a].dim % len(shape) for a in on}
         if len(dims) != 1:

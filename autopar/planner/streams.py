@@ -265,8 +265,11 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
 
     fixed = (sum(fwd.values()) + sum(bwd.values()) + sum(recompute_at.values()) + sum(extra_bwd.values())
              + sum(again.values()) + sum(g + r for g, r in secs.values()))
-    comm_s = sum(again.values()) + sum(g + r for g, r in secs.values())
-    hidden = max(0.0, fixed - run([])) + joint_saved if fetch else 0.0
+    # At the ILP's prices (a joint gather's edge at its own route), so that hidden <= comm and
+    # 1 - hidden / comm is the share of what the ILP charged that stays exposed.
+    saved = joint_saved if fetch else 0.0
+    comm_s = sum(again.values()) + sum(g + r for g, r in secs.values()) + saved
+    hidden = max(0.0, fixed - run([])) + saved if fetch else 0.0
     bucket_s = sum(x for _, x, _ in buckets)
-    both = max(0.0, fixed + bucket_s - run(buckets)) if buckets else hidden
+    both = max(0.0, fixed + bucket_s - run(buckets)) + saved if buckets else hidden
     return Overlap(hidden, regather, comm_s, min(bucket_s, max(0.0, both - hidden)), bucket_s)

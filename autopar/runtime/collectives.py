@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -191,10 +192,20 @@ def axes_group(dm: DeviceMesh, axes) -> "dist.ProcessGroup":
     names = dm.mesh_dim_names
     if not names:
         raise ValueError(f"mesh axes {axes} can only be grouped on a DeviceMesh with mesh_dim_names")
-    # Cached on the mesh object itself: not by id() (a freed mesh's id is reused, and a rank that
-    # took another mesh's group would join the wrong collectives), nor by equality (an equal mesh
-    # of an earlier, destroyed process group has unusable groups).
-    cache = dm.__dict__.setdefault("_autopar_flattened", {})
-    if axes not in cache:
-        cache[axes] = dm[tuple(names[a] for a in axes)]._flatten("_".join(names[a] for a in axes)).get_group(0)
-    return cache[axes]
+    # Cached per mesh object, by id() with a weak reference that must still be that object (a
+    # freed mesh's id is reused, and a rank that took another mesh's group would join the wrong
+    # collectives); not by equality (an equal mesh of an earlier, destroyed process group has
+    # unusable groups); not on the mesh itself (a DeviceMesh, and a DTensor on it, must pickle).
+    hit = _FLATTENED.get(id(dm))
+    if hit is None or hit[0]() is not dm:
+        for key in [k for k, (ref, _) in _FLATTENED.items() if ref() is None]:
+            del _FLATTENED[key]
+        hit = _FLATTENED[id(dm)] = (weakref.ref(dm), {})
+    groups = hit[1]
+    if axes not in groups:
+        groups[axes] = dm[tuple(names[a] for a in axes)]._flatten("_".join(names[a] for a in axes)).get_group(0)
+    return groups[axes]
+
+
+#: id(mesh) -> (weak reference to it, {axes: flattened process group}) (:func:`axes_group`).
+_FLATTENED: dict = {}

@@ -50,6 +50,17 @@ def test_zero3_predicate_still_demands_shards_where_they_fit():
     assert not ok("param", parse("PR"), (10,))
 
 
+def test_fsdp_over_two_axes_shards_one_dim_over_both_where_one_takes_the_group():
+    ok = predicate("roles:fsdp,fsdp", (2, 2))
+    # (8, 6): dim 0 divides by the whole group of 4: one buffer over both axes, on that dim
+    assert ok("param", parse("S(0)S(0)"), (8, 6))
+    assert not ok("param", parse("S(0)S(1)"), (8, 6)) and not ok("param", parse("S(1)S(1)"), (8, 6))
+    # (6, 6): no dim divides by 4; each axis still shards a dim it divides (a placement remains)
+    allowed = [t for t in ("S(0)S(1)", "S(1)S(0)", "S(0)S(0)", "S(1)S(1)", "RR", "S(0)R")
+               if ok("param", parse(t), (6, 6))]
+    assert allowed and "RR" not in allowed and "S(0)R" not in allowed, allowed
+
+
 @pytest.mark.parametrize("family", ["dp", "megatron"])
 def test_families_plan_on_a_mesh_with_a_size_one_axis(family):
     gp = _gp("gpt2", batch=8)
