@@ -198,6 +198,13 @@ class GraphProfile:
             self._memo[key] = out
         return self._memo[key]
 
+    def saves(self, name: str) -> set[str]:
+        """The graph values whose storage node ``name`` keeps for its backward, by the node that
+        made the storage (a parameter's placeholder for the parameter and its views)."""
+        if "saves" not in self._memo:
+            self._memo["saves"] = {st.name: {k[0] for k in st.saved} for st in self._step_nodes("fp32")}
+        return self._memo["saves"].get(name, set())
+
     def _step_nodes(self, precision: str) -> list[StepNode]:
         """The simulation's nodes: the fp32 run, or (once, on demand) the mixed-precision replay."""
         run = precision if precision.endswith("-mixed") else "fp32"

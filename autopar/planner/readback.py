@@ -119,7 +119,9 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
             p.breakdown["grad_sync_comm"] = ov.grad_comm
     if cfg.reshard_after_forward and pipeline is None:
         p.reshard_after_forward = True
-        extra = _regather_seconds(cfg, lowered)
+        from autopar.planner.streams import raf_regather_seconds
+
+        extra = raf_regather_seconds(gp, cfg, lowered)
         if step_time is None:  # (a caller's own step time has it already)
             p.step_time += extra
         p.breakdown["regather"] = extra
@@ -140,22 +142,6 @@ def _shared_seconds(gp, cfg: Config, low) -> float:
     nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
     return sum(sum(copy_seconds(gp, cfg, nodes, e)) for e in low.edges
                if id(e) not in makers and e.consumer in nodes)
-
-
-def _regather_seconds(cfg: Config, low) -> float:
-    """Seconds of the backward gathers of reshard-after-forward: one per copy of a ZeRO-3 weight
-    the lowered program gathers (``autopar.lowering.program``: one per placement and dtype)
-    for ops outside checkpointed regions (those keep their inputs), at the dtype it is gathered
-    in, synchronous as the runtime runs them (``autopar.runtime.reshard.Gathered``)."""
-    from autopar.costs.reshard import reshard
-
-    total = 0.0
-    for e in low.makers():
-        if not e.param or e.region is not None or not any(s.kind == "all_gather" for s in e.forward):
-            continue
-        item = 2 if cfg.dtype == "bf16-mixed" and e.itemsize == 4 else e.itemsize
-        total += float(reshard(e.src, e.dst, e.shape, item, cfg.mesh).cost)
-    return total
 
 
 _HASHES: dict[int, tuple] = {}

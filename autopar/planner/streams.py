@@ -115,6 +115,64 @@ def _bucket_sums(gp, cfg, lowered) -> list[tuple[tuple[str, ...], float, float]]
     return out
 
 
+def _saved_again(gp, lowered, e) -> bool:
+    """Whether backward needs the weight copy ``e`` makes: some op reading it (through views)
+    keeps it for backward (a bias's add does not: reshard after forward never gathers it again)."""
+    nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
+    todo = [lowered.edges[k].consumer for k in lowered.copies[e.copy].edges]
+    seen = set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n not in nodes:
+            continue
+        seen.add(n)
+        if e.producer in gp.saves(n):
+            return True
+        prof = gp.nodes.get(n)
+        if prof is not None and prof.is_view:
+            todo.extend(u.name for u in nodes[n].users)
+    return False
+
+
+def gathers_again(lowered, reshard_after_forward: bool, gp=None) -> list:
+    """The gathers of ZeRO-3 weights made again in backward, as the runtime makes them:
+    ``(edge, its Prefetch or None, "region" | "raf", ahead)`` for every copy a recomputed region
+    gathers again, and with reshard after forward every other gathered copy that backward needs
+    (given ``gp``: one some op keeps for backward, :func:`_saved_again`). ``ahead``: started
+    before it is needed, when backward reaches the unit after it (``BackwardGathers``,
+    ``Gathered.start``), as one all-gather over its axes; the first unit backward reaches, a
+    unit whose next has nothing to gather again, and a weight not prefetched gather blocking by
+    the edge's own steps."""
+    out = []
+    for e in lowered.makers():
+        if not e.param or not any(s.kind == "all_gather" for s in e.forward):
+            continue
+        if e.region is not None:
+            kind = "region"
+        elif reshard_after_forward and (gp is None or _saved_again(gp, lowered, e)):
+            kind = "raf"
+        else:
+            continue
+        out.append((e, lowered.prefetch.get(e.copy), kind))
+    units = {f.unit for _, f, _ in out if f is not None}
+    return [(e, f, kind, f is not None and f.unit + 1 in units) for e, f, kind in out]
+
+
+def gathers_again_charged(gp, cfg, lowered, nodes, reshard_after_forward: bool) -> list:
+    """:func:`gathers_again` with each one's seconds: started ahead, its joint all-gather's;
+    else its edge's own steps'."""
+    return [(e, f, kind, copy_seconds(gp, cfg, nodes, e, f if ahead else None)[0])
+            for e, f, kind, ahead in gathers_again(lowered, reshard_after_forward, gp)]
+
+
+def raf_regather_seconds(gp, cfg, lowered) -> float:
+    """Seconds of reshard-after-forward's gathers in backward, each blocking at its price in
+    :func:`gathers_again_charged` (what the read-back charges before :func:`overlap` takes off
+    the share the timeline hides)."""
+    nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
+    return sum(g for _, _, kind, g in gathers_again_charged(gp, cfg, lowered, nodes, True) if kind == "raf")
+
+
 def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = False) -> Overlap:
     """The :class:`Overlap` of a flat plan (``pick``: node -> strategy index of ``built``;
     ``lowered``: its lowered program)."""
@@ -133,36 +191,28 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
         bwd[n] = max(0.0, float(opt.time[s]) - fwd[n])
     # Blocking seconds on the compute stream: a recomputed region's gathers in its recomputation
     # (with the region's forward, before its backward), reshard-after-forward's in backward.
-    # A prefetched weight's gathers in a recomputed region start in backward when the unit after
-    # it (in forward order) recomputes (the runtime's BackwardGathers); any other, blocking.
+    # A prefetched weight's gathers again start in backward when the unit after it (in forward
+    # order) gathers again (the runtime's BackwardGathers and Gathered.start); any other, blocking.
     regather = 0.0
     extra_bwd: dict[str, float] = {}
-    again: dict[int, float] = {}  # unit -> seconds of its recomputed regions' gathers
+    again: dict[int, float] = {}  # unit -> seconds of its gathers again (ahead, or the first's blocking)
     again_region: dict[int, int] = {}  # unit -> the last of its regions (the first to recompute)
-    for e in gathers_again:
-        f = fetch.get(e.copy)
-        g = copy_seconds(gp, cfg, nodes, e, f)[0]
-        regather += g
+    again_point: dict[int, str] = {}  # unit -> where backward gathers it again (first reached)
+    pos = {n: i for i, n in enumerate(order)}
+    for e, f, kind, g in gathers_again_charged(gp, cfg, lowered, nodes, reshard_after_forward):
+        if kind == "region":
+            regather += g
         if f is None:
             extra_bwd[e.consumer] = extra_bwd.get(e.consumer, 0.0) + g
             continue
         again[f.unit] = again.get(f.unit, 0.0) + g
-        again_region[f.unit] = max(again_region.get(f.unit, e.region), e.region)
-    again_point: dict[int, str] = {}  # unit -> where backward gathers it again (first reached)
-    pos = {n: i for i, n in enumerate(order)}
-    if reshard_after_forward:  # a prefetched weight's gathers again start with the unit after it's
-        for e in lowered.makers():
-            if e.param and e.region is None and any(s.kind == "all_gather" for s in e.forward):
-                f = fetch.get(e.copy)
-                g = copy_seconds(gp, cfg, nodes, e, f)[0]
-                if f is None:
-                    extra_bwd[e.consumer] = extra_bwd.get(e.consumer, 0.0) + g
-                    continue
-                again[f.unit] = again.get(f.unit, 0.0) + g
-                readers = [lowered.edges[k].consumer for k in lowered.copies[e.copy].edges]
-                last = max((r for r in readers if r in pos), key=pos.__getitem__, default=None)
-                if last is not None and (f.unit not in again_point or pos[last] > pos[again_point[f.unit]]):
-                    again_point[f.unit] = last
+        if kind == "region":
+            again_region[f.unit] = max(again_region.get(f.unit, e.region), e.region)
+            continue
+        readers = [lowered.edges[k].consumer for k in lowered.copies[e.copy].edges]
+        last = max((r for r in readers if r in pos), key=pos.__getitem__, default=None)
+        if last is not None and (f.unit not in again_point or pos[last] > pos[again_point[f.unit]]):
+            again_point[f.unit] = last
     if not fetch and not buckets:
         return Overlap(0.0, regather)
     launch_at: dict[str, list[int]] = {}

@@ -202,7 +202,8 @@ class Gathered:
     def start(self, unit: int) -> None:
         """Start the gathers of ``unit``'s tokens not yet gathered again."""
         for token in self.units.pop(unit, ()):
-            if token.value is None and token.pending is None:
+            # (a weight no op saved, such as a bias, backward never gathers again)
+            if token.saves and token.value is None and token.pending is None:
                 token.pending = token.start()
                 Gathered.prefetched += 1
 

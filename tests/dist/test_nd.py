@@ -125,6 +125,20 @@ def test_every_zoo_model_on_8_ranks(pool8, label):
     _trains_like_one_device(pool8, label, SWEEP[label])
 
 
+def _charged_regathers(name: str, plan) -> tuple[int, int]:
+    """Reshard after forward: the backward gathers the read-back charges per step
+    (``planner.streams.gathers_again``), (blocking, started ahead)."""
+    from autopar.lowering.program import lower_plan
+    from autopar.planner.streams import gathers_again
+
+    import profiler
+
+    ex = _example(name)
+    gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    raf = [ahead for _, _, kind, ahead in gathers_again(lower_plan(gp.captured, plan), True, gp) if kind == "raf"]
+    return raf.count(False), raf.count(True)
+
+
 def _trains_like_one_device(pool8, label, case):
     name, layout = case[0], case[3]
     plan = _plan(label)
@@ -171,6 +185,11 @@ def _trains_like_one_device(pool8, label, case):
     # reshard after forward: every rank gathered its ZeRO-3 weights again in backward (and only then)
     again = [r["regathers"] - b for r, b in zip(res, before)]
     assert all(n > 0 for n in again) if plan.reshard_after_forward else not any(again), again
+    if plan.reshard_after_forward:  # the gathers the read-back charges are the ones the runtime makes
+        block, ahead = _charged_regathers(name, plan)
+        steps = len(r0["losses"])
+        assert again == [steps * (block + ahead)] * len(res), (again, block, ahead)
+        assert [f[3] for f in fetched] == [steps * ahead] * len(res), (fetched, block, ahead)
     assert len({r["digests"][0] for r in res}) == 1, f"{label}: ranks hold different full states"
     assert all(r["losses"] == r0["losses"] for r in res), f"{label}: ranks report different losses"
     lerr = cases.loss_err(r0["losses"], ref["losses"])
