@@ -115,10 +115,9 @@ def _bucket_sums(gp, cfg, lowered) -> list[tuple[tuple[str, ...], float, float]]
     return out
 
 
-def _saved_again(gp, lowered, e) -> bool:
+def _saved_again(gp, nodes, lowered, e) -> bool:
     """Whether backward needs the weight copy ``e`` makes: some op reading it (through views)
     keeps it for backward (a bias's add does not: reshard after forward never gathers it again)."""
-    nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
     todo = [lowered.edges[k].consumer for k in lowered.copies[e.copy].edges]
     seen = set()
     while todo:
@@ -144,12 +143,13 @@ def gathers_again(lowered, reshard_after_forward: bool, gp=None) -> list:
     unit whose next has nothing to gather again, and a weight not prefetched gather blocking by
     the edge's own steps."""
     out = []
+    nodes = {n.name: n for n in gp.captured.gm.graph.nodes} if gp is not None else None
     for e in lowered.makers():
         if not e.param or not any(s.kind == "all_gather" for s in e.forward):
             continue
         if e.region is not None:
             kind = "region"
-        elif reshard_after_forward and (gp is None or _saved_again(gp, lowered, e)):
+        elif reshard_after_forward and (gp is None or _saved_again(gp, nodes, lowered, e)):
             kind = "raf"
         else:
             continue
