@@ -133,7 +133,7 @@ def _saved_again(gp, nodes, lowered, e) -> bool:
     return False
 
 
-def gathers_again(lowered, reshard_after_forward: bool, gp=None) -> list:
+def gathers_again(lowered, reshard_after_forward: bool, gp=None, nodes=None) -> list:
     """The gathers of ZeRO-3 weights made again in backward, as the runtime makes them:
     ``(edge, its Prefetch or None, "region" | "raf", ahead)`` for every copy a recomputed region
     gathers again, and with reshard after forward every other gathered copy that backward needs
@@ -143,7 +143,8 @@ def gathers_again(lowered, reshard_after_forward: bool, gp=None) -> list:
     unit whose next has nothing to gather again, and a weight not prefetched gather blocking by
     the edge's own steps."""
     out = []
-    nodes = {n.name: n for n in gp.captured.gm.graph.nodes} if gp is not None else None
+    if gp is not None and nodes is None:
+        nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
     for e in lowered.makers():
         if not e.param or not any(s.kind == "all_gather" for s in e.forward):
             continue
@@ -162,7 +163,7 @@ def gathers_again_charged(gp, cfg, lowered, nodes, reshard_after_forward: bool) 
     """:func:`gathers_again` with each one's seconds: started ahead, its joint all-gather's;
     else its edge's own steps'."""
     return [(e, f, kind, copy_seconds(gp, cfg, nodes, e, f if ahead else None)[0])
-            for e, f, kind, ahead in gathers_again(lowered, reshard_after_forward, gp)]
+            for e, f, kind, ahead in gathers_again(lowered, reshard_after_forward, gp, nodes)]
 
 
 def raf_regather_seconds(gp, cfg, lowered) -> float:
