@@ -373,13 +373,47 @@ class MoEFFN(nn.Module):
         return out, balance
 
 
+class StackedMoEFFN(nn.Module):
+    """:class:`MoEFFN`'s routing with the experts' weights stacked, ``w1`` (experts, hidden, ffn)
+    and ``w2`` (experts, ffn, hidden), no biases, run as batched matmuls over the experts
+    (GShard's form, torchtitan's grouped experts). Every expert takes exactly ``capacity`` slots
+    per sequence (its highest gates; a slot it does not fill has gate 0 and adds 0), so the
+    experts' inputs are one (experts, batch x capacity, hidden) tensor: split by expert over an
+    axis that splits the batch, it is an all-to-all (expert parallelism)."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, capacity: int):
+        super().__init__()
+        self.top_k, self.capacity, self.experts = top_k, capacity, experts
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, ffn) * hidden ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, ffn, hidden) * ffn ** -0.5)
+
+    def forward(self, x):  # x: (batch, seq, hidden)
+        b, s, h = x.shape
+        e, c = self.experts, self.capacity
+        probs = self.router(x).softmax(dim=-1)                               # (b, s, e)
+        gates, choice = probs.topk(self.top_k, dim=-1)                       # (b, s, k)
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+        score = (gates.unsqueeze(-1) * F.one_hot(choice, e).to(x.dtype)).sum(dim=2)  # (b, s, e)
+        gate, token = score.transpose(1, 2).topk(c, dim=-1)                  # (b, e, c)
+        where = token.reshape(b, e * c, 1).expand(-1, -1, h)                 # (b, e*c, hidden)
+        xe = x.gather(1, where).view(b, e, c, h).transpose(0, 1).reshape(e, b * c, h)
+        y = torch.bmm(F.gelu(torch.bmm(xe, self.w1)), self.w2)               # (e, b*c, hidden)
+        y = y.view(e, b, c, h).transpose(0, 1) * gate.unsqueeze(-1)          # (b, e, c, hidden)
+        out = torch.zeros_like(x).scatter_add(1, where, y.reshape(b, e * c, h))
+        first = F.one_hot(choice[..., 0], e).to(x.dtype)                     # (b, s, e)
+        balance = e * (first.mean(dim=(0, 1)) * probs.mean(dim=(0, 1))).sum()
+        return out, balance
+
+
 class MoEClassifier(nn.Module):
     """A sequence classifier over token ids: embeddings, blocks of (LayerNorm, multi-head
     self-attention, LayerNorm, :class:`MoEFFN`) with residuals, a mean over the sequence, a head.
     Returns (logits, summed load-balancing terms)."""
 
     def __init__(self, vocab: int = 64, seq: int = 8, hidden: int = 32, heads: int = 4, ffn: int = 64,
-                 experts: int = 4, top_k: int = 2, capacity: int = 6, layers: int = 2, classes: int = 8):
+                 experts: int = 4, top_k: int = 2, capacity: int = 6, layers: int = 2, classes: int = 8,
+                 stacked: bool = False):
         super().__init__()
         self.heads = heads
         self.embed = nn.Embedding(vocab, hidden)
@@ -388,7 +422,8 @@ class MoEClassifier(nn.Module):
         self.qkv = nn.ModuleList(nn.Linear(hidden, 3 * hidden) for _ in range(layers))
         self.proj = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
         self.norm2 = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(layers))
-        self.moe = nn.ModuleList(MoEFFN(hidden, ffn, experts, top_k, capacity) for _ in range(layers))
+        ffn_cls = StackedMoEFFN if stacked else MoEFFN
+        self.moe = nn.ModuleList(ffn_cls(hidden, ffn, experts, top_k, capacity) for _ in range(layers))
         self.head = nn.Linear(hidden, classes)
 
     def forward(self, ids):  # ids: (batch, seq)
@@ -411,13 +446,15 @@ def moe_loss(output, target, balance_weight: float = 0.01):
 
 
 def moe(*, batch=4, seq=8, hidden=32, heads=4, ffn=64, experts=4, top_k=2, capacity_factor=1.5, layers=2,
-        vocab=64, classes=8, device=None, seed=0) -> Example:
+        vocab=64, classes=8, stacked=False, device=None, seed=0) -> Example:
     """:class:`MoEClassifier`: top-2 of 4 expert MLPs per block, capacity ``capacity_factor`` x the
-    balanced share of a sequence's tokens (``ceil(cf * seq * top_k / experts)``, at most ``seq``)."""
+    balanced share of a sequence's tokens (``ceil(cf * seq * top_k / experts)``, at most ``seq``);
+    ``stacked``: the experts' weights stacked (:class:`StackedMoEFFN`, which expert parallelism
+    splits), else one module per expert (:class:`MoEFFN`)."""
     capacity = min(seq, -(-int(capacity_factor * seq * top_k * 1000) // (experts * 1000)))
     torch.manual_seed(seed)
     model = _on(device, lambda: MoEClassifier(vocab, seq, hidden, heads, ffn, experts, top_k, capacity, layers,
-                                              classes))
+                                              classes, stacked))
     return Example(name="moe", model=model, args=(_ids(batch, seq, vocab, device, seed),), kwargs={},
                    loss_fn=moe_loss, target=_labels(batch, classes, device))
 

@@ -66,8 +66,8 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
     DDP, every axis ``dp``, where a replica of the weights and their state fits: its buckets'
     all-reduces overlap backward, which the ILP prices blocking too), each read back
     honestly, and the free problem is solved once more at each one's exposed share of gathers.
-    A model that routes tokens to experts (``autopar.strategies.routed``) also gets expert
-    parallelism on the innermost axis. Every plan returned is a flat plan of the free search's
+    A model that routes tokens to experts (``autopar.strategies.routed``) or stacks its experts'
+    weights for batched matmuls also gets expert parallelism on the innermost axis. Every plan returned is a flat plan of the free search's
     space, each labelled by what it does (the whole-mesh DDP seed
     runs on a logical one-axis mesh over the same ranks: ``options["physical_mesh"]``)."""
     from autopar.planner.labels import axes_label, axis_roles
@@ -85,7 +85,8 @@ def seeded_flat(gp, cfg: Config, every: bool = False, beat: float | None = None)
         fams.append("roles:" + ",".join(["dp"] * len(shape)))
     if _experts_divide(gp, shape[-1]):
         # Expert parallelism on the innermost axis, tokens sent to their experts by all-to-all
-        # (a per-op search cannot: autopar.strategies.routed), ZeRO-3 on the others.
+        # (which a per-op search cannot find for a routing region: autopar.strategies.routed),
+        # ZeRO-3 on the others.
         fams.append("roles:" + ",".join(["fsdp"] * (len(shape) - 1) + ["ep"]))
     built = build_cached(gp, cfg)
     out = []
@@ -148,11 +149,21 @@ def _replicas_fit(gp, cfg: Config) -> bool:
 
 
 def _experts_divide(gp, ranks: int) -> bool:
-    """The model routes its tokens in closed regions whose expert count ``ranks`` divides."""
+    """The model routes its tokens in closed regions, or runs stacked expert weights in batched
+    matmuls (GShard's capacity form), and ``ranks`` divides every such layer's expert count."""
+    from autopar.lowering.graph import tensor_vals
+    from autopar.planner.build import _kinds, expert_params
     from autopar.strategies import routed
 
+    if ranks < 2:
+        return False
     regions = {r.root: r for r in routed.regions(gp.captured.gm.graph).values()}
-    return ranks > 1 and bool(regions) and all(r.experts % ranks == 0 for r in regions.values())
+    if regions:
+        return all(r.experts % ranks == 0 for r in regions.values())
+    gm = gp.captured.gm
+    stacked = expert_params(gm, _kinds(gp.captured))
+    nodes = {n.name: n for n in gm.graph.nodes if n.name in stacked}
+    return bool(stacked) and all(tensor_vals(nodes[w])[0].shape[0] % ranks == 0 for w in stacked)
 
 
 def _reshard_after_forward(gp, cfg: Config, built, p, every, solved):

@@ -332,17 +332,22 @@ def _global_batch(gp) -> int | None:
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _GROUPED = ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
+#: Matmuls that may read stacked expert weights, and the argument that holds the weight.
+_EXPERT_MM = {**{g: 1 for g in _GROUPED}, "aten.bmm.default": 1, "aten.baddbmm.default": 2}
+#: The strategy of such a matmul that runs each rank's own experts.
+_EXPERTS_ENTRY = {**{g: "experts" for g in _GROUPED}, "aten.bmm.default": "batch", "aten.baddbmm.default": "batch"}
 
 
 def expert_params(gm, kinds: dict) -> dict[str, set[str]]:
     """Expert weights: parameters of three or more dims that a grouped matmul (``_grouped_mm``,
-    HF's ``grouped_mm_fallback``) reads as its weight, directly or through views that keep dim
-    0 (the experts). Returns {parameter: the grouped matmuls reading it}."""
+    HF's ``grouped_mm_fallback``) or a batched matmul (``bmm``, ``baddbmm``: a hand-written MoE's
+    stacked experts, GShard's form) reads as its weight, directly or through views that keep dim
+    0 (the experts, the batched matmul's batch). Returns {parameter: the matmuls reading it}."""
     out: dict[str, set[str]] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or str(node.target) not in _GROUPED or len(node.args) < 2:
+        if node.op != "call_function" or str(node.target) not in _EXPERT_MM or len(node.args) < 2:
             continue
-        w = node.args[1]
+        w = node.args[_EXPERT_MM[str(node.target)]]
         e = tensor_vals(w)[0].shape[0] if isinstance(w, torch.fx.Node) and tensor_vals(w) else None
         while isinstance(w, torch.fx.Node) and w.op == "call_function" and \
                 w.target.__name__.split(".")[0] in _VIEWS and w.all_input_nodes:
@@ -355,10 +360,13 @@ def expert_params(gm, kinds: dict) -> dict[str, set[str]]:
 
 
 def _experts_split(allowed: list, node, kind, experts: dict, ep_axes: tuple[int, ...], ep_sizes=(),
-                   fqn: str = "") -> list:
+                   fqn: str = "", batch_axes: tuple[int, ...] = ()) -> list:
     """Expert parallelism on ``ep_axes``: an expert weight is stored split by expert there and
-    every other parameter replicated; a grouped matmul reading an expert weight runs its rank's
-    experts (the ``experts`` entry). An expert count the ep ranks do not divide is refused."""
+    every other parameter replicated; a matmul reading an expert weight runs its rank's experts
+    there (the ``experts`` entry of a grouped matmul, ``batch`` of a batched one), and not on the
+    axes that split the samples (``batch_axes``: whose batched matmul's experts may number a
+    multiple of the batch, which the size-based batch test would take for samples). An expert
+    count the ep ranks do not divide is refused."""
     def on_ep(s, want) -> bool:
         return all(want(s, a) for a in ep_axes)
 
@@ -373,9 +381,11 @@ def _experts_split(allowed: list, node, kind, experts: dict, ep_axes: tuple[int,
         else:
             keep = [s for s in allowed if on_ep(s, lambda s, a: isinstance(s.outputs[0][a], Replicate))]
         return keep or allowed
-    if node.op == "call_function" and str(node.target) in _GROUPED and \
+    if node.op == "call_function" and str(node.target) in _EXPERT_MM and \
             any(node.name in users for users in experts.values()):
-        keep = [s for s in allowed if s.per_axis and on_ep(s, lambda s, a: s.per_axis[a] == "experts")]
+        want = _EXPERTS_ENTRY[str(node.target)]
+        keep = [s for s in allowed if s.per_axis and on_ep(s, lambda s, a: s.per_axis[a] == want)
+                and all(s.per_axis[a] != want for a in batch_axes)]
         return keep or allowed
     return allowed
 
@@ -545,7 +555,7 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
         allowed = _pinned(allowed, node, kind, gp, cfg.pin)
         if ep_axes:
             allowed = _experts_split(allowed, node, kind, experts, ep_axes, [cfg.mesh.shape[a] for a in ep_axes],
-                                     _fqn(gp, node.name))
+                                     _fqn(gp, node.name), batch_axes)
         if node.name in regions:
             allowed = regions[node.name]
         scale = 1.0 if micro is None else micro.scale(node.name)

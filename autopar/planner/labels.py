@@ -11,6 +11,8 @@ Roles of one axis, from the placements alone:
 - ``tp``: a parameter is *used* sharded over the axis by a compute node (its storage sharding
   alone, gathered before use, is ZeRO/FSDP, not tensor parallelism);
 - ``fsdp``: ``dp`` with parameters stored sharded over the axis and gathered for use;
+- ``ep``: expert weights used split by expert over the axis (a batched or grouped matmul runs
+  each rank's own experts), or tokens sent to their experts by all-to-all;
 - ``replicated``: none of these: every rank along the axis does the same work.
 
 Roles combine with ``+`` (``dp+tp``) when an axis does several.
@@ -52,9 +54,13 @@ def axis_roles(captured, nodes: dict, params: dict, n_axes: int) -> list[str]:
         if node.op == "call_function" and node.all_input_nodes and \
                 all(i.name in param_only for i in node.all_input_nodes):
             param_only.add(node.name)
+    from autopar.planner.build import _kinds, expert_params
+
+    # The matmuls that read stacked expert weights, and which input is the weight.
+    experts = {user: w for w, users in expert_params(captured.gm, _kinds(captured)).items() for user in users}
     roles = []
     for a in range(n_axes):
-        batch = other = used_sharded = False
+        batch = other = used_sharded = by_expert = False
         for name in user_inputs:
             np_ = nodes.get(name)
             d = _sharded_on(np_.outputs[0], a) if np_ is not None and np_.outputs else None
@@ -69,6 +75,9 @@ def axis_roles(captured, nodes: dict, params: dict, n_axes: int) -> list[str]:
             ins = nodes[node.name].inputs
             for i, src in enumerate(node.all_input_nodes):
                 if src.name in param_only and i < len(ins) and _sharded_on(ins[i], a) is not None:
+                    if node.name in experts and _sharded_on(ins[i], a) == 0:
+                        by_expert = True  # its rank's own experts, not a split of each expert
+                        continue
                     used_sharded = True
                     break
         stored_sharded = any(_sharded_on(p, a) is not None for p in params.values())
@@ -76,7 +85,9 @@ def axis_roles(captured, nodes: dict, params: dict, n_axes: int) -> list[str]:
             roles.append("ep")  # tokens sent to their experts by all-to-all (autopar.strategies.routed)
             continue
         parts = []
-        if batch:
+        if by_expert and batch:
+            parts.append("ep")
+        elif batch:
             parts.append("fsdp" if stored_sharded and not used_sharded else "dp")
         if other:
             parts.append("cp")

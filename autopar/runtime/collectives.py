@@ -146,11 +146,16 @@ def all_reduce_(x: torch.Tensor, dm: DeviceMesh, axis: int, *, where: str | None
     return run_collective("all_reduce", x, dm, axis, where, run)
 
 
+#: Reshard all-to-alls this process has run (:func:`all_to_all`; tests read it).
+ALL_TO_ALLS = [0]
+
+
 def all_to_all(x: torch.Tensor, dim: int, dim2: int, dm: DeviceMesh, axis: int, *,
                where: str | None = None) -> torch.Tensor:
     """Turn a shard of ``dim`` into a shard of ``dim2``: split ``dim2`` in ``n`` chunks, send chunk
     k to the peer of coordinate k, and concatenate what arrives along ``dim``.
     (.., D/n, .., E, ..) -> (.., D, .., E/n, ..)."""
+    ALL_TO_ALLS[0] += 1
     n = axis_size(dm, axis)
     _check_divides(x, dim2, n, "all_to_all")
     rows = x.contiguous() if dim2 == 0 else _dim_to_rows(x, n, dim2)  # (n * A, ..): block k goes to peer k

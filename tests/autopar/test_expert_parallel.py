@@ -89,6 +89,27 @@ def test_free_search_chooses_expert_parallelism_for_many_experts_and_data_parall
     assert "ep(8)" in many.options["family"] and "ep" not in few.options["family"]
 
 
+def test_free_search_splits_many_stacked_capacity_experts_by_expert_and_keeps_two_data_parallel():
+    """The hand-written capacity MoE with stacked experts (GShard's form: batched matmuls over
+    the experts, no routing region): the per-op search itself finds expert parallelism where it
+    pays, the slots sent to their experts' ranks by all-to-all, and the plan's axis says so."""
+    from autopar.planner.labels import axis_roles
+
+    kw = dict(batch=8, seq=1024, hidden=1024, ffn=2048, heads=8, stacked=True, device="meta")
+    for experts, want in ((64, "batch"), (2, "rows")):
+        ex = zoo.build("moe", experts=experts, **kw)
+        gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+        plan = _plan(gp, Mesh((8,), cluster="h100"))
+        bmms = [n for n in plan.nodes if n.startswith("bmm")]
+        assert len(bmms) == 4 and all(plan.nodes[n].strategy == want for n in bmms), \
+            {n: plan.nodes[n].strategy for n in bmms}
+        for name in expert_params(gp.captured.gm, _kinds(gp.captured)):
+            stored = pl.parse(plan.nodes[name].outputs[0])[0]
+            assert (stored == Shard(0)) is (want == "batch"), (name, plan.nodes[name].outputs)
+        roles = axis_roles(gp.captured, plan.nodes, plan.params, 1)
+        assert (roles == ["ep"]) is (want == "batch"), roles
+
+
 # ---------------------------------------------------------------------- routing regions
 def _regions(gm):
     from autopar.strategies import routed

@@ -18,11 +18,15 @@ import pytest
 import torch
 import torch.fx as fx
 from torch.distributed._local_tensor import LocalTensorMode
+from torch.distributed.tensor import Shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
 import cases  # noqa: E402
 
+import autopar  # noqa: E402
+from autopar import placement as pl  # noqa: E402
 from autopar import zoo  # noqa: E402
+from autopar.mesh import Mesh  # noqa: E402
 from autopar.strategies import RunContext, strategies_for, strategy_named  # noqa: E402
 from autopar.strategies import oracle as V  # noqa: E402
 from autopar.strategies.registry import rule_for  # noqa: E402
@@ -204,3 +208,47 @@ def test_recomputed_and_chunked_trains_like_one_device(mesh):
     assert cases.loss_err(losses, ref["losses"]) < TOL, (losses, ref["losses"])
     assert cases.grad_err(grads, ref["grads"]) < TOL
     assert cases.compare_state(state, ref["state"])["global"] < TOL
+
+
+# ------------------------------------------------------- capacity routing, experts stacked
+@functools.lru_cache(maxsize=None)
+def _stacked():
+    ex = zoo.build("moe", batch=8, stacked=True)
+    return ex, cases.capture(ex)
+
+
+@pytest.mark.parametrize("layout", [{"dp": 2, "ep": 2}, {"ep": 2, "tp": 2}])
+def test_capacity_routing_over_stacked_experts_sends_tokens_by_all_to_all_like_one_device(mesh, layout):
+    """The hand-written MoE with its experts' weights stacked (GShard's form: every expert takes
+    ``capacity`` slots per sequence, run as batched matmuls over the experts) under expert
+    parallelism: each rank stores and runs its own experts (the weights split by expert), the
+    slots reach them by one all-to-all and come back by another, per layer and each way, and two
+    AdamW steps equal one device."""
+    from autopar.planner.comms import plan_collectives
+
+    ex, cap = _stacked()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(ex.model, Mesh(MESH, cluster="cpu"), ex.args, example_kwargs=ex.kwargs,
+                            loss_fn=ex.loss_fn, target=ex.target, pipeline=False, layout=layout)
+    ep = plan.mesh["axis_names"].index("ep")
+    params = {fqn: name for name, fqn in cap.params.items()}
+    for fqn in ("moe.0.w1", "moe.0.w2", "moe.1.w1", "moe.1.w2"):
+        stored = pl.parse(plan.nodes[params[fqn]].outputs[0])[ep]
+        assert stored == Shard(0), (fqn, plan.nodes[params[fqn]].outputs)
+    bmms = [n for n in cap.gm.graph.nodes if n.op == "call_function" and str(n.target) == "aten.bmm.default"]
+    assert len(bmms) == 4 and all(plan.nodes[n.name].strategy.split(" x ")[ep] == "batch" for n in bmms)
+    a2a = [c for c in plan_collectives(cap, plan) if c.kind == "all_to_all"]
+    assert len(a2a) == 2 * 2 * 2 and all(c.axes == (ep,) for c in a2a)  # 2 layers x (dispatch, combine) x fwd/bwd
+    ref = cases.reference(ex, steps=2)
+    _, losses, grads, state = cases.train_local(ex, cap, plan, mesh, world=math.prod(MESH), steps=2)
+    assert cases.loss_err(losses, ref["losses"]) < TOL, (losses, ref["losses"])
+    assert cases.grad_err(grads, ref["grads"]) < TOL
+    assert cases.compare_state(state, ref["state"])["global"] < TOL
+
+
+def test_experts_kept_as_one_module_each_get_no_expert_parallelism():
+    ex, _ = _captured("moe")
+    with pytest.raises(ValueError, match=r"expert parallelism \(ep\) needs expert weights, stacked"):
+        autopar.plan(ex.model, Mesh(MESH, cluster="cpu"), ex.args, example_kwargs=ex.kwargs, loss_fn=ex.loss_fn,
+                     target=ex.target, pipeline=False, layout={"dp": 2, "ep": 2})

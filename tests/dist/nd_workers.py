@@ -90,11 +90,13 @@ def regathers() -> int:
     return Gathered.regathers
 
 
-def all_to_alls() -> int:
-    """Token all-to-alls this process ran so far (routing regions, ``autopar.strategies.routed``)."""
+def all_to_alls() -> tuple[int, int]:
+    """All-to-alls this process ran so far: (tokens of routing regions, ``autopar.strategies.routed``;
+    reshards of one dim's shards into another's, ``autopar.runtime.collectives.all_to_all``)."""
+    from autopar.runtime import collectives
     from autopar.strategies import routed
 
-    return routed.ALL_TO_ALLS[0]
+    return routed.ALL_TO_ALLS[0], collectives.ALL_TO_ALLS[0]
 
 
 def prefetches() -> tuple[int, int, int, int]:

@@ -39,6 +39,9 @@ CASES = {
     # ... in pipeline stages of micro-batches, every layer recomputed (the routing exchanged again)
     "mixtral pp2 x ep2 x tp2 recomputed": ("mixtral", (2, 2, 2), ("pp", "ep", "tp"),
                                            {"pp": 2, "ep": 2, "tp": 2, "recompute": "full"}),
+    # ... and the capacity-routed MoE with stacked experts (batched matmuls over the experts):
+    # the slots reach their experts' ranks by reshard all-to-alls (GShard's form)
+    "stacked moe dp2 x ep4 over (8,)": ("moe@stacked=1", (8,), None, {"dp": 2, "ep": 4}),
     # A pipeline of micro-batches of one sample (the general graph carried to one sample).
     "gpt2 pp2 x tp4 one sample per micro-batch": ("gpt2", (2, 4), ("pp", "tp"), {"pp": 2, "tp": 4, "microbatches": 8}),
     # Gradient accumulation of flat plans: the batch of 8 as 2 micro-batches of 4.
@@ -157,20 +160,26 @@ def _trains_like_one_device(pool8, label, case):
         sdpa = [n for n in plan.nodes if n.startswith("scaled_dot_product_attention")]
         assert sdpa and all("cp" in plan.nodes[n].strategy.split(" x ") for n in sdpa), \
             {n: plan.nodes[n].strategy for n in sdpa}
-    if "ep" in layout:  # every grouped expert matmul runs its rank's experts on the ep axis, on
-        # the rows the all-to-all dispatcher sent them (autopar.strategies.routed)
+    routes = name.startswith("mixtral")  # routing regions; else stacked experts in batched matmuls
+    if "ep" in layout:  # every expert matmul runs its rank's experts on the ep axis, on the rows
+        # the all-to-all dispatcher sent them (a grouped matmul: autopar.strategies.routed) or the
+        # slots a reshard all-to-all sent them (a batched matmul over the experts)
         ep = [a for a in plan.mesh["axis_names"] if a != "pp"].index("ep")  # strategies name the sharding axes
-        grouped = [n for n in plan.nodes if n.startswith("grouped_mm")]
-        assert grouped and all(plan.nodes[n].strategy.split(" x ")[ep] == "a2a" for n in grouped), \
-            {n: plan.nodes[n].strategy for n in grouped}
+        mm, want = ("grouped_mm", "a2a") if routes else ("bmm", "batch")
+        experts = [n for n in plan.nodes if n.startswith(mm)]
+        assert experts and all(plan.nodes[n].strategy.split(" x ")[ep] == want for n in experts), \
+            {n: plan.nodes[n].strategy for n in experts}
     before = pool8.run("nd_workers:regathers")
     fetched = pool8.run("nd_workers:prefetches")
     sent = pool8.run("nd_workers:all_to_alls")
     # expert parallelism runs with every node's local shape checked (the received rows excepted)
     res = pool8.run("nd_workers:train_nd", name, plan.to_json(), "ep" in layout)
     # expert parallelism: every rank sent its tokens to their experts by all-to-all (and only then)
-    sent = [now - was for now, was in zip(pool8.run("nd_workers:all_to_alls"), sent)]
-    assert all(n > 0 for n in sent) if "ep" in layout else not any(sent), sent
+    sent = [(now[0] - was[0], now[1] - was[1]) for now, was in zip(pool8.run("nd_workers:all_to_alls"), sent)]
+    if "ep" in layout:
+        assert all(n[0 if routes else 1] > 0 for n in sent), sent
+    else:
+        assert not any(n[0] for n in sent), sent
     # ZeRO-3 without a pipeline: every rank started its weight gathers ahead and its gradient
     # reduce-scatters asynchronously (autopar.runtime.prefetch); other plans never do
     # (and, where layers are recomputed, the gathers of the layer recomputed next in backward)
