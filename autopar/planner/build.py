@@ -92,6 +92,9 @@ class Config:
     """ZeRO-1/2 for parameters stored replicated (see ``Plan.zero``), over :func:`zero_axes`."""
     reshard_after_forward: bool = False
     """ZeRO-3 weights freed after the forward and gathered again in backward (``Plan.reshard_after_forward``)."""
+    cp_balanced: bool | None = None
+    """Causal attention on a layout's ``cp`` axes: True balances its rows (``zigzag``), False keeps
+    contiguous rows (``cp``), None lets the search price both."""
     micro_batches: int = 1
     """Price one micro-batch of ``batch / micro_batches`` (pipeline stages; see ``Micro``): ops that
     depend on the user inputs run at the micro-batch size with their kernel floor and collective
@@ -214,29 +217,35 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: fl
     dt = "bf16" if cfg.dtype == "bf16-mixed" else (outs[0].dtype if outs else "fp32")
     # One micro-batch: a share ``scale`` of the FLOPs, bytes and collective bytes; every kernel
     # still costs at least its floor and every collective its full latency.
-    # The busiest rank's share: ``strat.load`` above 1 for work split unevenly (causal rows).
-    if strat.load != 1.0:
+    # The busiest rank's share: ``strat.load`` above 1 for work split unevenly (causal rows);
+    # balanced rows (``zigzag``) are even under the flash kernel, masked (2x) without it.
+    balanced = "zigzag" in strat.per_axis  # the strategy's own entries (a Strategy here)
+    if strat.load != 1.0 or balanced:
         from autopar.strategies.attention import causal_load
 
-        div = div / causal_load(strat.load, dt in ("bf16", "fp16", torch.bfloat16, torch.float16))
+        div = div / causal_load(strat.load, dt in ("bf16", "fp16", torch.bfloat16, torch.float16), balanced)
     fwd = compute_time(prof.fwd_flops * scale / div, prof.fwd_bytes * scale / div, mesh, dt)
     bwd = (compute_time(prof.bwd_flops * scale / div, prof.bwd_bytes * scale / div, mesh, dt)
            if prof.bwd_flops or prof.bwd_bytes else 0.0)
     comm = sum(collective_time(c.kind, c.nbytes * scale, mesh, c.axes) for c in strat.comm)
     # Saved activations scale like the op's tensors: local/global bytes of its non-parameter inputs
     # and outputs under this strategy.
+    # Balanced rows keep (and save) only the rows they compute of q and of the output.
+    rows_of = math.prod(shape[a] for a, e in enumerate(strat.per_axis) if e == "zigzag") if balanced else 1
     glob = loc = 0.0
-    for t, p in zip(_input_vals(node), strat.inputs):
+    for j, (t, p) in enumerate(zip(_input_vals(node), strat.inputs)):
         glob += _nbytes(t.shape, t.dtype)
-        loc += _local_bytes(t, p, shape)
+        loc += _local_bytes(t, p, shape) / (rows_of if j == 0 else 1)
     for t, p in zip(outs, strat.outputs):
         glob += _nbytes(t.shape, t.dtype)
-        loc += _local_bytes(t, p, shape)
+        loc += _local_bytes(t, p, shape) / rows_of
     frac = loc / glob if glob else 1.0
     act = (prof.saved_bytes * act_scale if saved is None else saved) * frac * scale
-    if strat.load != 1.0 and not (cfg.dtype == "bf16-mixed" and cfg.mesh.cluster != "cpu") and outs:
+    if (strat.load != 1.0 or balanced) and not (cfg.dtype == "bf16-mixed" and cfg.mesh.cluster != "cpu") and outs:
         # causal rows split without the flash kernel: the busiest rank's saved mask (rows x keys)
-        rows = pl.local_shape(tuple(outs[0].shape), strat.outputs[0], shape)[-2]
+        from autopar.strategies.attention import computed_rows
+
+        rows = computed_rows(strat, tuple(outs[0].shape), shape)
         act += rows * _input_vals(node)[1].shape[-2] * outs[0].element_size() * act_scale * scale
     work = sum(_local_bytes(t, p, shape) for t, p in zip(outs, strat.outputs)) * act_scale * scale
     # The op's own transient at this strategy's share (a loss's backward: the logits' gradient,
@@ -515,7 +524,9 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
     experts = expert_params(gm, kinds) if ep_axes else {}
     if ep_axes and not experts:
         raise ValueError("expert parallelism (ep) needs expert weights, stacked (experts, ...) parameters that grouped "
-                         "matmuls read (HF Mixtral's experts), and this model has none: use dp for that axis")
+                         "or batched matmuls read (HF Mixtral's experts, GShard-style torch.bmm over stacked experts), "
+                         "and this model has none (experts kept as one module each are not split by any axis): "
+                         "use dp for that axis, or stack the experts' weights")
     weights = _weight_views(gm, kinds) if tp_axes or dp_axes else set()
     batch = _global_batch(gp) if tp_axes or dp_axes else None
     # Saved bytes in the plan's precision: the mixed replay's own sizes (what the per-rank memory
@@ -568,8 +579,13 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
             # Context parallelism splits the sequence, never the samples, on its axes.
             allowed = _no_batch_split(allowed, node, cp_axes, batch)
             if node.target is _SDPA:  # attention keeps its query rows split there (not its heads)
-                allowed = [s for s in allowed if s.per_axis and all(
-                    s.per_axis[a] in ("cp", "seq") for a in cp_axes)] or allowed
+                rows = {None: ("cp", "seq", "zigzag"), True: ("zigzag",), False: ("cp", "seq")}[cfg.cp_balanced]
+                keep = [s for s in allowed if s.per_axis and all(s.per_axis[a] in rows for a in cp_axes)]
+                if not keep and cfg.cp_balanced:
+                    raise ValueError(f"cp_balanced: attention {node.name} cannot balance its rows over the cp ranks "
+                                     f"(a causal call without a mask whose {tensor_vals(node)[0].shape[-2]} rows "
+                                     f"split into 2 x {cfg.mesh.size} blocks): leave cp_balanced out")
+                allowed = keep or allowed
         if dp_axes and node.op == "call_function" and node.name not in weights:
             # A layout's data- and context-parallel axes split every op's work where the op allows it
             # (not a weight's view: a transpose of a stored weight is no work, and "splitting" it as a

@@ -8,14 +8,18 @@ model as its own. Keys left out are searched.
 ``pp``             pipeline stages (a mesh axis of that size, outermost)
 ``dp``             data-parallel degree (the batch split; parameters replicated unless ``zero`` is 3)
 ``ep``             expert parallelism: an axis of that size over which the batch is split (as ``dp``)
-                   and every expert weight (a stacked (experts, ...) parameter that grouped matmuls
-                   read) is split by expert; each rank runs its experts on the tokens routed to
-                   them from the whole group (tokens all-gathered, results reduce-scattered:
-                   Megatron's all-gather token dispatcher)
+                   and every expert weight (a stacked (experts, ...) parameter that grouped or
+                   batched matmuls read) is split by expert; each rank runs its experts on the
+                   tokens sent to them by all-to-all, and sends the results back the same way
 ``cp``             context parallelism: the sequence (dim 1 of every user input) split over an axis of
                    that size for the whole model; causal attention gathers K/V and each rank's query
                    rows attend to the keys up to its last row (Llama 3's all-gather CP); parameters
                    replicated there, their gradients summed over it
+``cp_balanced``    with ``cp``: True balances causal attention's rows over the cp ranks (q gathered
+                   too, rank c computing row blocks c and 2N - 1 - c of 2N, the output
+                   reduce-scattered back: the same work on every rank); False keeps each rank's
+                   own contiguous rows (the last rank does (2N - 1) / N of an even share); left
+                   out, each attention takes the cheaper
 ``tp``             Megatron tensor parallelism: column/row-parallel linears, activations replicated in
                    the TP group between them (or split by rows where that pays: sequence parallelism)
 ``zero``           0 (DDP); 1 (optimizer state split over ``dp``: ZeRO-1, Megatron's distributed
@@ -49,8 +53,8 @@ import dataclasses
 import math
 from typing import Any
 
-KEYS = ("pp", "dp", "dp_shard", "ep", "cp", "tp", "zero", "reshard_after_forward", "recompute", "microbatches",
-        "schedule", "virtual_stages")
+KEYS = ("pp", "dp", "dp_shard", "ep", "cp", "cp_balanced", "tp", "zero", "reshard_after_forward", "recompute",
+        "microbatches", "schedule", "virtual_stages")
 RECOMPUTE = ("full", "none")
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 
@@ -67,6 +71,7 @@ class Layout:
     tp: int | None = None
     zero: int | None = None
     reshard_after_forward: bool | None = None
+    cp_balanced: bool | None = None
     recompute: str | None = None
     microbatches: int | None = None
     schedule: str | None = None
@@ -110,6 +115,12 @@ def parse(layout: Any) -> Layout:
         raise ValueError(f"layout['reshard_after_forward'] must be True or False, got {raf!r}")
     if raf and (zero != 3 or (layout.get("pp") or 1) > 1):
         raise ValueError("layout: reshard_after_forward frees gathered ZeRO-3 weights: give zero=3 and no pipeline")
+    bal = layout.get("cp_balanced")
+    if bal is not None and not isinstance(bal, bool):
+        raise ValueError(f"layout['cp_balanced'] must be True or False, got {bal!r}")
+    if bal is not None and (layout.get("cp") or 1) < 2:
+        raise ValueError("layout: cp_balanced says how causal attention splits its rows over the cp ranks: "
+                         "give cp >= 2")
     rc = layout.get("recompute")
     if rc is not None and rc not in RECOMPUTE:
         raise ValueError(f"layout['recompute'] must be one of {', '.join(RECOMPUTE)} (or left out: searched), "

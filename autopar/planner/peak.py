@@ -123,9 +123,11 @@ def _scaled_node(ctx: _Ctx, n):
     of = out_loc / out_glob if out_glob else f
     s = ctx.strategy_of.get(n.name)
     saved = list(n.saved)
-    if s is not None and "cp" in s.name.split(" x ") and not ctx.flash and vals:
+    if s is not None and {"cp", "zigzag"} & set(s.name.split(" x ")) and not ctx.flash and vals:
         # The rank's mask, its rows over every key in the attention's dtype, saved.
-        rows = pl.local_shape(tuple(vals[0].shape), s.outputs[0], ctx.shape)[-2]
+        from autopar.strategies.attention import computed_rows
+
+        rows = computed_rows(s, tuple(vals[0].shape), ctx.shape)
         key = (n.name, len(vals))
         keys = tensor_vals(ctx.nodes[n.name].all_input_nodes[1])[0].shape[-2]
         storages[key] = int(rows * keys * vals[0].element_size())
@@ -134,6 +136,13 @@ def _scaled_node(ctx: _Ctx, n):
     # A routing region's all-to-all (autopar.strategies.routed): the rows in the sender's order
     # and as received live beside the reordered output, forward and backward.
     extra = 2 * out_loc if s is not None and _sends_rows(ctx.nodes.get(n.name), s.name) else 0
+    if s is not None and zigzag_ranks(s, ctx.shape) > 1 and (n.name, 0) in saved and vals:
+        # Balanced rows: the output is the rank's rows written into zeros (Partial), what the
+        # kernel saves is the rows it computed (:func:`autopar.strategies.attention.computed_rows`).
+        key = (n.name, len(vals) + 1)
+        storages[key] = _local(vals[0], s.outputs[0], ctx.shape) // zigzag_ranks(s, ctx.shape)
+        saved = [key if k == (n.name, 0) else k for k in saved]
+        n = dataclasses.replace(n, float_size={**n.float_size, key: vals[0].element_size()})
     return dataclasses.replace(n, storages=storages, fwd_alloc=int(n.fwd_alloc * f) + extra,
                                bwd_alloc=int(n.bwd_alloc * f) + extra, fwd_max_op=int(n.fwd_max_op * f) + extra,
                                bwd_max_op=int(n.bwd_max_op * f) + extra,
@@ -232,6 +241,13 @@ def _copy_transient(ctx: _Ctx, t: torch.Tensor, src, dst, together: bool = False
     return total, top
 
 
+def zigzag_ranks(s, mesh_shape) -> int:
+    """The ranks over which strategy ``s`` balances a causal call's rows (1: none)."""
+    from autopar.strategies.attention import zigzag_axes
+
+    return math.prod(mesh_shape[a] for a in zigzag_axes(s))
+
+
 def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
     """A copy node for each copy the lowered program makes (``autopar.lowering.program.Copy``),
     just before its first consumer; every consumer of the copy reads, and saves, the copy."""
@@ -285,6 +301,15 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
                 if f is not None:
                     raf_units.append((n, f.unit))
                     unit_bytes.setdefault(f.unit, {})[e.copy] = nbytes
+            elif e.index == 0 and zigzag_ranks(ctx.strategy_of.get(n.name) or _NONE, ctx.shape) > 1:
+                # Balanced rows (attention's q, gathered whole): the kernel saves only the rows
+                # it computes (an index_select of the copy), not the copy.
+                rows = (n.name, len(tensor_vals(ctx.nodes[n.name])) + 2)
+                n.saved = [rows if k in src_keys else k for k in n.saved]
+                if rows in n.saved:
+                    n.storages = {**n.storages, rows: nbytes // zigzag_ranks(ctx.strategy_of[n.name], ctx.shape)}
+                    if t.is_floating_point():
+                        n.float_size = {**n.float_size, rows: t.element_size()}
             else:
                 n.saved = [(name, 0) if k in src_keys else k for k in n.saved]
             n.inputs = [name if x == a.name else x for x in n.inputs]
@@ -296,6 +321,10 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
         n.bwd_alloc += ahead
         n.bwd_max_op += ahead
     return out
+
+
+class _NONE:  # a strategy of no node: no axis balances rows
+    name = "replicate"
 
 
 def _out_index(producer, consumer) -> int:

@@ -53,7 +53,7 @@ def plan_layout(gp, cfg: Config, layout) -> Plan:
         mesh = L.logical_mesh(cfg.mesh, pp, dp, ep, cp, tp, lay.dp_shard)
         c = dataclasses.replace(cfg, mesh=mesh, family=L.family(mesh.axis_names, lay.zero),
                                 zero=lay.zero if lay.zero in (1, 2) else 0,
-                                reshard_after_forward=bool(lay.reshard_after_forward),
+                                reshard_after_forward=bool(lay.reshard_after_forward), cp_balanced=lay.cp_balanced,
                                 checkpoint=lay.recompute != "none", checkpoint_every=lay.recompute == "full",
                                 micro_choices=(lay.microbatches,) if lay.microbatches else (),
                                 schedule_choices=(lay.schedule,) if lay.schedule else (),

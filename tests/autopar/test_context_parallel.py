@@ -1,6 +1,7 @@
-"""Context parallelism in the search: causal attention split by query rows (``cp``), the layout
-key that asks for it, and the free search choosing it where it pays (a long sequence of one
-sample, more devices than heads, a budget that binds) and not on a short dense batch.
+"""Context parallelism in the search: causal attention split by query rows (``cp``) or with its
+rows balanced over the ranks (``zigzag``), the layout keys that ask for them, and the free
+search choosing CP where it pays (a long sequence of one sample, more devices than heads, a
+budget that binds) and not on a short dense batch.
 
 Numerics of the ``cp`` strategy: the rule validator (every rank's rows against the whole call,
 gradients included) in ``test_causal_rewrite.py`` and below; Llama at sequence 1024 under cp 2
@@ -100,12 +101,32 @@ def test_cp_is_priced_at_the_busiest_rank_and_its_mask():
         opts, _ = priced_nodes(gp.captured.gm, gp, Config(mesh=Mesh((4,), cluster=cluster), dtype=dtype))
         o = opts[SDPA]
         by = {s.name: k for k, s in enumerate(o.strategies)}
-        priced[cluster, dtype] = (o.time[by["cp"]] / o.time[by["heads"]], o.act[by["cp"]])
+        priced[cluster, dtype] = (o.time[by["cp"]] / o.time[by["heads"]], o.act[by["cp"]],
+                                  o.time[by["zigzag"]] / o.time[by["heads"]], o.act[by["zigzag"]])
     assert priced["h100", "float32"][0] == pytest.approx(2.0, rel=0.02)      # compute-bound at this size
     assert priced["h100", "bf16-mixed"][0] == pytest.approx(1.75, rel=0.02)
+    # balanced rows: an even share under the flash kernel, the same masked work without it, and
+    # the same rows saved (the rank's two blocks of q and of the output, not the gathered whole)
+    assert priced["h100", "bf16-mixed"][2] == pytest.approx(1.0, rel=0.02)
+    assert priced["h100", "float32"][2] == pytest.approx(2.0, rel=0.02)
+    assert priced["cpu", "bf16-mixed"][3] == pytest.approx(priced["cpu", "bf16-mixed"][1], rel=1e-6)
     # no flash kernel on the CPU: the mask, rows x keys in bf16, is saved
     mask = 8192 // 4 * 8192 * 2
     assert priced["cpu", "bf16-mixed"][1] - priced["h100", "bf16-mixed"][1] == pytest.approx(mask, rel=1e-6)
+
+
+def test_long_causal_rows_are_balanced_where_it_pays_and_as_a_layout_says():
+    """Under the flash kernel the last of N contiguous row blocks does (2N - 1) / N of an even
+    share; balancing the rows (each rank two blocks of 2N, q gathered and the output
+    reduce-scattered) evens it at the price of those two collectives: taken at 32K tokens, not at
+    8K (hidden 512); ``cp_balanced`` forces either."""
+    mesh = Mesh((4,), cluster="h100")
+    for seq, want in ((32768, "zigzag"), (8192, "cp")):
+        assert _attention(_plan(_gp(seq, 1), mesh, layout={"cp": 4}, dtype="bf16-mixed")) == {want}, seq
+    gp = _gp(32768, 1)
+    forced = {b: _plan(gp, mesh, layout={"cp": 4, "cp_balanced": b}, dtype="bf16-mixed") for b in (True, False)}
+    assert _attention(forced[True]) == {"zigzag"} and _attention(forced[False]) == {"cp"}
+    assert forced[True].step_time < forced[False].step_time
 
 
 def test_cp_rule_holds_with_grouped_heads(mesh):
@@ -125,8 +146,9 @@ def test_cp_rule_holds_with_grouped_heads(mesh):
     ctx, lm = RunContext(device_mesh=mesh), LocalTensorMode(4)
     names = []
     for st in strategies_for(node, (2, 2)):
-        if "cp" in st.name.split(" x "):
+        if {"cp", "zigzag"} & set(st.name.split(" x ")):
             for loop in (True, False):
                 V.check(node, st, values, ref, ctx, lm, torch.Generator().manual_seed(0), loop=loop)
             names.append(st.name)
-    assert {"cp x cp", "dp x cp", "cp x heads"} <= set(names), names
+    assert {"cp x cp", "dp x cp", "cp x heads", "zigzag x zigzag", "cp x zigzag", "zigzag x heads",
+            "dp x zigzag"} <= set(names), names

@@ -206,6 +206,8 @@ def test_layouts_reproduce_the_published_shapes():
     ({"dp": 8, "dp_shard": 4, "zero": 1}, "give zero=3"),
     ({"dp": 8, "dp_shard": 3}, "does not divide dp=8"),
     ({"dp": 8, "dp_shard": 1}, "dp_shard=1 shards nothing"),
+    ({"dp": 8, "cp_balanced": True}, "give cp >= 2"),
+    ({"dp": 4, "cp": 2, "cp_balanced": "yes"}, "True or False"),
 ])
 def test_bad_layouts_are_named(layout, match):
     gp = _gp("gpt2", batch=16)

@@ -33,6 +33,8 @@ CASES = {
     # Context parallelism: Llama at sequence 1024, the sequence split over 2 and over 4 ranks.
     "llama seq 1024 dp4 x cp2": (LONG, (8,), None, {"dp": 4, "cp": 2}),
     "llama seq 1024 cp4 x tp2": (LONG, (4, 2), ("cp", "tp"), {"cp": 4, "tp": 2}),
+    # ... with causal attention's rows balanced over the cp ranks (q gathered, two blocks each)
+    "llama seq 1024 dp2 x cp4 balanced": (LONG, (8,), None, {"dp": 2, "cp": 4, "cp_balanced": True}),
     # Expert parallelism: Mixtral's 4 experts (top-2) split over 2 and over 4 ranks.
     "mixtral dp4 x ep2 over (8,)": ("mixtral", (8,), None, {"dp": 4, "ep": 2}),
     "mixtral ep4 x tp2": ("mixtral", (4, 2), ("ep", "tp"), {"ep": 4, "tp": 2}),
@@ -157,8 +159,9 @@ def _trains_like_one_device(pool8, label, case):
         assert plan.accumulate == layout["microbatches"] and plan.pipeline is None
     assert plan.reshard_after_forward is bool(layout.get("reshard_after_forward"))
     if "cp" in layout:  # the sequence stays split through attention: context parallelism
+        rows = "zigzag" if layout.get("cp_balanced") else "cp"  # balanced rows, or contiguous ones
         sdpa = [n for n in plan.nodes if n.startswith("scaled_dot_product_attention")]
-        assert sdpa and all("cp" in plan.nodes[n].strategy.split(" x ") for n in sdpa), \
+        assert sdpa and all(rows in plan.nodes[n].strategy.split(" x ") for n in sdpa), \
             {n: plan.nodes[n].strategy for n in sdpa}
     routes = name.startswith("mixtral")  # routing regions; else stacked experts in batched matmuls
     if "ep" in layout:  # every expert matmul runs its rank's experts on the ep axis, on the rows
