@@ -2,9 +2,13 @@
 parallelism (bf16 mixed precision, 80 GiB per GPU, AdamW, every layer recomputed).
 
 Context parallelism (``layout={"cp": N}``) splits the sequence over N ranks for the whole model;
-causal attention gathers K and V and each rank's query rows attend to the keys up to its last row
-(Llama 3's all-gather CP), priced at the busiest rank's share ((2N - 1) / N of an even split:
-no load-balanced reordering) plus the K/V all-gathers and their reduce-scatters in backward.
+causal attention gathers K and V and either each rank's contiguous query rows attend to the keys
+up to its last row (Llama 3's all-gather CP), priced at the busiest rank's share ((2N - 1) / N of
+an even split), or the rows are balanced (q gathered too, rank c computing row blocks c and
+2N - 1 - c of 2N, the output reduce-scattered back: an even share), plus the K/V all-gathers and
+their reduce-scatters in backward. Each CP layout is priced both ways: ``contig s`` with
+``cp_balanced=False``, ``step s`` with the choice left to the search (``attn`` says which it
+took: ``zigzag`` balanced, ``cp`` contiguous).
 
 The batches hold the same tokens per step at both lengths (16 x 32K and 4 x 128K = 512K tokens).
 Without CP, data parallelism stops at one sequence per rank: at 128K the 4 sequences leave
@@ -17,7 +21,7 @@ Each row prints the layout, the predicted step, tokens/s per GPU (of all 64), th
 and planning time; the last line per length prints ``CP RATIO`` (best without CP over best with:
 above 1, CP pays).
 
-    .venv/bin/python benchmarks/long_context.py            # both lengths (about 4 min)
+    .venv/bin/python benchmarks/long_context.py            # both lengths (about 7 min)
     .venv/bin/python benchmarks/long_context.py --quick    # 32K only
 """
 from __future__ import annotations
@@ -60,22 +64,37 @@ def run(seq: int) -> list[dict]:
 def price_layouts(gp, layouts, tokens: int, key: str, prefix: str = "") -> list[dict]:
     """Price each layout on 8x8 H100 (bf16, 80 GiB), print a row each and the RATIO of the best
     without ``key`` (a degree of 1) over the best with it."""
-    print(f"{'layout':34s} {'step s':>8s} {'tok/s/GPU':>10s} {'peak GiB':>9s} {'plan s':>7s}")
+    contig = key == "cp"
+    print(f"{'layout':34s} {'step s':>8s} {'tok/s/GPU':>10s} {'peak GiB':>9s} {'plan s':>7s}"
+          + (f" {'attn':>7s} {'contig s':>9s}" if contig else ""))
     out = []
+
+    def plan(lay):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return plan_profile(gp, Mesh((8, 8), cluster="h100"), memory_budget=80 * GiB, precision="bf16-mixed",
+                                layout=lay, time_limit=30)
+
     for lay in layouts:
         t1 = time.perf_counter()
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                p = plan_profile(gp, Mesh((8, 8), cluster="h100"), memory_budget=80 * GiB, precision="bf16-mixed",
-                                 layout=lay, time_limit=30)
+            p = plan(lay)
         except ValueError as err:  # infeasible: named, not fatal
             print(f"{_name(lay):34s} no plan: {str(err)[:90]}")
             continue
         r = dict(layout=lay, degree=lay.get(key, 1), step=p.step_time, peak=p.peak_bytes / GiB,
                  tokens=tokens / GPUS / p.step_time, seconds=time.perf_counter() - t1)
         out.append(r)
-        print(f"{_name(lay):34s} {r['step']:8.3f} {r['tokens']:10.0f} {r['peak']:9.1f} {r['seconds']:7.1f}")
+        line = f"{_name(lay):34s} {r['step']:8.3f} {r['tokens']:10.0f} {r['peak']:9.1f} {r['seconds']:7.1f}"
+        if contig and lay.get("cp", 1) > 1:
+            rows = {part for n, np_ in p.nodes.items() if n.startswith("scaled_dot_product_attention")
+                    for part in np_.strategy.split(" x ") if part in ("cp", "zigzag")}
+            try:
+                c = plan({**lay, "cp_balanced": False}).step_time
+                line += f" {'/'.join(sorted(rows)) or '-':>7s} {c:9.3f}"
+            except ValueError:
+                line += f" {'/'.join(sorted(rows)) or '-':>7s} {'no plan':>9s}"
+        print(line)
     with_it = [r for r in out if r["degree"] > 1]
     without = [r for r in out if r["degree"] == 1]
     if with_it and without:
