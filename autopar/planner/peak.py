@@ -293,7 +293,8 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
                 if prod is not None:
                     prod.users = [u for u in prod.users if u != n.name]
             gathered = nbytes > _local(t, e.src, ctx.shape)
-            if ctx.raf and gathered and e.param and a.name in placeholders and n.name not in ctx.recomputed:
+            if ctx.raf and gathered and e.param and a.name in placeholders and n.name not in ctx.recomputed and \
+                    any(k in src_keys for k in n.saved):  # an op that keeps nothing of it needs no gather again
                 n.saved = [k for k in n.saved if k not in src_keys]  # the shard is resident anyway
                 n.bwd_alloc += nbytes  # gathered again for this op's backward
                 n.bwd_max_op = max(n.bwd_max_op, nbytes)
