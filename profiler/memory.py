@@ -49,6 +49,8 @@ from collections import defaultdict
 import torch
 
 Key = tuple[str, int]
+#: The storage key of the gradient a collective in flight holds (:attr:`StepNode.grad_in_flight`).
+IN_FLIGHT: Key = ("<gradient in flight>", 0)
 
 #: Optimizer state per trainable parameter byte (fp32 master state, same dtype as the parameter).
 OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
@@ -82,6 +84,10 @@ class StepNode:
     """Element size of those outputs (4 for fp32)."""
     is_alias: bool
     """The node creates no storage (a view, or an in-place op)."""
+    grad_in_flight: bool = False
+    """Its backward hands the gradient it receives to a collective left in flight (a ZeRO-3
+    weight's reduce-scatter, started asynchronously): that gradient stays alive until the next
+    such node's backward (one in flight) or the end of backward."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -335,6 +341,7 @@ def replay_backward(nodes: list[StepNode], placeholders, size: Sizer, state: Rep
             _node_backward(n, placeholders, size, state, grad_of, grad_bytes, params, through)
         for k in release.get(n.name, ()):  # also after a node without backward (autograd passes it)
             state.free(k)
+    state.free(IN_FLIGHT)  # the last collective in flight is waited for at the end of backward
 
 
 def _pass_through(nodes: list[StepNode]) -> dict[str, str]:
@@ -420,6 +427,10 @@ def _node_backward(n: StepNode, placeholders, size: Sizer, state: ReplayState, g
     transient = min(size.alloc(n.bwd_alloc), produced + param_add + size.alloc(n.bwd_max_op))
     state.observe("backward", n.name, transient)
     state.act_grads -= incoming
+    if n.grad_in_flight and incoming:
+        # the gradient stays with its collective in flight; the one before it is waited for now
+        state.free(IN_FLIGHT)
+        state.add(IN_FLIGHT, incoming)
     state.grads += param_add - param_free
     for a, nbytes in new_grads.items():
         grad_of[a] = nbytes

@@ -278,11 +278,14 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
                 # step node says whether its outputs get a gradient
                 needs = prod.grad_bytes > 0 if prod is not None else t.requires_grad
                 rg = needs and (t.dtype.is_floating_point or t.dtype.is_complex)
+                # A prefetched weight's gradient is reduce-scattered asynchronously: the full-size
+                # gradient stays alive while that collective is in flight (autopar.runtime.prefetch).
                 out.append(StepNode(name=name, storages={(name, 0): nbytes}, float_size={(name, 0): t.element_size()}
                                     if t.is_floating_point() else {}, out_keys=[(name, 0)], saved=[], fwd_alloc=total,
                                     bwd_alloc=total if rg else 0, fwd_max_op=top, bwd_max_op=top if rg else 0,
                                     in_backward=rg, inputs=[a.name], users=[n.name], grad_bytes=nbytes if rg else 0,
-                                    grad_float_size=t.element_size(), is_alias=False))
+                                    grad_float_size=t.element_size(), is_alias=False,
+                                    grad_in_flight=rg and f is not None))
                 by_name[name] = out[-1]
                 if prod is not None:
                     prod.users = [name if u == n.name else u for u in prod.users]

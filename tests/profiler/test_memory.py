@@ -1,6 +1,7 @@
 """The peak-memory model against MemTracker on real CPU training steps, and its precision options."""
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 
@@ -117,3 +118,31 @@ def test_bucketed_tied_gradient_waits_for_its_last_use(tied, grads):
         n.users = [user]
     est = simulate(nodes, phs, "loss", optimizer="sgd", buckets=[["w", "b"]])
     assert (est.phase, est.grads) == ("backward", grads)
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_gradient_in_flight_lives_until_the_next_one_is_launched(in_flight):
+    """Two ZeRO-3 weights gathered by copies ``g1``/``g2`` (1000 B each) and read by ``mm1``/
+    ``mm2``. With their reduce-scatters left in flight (FSDP's asynchronous gradient reduction),
+    ``g2``'s full-size gradient stays alive through ``mm1``'s backward, until ``g1``'s own is
+    launched; both are alive then. Blocking, each dies in its copy's backward."""
+    from profiler.memory import Placeholder, simulate
+
+    phs = {"x": Placeholder(nbytes=40, float_size=0, kind="input"),
+           "w1": Placeholder(nbytes=250, float_size=4, kind="param"),
+           "w2": Placeholder(nbytes=250, float_size=4, kind="param")}
+    g1, g2 = _step_node("g1", ["w1"], 1000), _step_node("g2", ["w2"], 1000)
+    mm1, mm2 = _step_node("mm1", ["x", "g1"], 100), _step_node("mm2", ["mm1", "g2"], 100)
+    loss = _step_node("loss", ["mm2"], 4)
+    for n, users in ((g1, ["mm1"]), (g2, ["mm2"]), (mm1, ["mm2"]), (mm2, ["loss"]), (loss, ["output"])):
+        n.users = users
+    for n in (g1, g2, mm1, mm2):
+        n.grad_bytes = n.storages[(n.name, 0)]
+    for g in (g1, g2):
+        g.grad_in_flight = in_flight
+    nodes = [g1, mm1, g2, mm2, loss]
+    est = simulate(nodes, phs, "loss", optimizer="sgd")
+    blocking = simulate([dataclasses.replace(n, grad_in_flight=False) for n in nodes], phs, "loss", optimizer="sgd")
+    assert est.phase == "backward"
+    # in flight: g2's 1000 B gradient is still alive when g1's arrives (mm1's backward made it)
+    assert est.peak - blocking.peak == (1000 if in_flight else 0), (est, blocking)
