@@ -42,6 +42,7 @@ from autopar import precision
 from autopar.costs.reshard import reshard
 from autopar.lowering import GRAD_BUCKET_BYTES
 from autopar.lowering.graph import canonical_fqns, mutated_args, tensor_vals
+from autopar.strategies.base import requires_grad
 
 Placements = tuple
 #: Ops the lowering drops (export's metadata asserts): no edge, no region, no code.
@@ -539,10 +540,12 @@ class _Lower:
                 return
             val = tensor_vals(prod)[idx]
             shape, item = tuple(val.shape), val.element_size()
+            # A value that takes no part in autograd (a mask, rotary positions made under no_grad)
+            # gets no gradient: its copy's backward runs nothing.
+            grad = (val.dtype.is_floating_point or val.dtype.is_complex) and requires_grad(prod)
             try:
                 fwd = reshard(src, dst, shape, item, self.mesh).steps if not same_fwd else ()
-                bwd = (reshard(gdst, gsrc, shape, item, self.mesh).steps
-                       if (val.dtype.is_floating_point or val.dtype.is_complex) and tuple(gsrc) != tuple(gdst) else ())
+                bwd = reshard(gdst, gsrc, shape, item, self.mesh).steps if grad and tuple(gsrc) != tuple(gdst) else ()
             except ValueError as err:
                 raise LoweringError(f"edge {prod.name} -> {getattr(consumer, 'name', consumer)}: {err}") from None
             if not fwd and not bwd:

@@ -184,3 +184,49 @@ def test_bf16_mixed_prices_the_bytes_it_moves(device_mesh):
     low = comms.plan_collectives(cap, dataclasses.replace(plan, grad_reduce="bf16"), itemsizes=sizes)
     assert all(lo.nbytes == m.nbytes / 2 for lo, m in zip(low, mixed)
                if m.phase == "backward" and m.where.partition(" -> ")[0] in params)
+
+
+@functools.lru_cache(maxsize=None)
+def _other(name: str):
+    """(example, capture, profile) of a model outside the GPT-2 above (``tests/dist/cases.py``'s
+    small configs)."""
+    import os
+    import sys
+
+    import profiler
+    from profiler.capture import capture
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
+    import cases
+
+    ex = cases.example("llama", seq=64, batch=4) if name == "llama" else cases.example("moe", batch=8, stacked=True)
+    cap = capture(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    return ex, cap, profiler.profile_captured(cap)
+
+
+@pytest.mark.parametrize("name,layout,mark", [
+    ("llama", {"dp": 2, "cp": 2, "cp_balanced": True}, "zigzag"),  # balanced causal rows
+    ("moe", {"dp": 2, "ep": 2}, "batch"),                           # experts stacked, split by expert
+])
+def test_context_and_expert_parallel_collectives_are_issued(device_mesh, name, layout, mark):
+    """Balanced CP rows (q gathered, the output reduce-scattered) and EP over stacked experts (the
+    slots' all-to-alls): the runtime issues the collectives the plan lists, kind by kind."""
+    from autopar.parallel_module import ParallelModule
+
+    ex, cap, gp = _other(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_profile(gp, Mesh(SHAPE, cluster="cpu"), pipeline=False, layout=layout, chunks=(1,))
+    assert any(mark in np_.strategy.split(" x ") for np_ in plan.nodes.values())
+    priced = comms.plan_collectives(cap, plan)
+    with LocalTensorMode(WORLD):
+        pm = ParallelModule(ex.model, cap, plan, device_mesh)
+        pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+        for p in pm.parameters():
+            p.grad = None
+        count = _Count()
+        with count:
+            pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+    assert collections.Counter(c.kind for c in priced) == count.kinds, [str(c) for c in priced]
+    want = "all_to_all" if name == "moe" else "reduce_scatter"
+    assert count.kinds[want] > 0, count.kinds
