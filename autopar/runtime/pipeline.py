@@ -237,6 +237,10 @@ class PipelineRunner:
         self.group = device_mesh.get_group(self.axis)
         self.p = device_mesh.size(self.axis)
         coord = device_mesh.get_local_rank(self.axis)
+        if not isinstance(coord, int):  # a per-rank value: LocalTensorMode simulating every rank
+            raise ValueError("pipelined plans run one process per rank (torch.distributed.pipelining sends between "
+                             "them): they cannot run under LocalTensorMode's simulated ranks; launch them with "
+                             "torchrun (or plan with pipeline=False to simulate)")
         self.local = [s for s in range(self.n_stages) if s % self.p == coord]
         if len(self.local) * self.p != self.n_stages:
             raise ValueError(f"{self.n_stages} stages do not spread evenly over {self.p} ranks of the pipeline axis")

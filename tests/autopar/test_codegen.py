@@ -216,3 +216,13 @@ def test_chunked_matmuls_match(mesh):
     # matmul (the LM head under Megatron TP) whose Partial output has no single edge to reduce on
     assert all(n in chunked or "no batch-like dim" in why.get(n, "") or "no single consumer edge" in why.get(n, "")
                for n in why), why
+
+
+def test_a_pipelined_plan_under_simulated_ranks_is_refused_by_name(mesh):
+    """Pipeline stages send to each other between processes (torch.distributed.pipelining): under
+    LocalTensorMode, where one process simulates every rank, the module says so (it used to say
+    the stages "do not spread evenly" over the pipeline axis)."""
+    ex, cap, plan = _setup("gpt2", "pp-tp")
+    assert plan.pipeline is not None and len(plan.pipeline.stages) == 2
+    with pytest.raises(ValueError, match="cannot run under LocalTensorMode"):
+        _grads(ex, cap, plan, mesh)
