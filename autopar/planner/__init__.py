@@ -144,8 +144,10 @@ def plan_profile(gp, mesh, *, options: PlanOptions | None = None, **kwargs) -> P
         # where ZeRO is searched, as just above).
         from autopar.planner.accumulate import accumulate_candidates
 
+        found = [c.step_time for c in candidates if isinstance(c, Plan)]
         candidates += accumulate_candidates(gp, dataclasses.replace(cfg, zero=2 if zero == "auto" else cfg.zero,
-                                                                    checkpoint_every=every))
+                                                                    checkpoint_every=every),
+                                            beat=min(found) if found else None)
     if (force == "pp-tp" or named_pp) and not any(isinstance(c, Plan) for c in candidates):
         why = "; ".join(str(c) for c in candidates if isinstance(c, Exception))
         if candidates and all(isinstance(c, InfeasibleBudget) for c in candidates):

@@ -37,12 +37,13 @@ COUNTS = (2, 4, 8, 16, 32, 64)
 ACCUMULATE_ROUNDS = 4
 
 
-def accumulate_candidates(gp, cfg: Config) -> list:
+def accumulate_candidates(gp, cfg: Config, beat: float | None = None) -> list:
     """Accumulated plans for the free search where the budget binds: for each count of
     :data:`COUNTS` that cuts the batch, fewest first, its plan (``solve_accumulated``) until one
     fits without recomputing (a count that fits only by recomputing may be slower than the next
     one: both are candidates); a count whose micro-batch some op cannot split ends the list
-    (larger counts split less)."""
+    (larger counts split less). ``beat``: the step of a plan found elsewhere; a count whose
+    plan without a memory row is already slower is not solved under the budget."""
     from autopar.plan import Plan
     from autopar.planner.labels import axes_label, axis_roles
     from autopar.planner.micro import batch_size, smallest_micro_batch
@@ -53,10 +54,12 @@ def accumulate_candidates(gp, cfg: Config) -> list:
         if not batch or m > batch or batch % m or batch // m < smallest_micro_batch(gp):
             continue
         try:
-            got = solve_accumulated(gp, cfg, m)
+            got = solve_accumulated(gp, cfg, m, beat=beat)
         except ValueError as err:
             out.append(err)
             break
+        if got is None:  # slower than ``beat`` whatever the budget adds
+            continue
         out.append(got)
         if isinstance(got, Plan):
             roles = axis_roles(gp.captured, got.nodes, got.params, cfg.mesh.ndim)
@@ -66,8 +69,10 @@ def accumulate_candidates(gp, cfg: Config) -> list:
     return out
 
 
-def solve_accumulated(gp, cfg: Config, m: int):
-    """The plan of ``cfg`` run as ``m`` accumulated micro-batches, or :class:`InfeasibleBudget`."""
+def solve_accumulated(gp, cfg: Config, m: int, beat: float | None = None):
+    """The plan of ``cfg`` run as ``m`` accumulated micro-batches, or :class:`InfeasibleBudget`;
+    with ``beat``, None when its plan without a memory row is over the budget and already slower
+    than ``beat`` (recomputing to fit only adds seconds)."""
     from autopar.planner.budget import checkpoint_every, size_text
     from autopar.planner.cache import build_cached
     from autopar.planner.readback import layer_members, to_plan
@@ -87,6 +92,9 @@ def solve_accumulated(gp, cfg: Config, m: int):
     units = _stage_units(gp)
     nodes = list(built.order)
     segs = {s.id: s for s in built.problem.segments}
+    members: dict[str, list[str]] = {}  # leader -> the nodes it decides
+    for n in built.order:
+        members.setdefault(built.leader[n], []).append(n)
 
     def priced(sol):
         """(step seconds, gradient sums, peak bytes, recompute map) of a solution."""
@@ -97,9 +105,8 @@ def solve_accumulated(gp, cfg: Config, m: int):
         recompute: dict[str, str] = {}
         for sid in sol.checkpointed:
             for leader in segs[sid].nodes:
-                for n in built.order:
-                    if built.leader[n] == leader:
-                        recompute.setdefault(n, sid)
+                for n in members.get(leader, ()):
+                    recompute.setdefault(n, sid)
             recompute.update((n, sid) for n in layer_members(gp, sid) if n in built.priced and n not in recompute)
         peaks = pipeline_peaks(gp, {n: built.priced[n].strategies[pick[n]] for n in nodes}, cfg.mesh,
                                Pipeline(axis=0, stages=[nodes], microbatches=m, schedule="1f1b"),
@@ -109,6 +116,8 @@ def solve_accumulated(gp, cfg: Config, m: int):
 
     sol, step, sync, peak = priced(solver.solve(built.problem))
     budget = cfg.memory_budget
+    if beat is not None and budget is not None and peak > budget and step > beat * (1 + 1e-9):
+        return None
     # Over the budget: solve again under the micro-batch's memory row (one micro-batch's
     # activations live at a time: the flat row at 1/m of the batch), which may recompute layers,
     # tightened by the replay's excess, as the flat budget loop does.

@@ -49,7 +49,7 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
         s = opt.strategies[pick[name]]
         nodes[name] = NodePlan(strategy=s.name, inputs=[f(x) for x in s.inputs], outputs=[f(x) for x in s.outputs],
                                input_grads=[f(x) for x in s.input_grads],
-                               recompute=built.leader[name] in checkpointed and name in _segment_members(built, checkpointed),
+                               recompute=built.leader[name] in checkpointed,
                                segment=segment_of.get(built.leader[name]),
                                time=float(opt.time[pick[name]]), comm=float(opt.comm[pick[name]]))
     _recompute_layer_members(gp, nodes, sol.checkpointed)
@@ -220,10 +220,6 @@ def layer_members(gp, segment_id: str) -> list[str]:
     if not (gi.isdigit() and li.isdigit()) or int(gi) >= len(layers) or int(li) >= len(layers[int(gi)].layers):
         return []
     return list(layers[int(gi)].layers[int(li)])
-
-
-def _segment_members(built: Built, checkpointed_leaders: set) -> set:
-    return {n for n in built.order if built.leader[n] in checkpointed_leaders}
 
 
 def simulated_peak(gp, cfg: Config, built: Built, pick, recompute, chunks=None):
