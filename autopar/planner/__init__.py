@@ -136,7 +136,10 @@ def plan_profile(gp, mesh, *, options: PlanOptions | None = None, **kwargs) -> P
         # The budget binds (nothing fits, or the best plan recomputes): split the optimizer state
         # and gradients of the replicated parameters too (ZeRO-2; same seconds in the cost model,
         # less memory), and keep whichever plan is faster.
-        candidates += search_candidates(gp, dataclasses.replace(cfg, zero=2), force, pipeline, every, named_pp)
+        # A ZeRO-2 candidate whose unbudgeted bound is no faster than the best plan found cannot win.
+        found = [c.step_time for c in candidates if isinstance(c, Plan)]
+        candidates += search_candidates(gp, dataclasses.replace(cfg, zero=2), force, pipeline, every, named_pp,
+                                        beat=min(found) if found else None)
     flat = [c for c in candidates if not (isinstance(c, Plan) and c.pipeline is not None)]
     if budget is not None and force != "pp-tp" and not named_pp and micro_ok and memory_binds(flat):
         # Gradient accumulation where the single-stage plans recompute or do not fit: one

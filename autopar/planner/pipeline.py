@@ -79,11 +79,11 @@ def _placeholders_to_first_user(gp, units: list[list[str]]) -> list[list[str]]:
     return out
 
 
-def pipeline_candidates(gp, cfg: Config, *, required: bool = False, axes=None) -> list:
+def pipeline_candidates(gp, cfg: Config, *, required: bool = False, axes=None, beat: float | None = None) -> list:
     """Plans (or the errors that stopped them) for every pipeline axis (or those of ``axes``), best
-    count and schedule per axis (see :func:`search`)."""
+    count and schedule per axis (see :func:`search`; ``beat`` as there)."""
     axes = list(range(cfg.mesh.ndim)) if axes is None else list(axes)
-    out = search(gp, cfg, [(cfg.mesh, a) for a in axes])
+    out = search(gp, cfg, [(cfg.mesh, a) for a in axes], beat=beat)
     if required and not any(not isinstance(c, Exception) for c in out):
         why = "; ".join(str(c) for c in out if isinstance(c, Exception))
         raise ValueError("no pipeline plan is possible: the mesh has no axis of size >= 2 that the model's "

@@ -8,9 +8,11 @@ from autopar.plan import InfeasibleBudget, Plan
 from autopar.planner.budget import solve_flat
 from autopar.planner.build import Config
 
-def search_candidates(gp, cfg: Config, force, pipeline, every: bool, named_pp: list) -> list:
+def search_candidates(gp, cfg: Config, force, pipeline, every: bool, named_pp: list,
+                      beat: float | None = None) -> list:
     """Every candidate plan (or the error that stopped it): the whole-axis pipelines, the flat
-    plan, then the pipelines over factors of an axis."""
+    plan, then the pipelines over factors of an axis. ``beat``: the step of a plan found
+    elsewhere (the search without ZeRO-2), which prunes as a plan found here does."""
     mesh = cfg.mesh
     pipes = []
     if (pipeline and force in (None, "pp-tp")) and mesh.ndim >= 2:
@@ -18,11 +20,12 @@ def search_candidates(gp, cfg: Config, force, pipeline, every: bool, named_pp: l
 
         # A logical mesh that names an axis "pp" is pipelined over that axis (its other axes carry
         # the sharding); a physical one over any axis, or over a factor of one (PP x DP x TP).
-        pipes = pipeline_candidates(gp, cfg, axes=named_pp or None)
+        pipes = pipeline_candidates(gp, cfg, axes=named_pp or None, beat=beat)
     # The whole-axis pipelines first: the flat plan's budget loop need not look for a faster flat
     # plan that fits once the ILP's bound says no flat plan beats the best pipeline. Then the
     # pipelines over factors of an axis, pruned by the best plan so far.
-    beat = min((c.step_time for c in pipes if not isinstance(c, Exception)), default=None)
+    beat = min([c.step_time for c in pipes if not isinstance(c, Exception)] + ([beat] if beat is not None else []),
+               default=None)
     found = []
     if force != "pp-tp" and not named_pp:
         found.append(solve_flat(gp, cfg, every=every, beat=beat))
@@ -33,7 +36,8 @@ def search_candidates(gp, cfg: Config, force, pipeline, every: bool, named_pp: l
     if (pipeline and force in (None, "pp-tp")) and mesh.ndim >= 2 and not named_pp:
         from autopar.planner.pipeline import factored_candidates
 
-        best = min((c.step_time for c in found + pipes if not isinstance(c, Exception)), default=None)
+        best = min([c.step_time for c in found + pipes if not isinstance(c, Exception)]
+                   + ([beat] if beat is not None else []), default=None)
         pipes += factored_candidates(gp, cfg, beat=best)
     return found + pipes
 
