@@ -136,8 +136,9 @@ def plan_profile(gp, mesh, *, options: PlanOptions | None = None, **kwargs) -> P
         # The budget binds (nothing fits, or the best plan recomputes): split the optimizer state
         # and gradients of the replicated parameters too (ZeRO-2; same seconds in the cost model,
         # less memory), and keep whichever plan is faster.
-        # A ZeRO-2 candidate whose unbudgeted bound is no faster than the best plan found cannot win.
-        found = [c.step_time for c in candidates if isinstance(c, Plan)]
+        # Pruned by the best single-stage plan found (no candidate whose bound is no faster can
+        # win; the pipelines found so far are not used, so the runner-ups keep the best flat plan).
+        found = [c.step_time for c in candidates if isinstance(c, Plan) and c.pipeline is None]
         candidates += search_candidates(gp, dataclasses.replace(cfg, zero=2), force, pipeline, every, named_pp,
                                         beat=min(found) if found else None)
     flat = [c for c in candidates if not (isinstance(c, Plan) and c.pipeline is not None)]
@@ -147,7 +148,7 @@ def plan_profile(gp, mesh, *, options: PlanOptions | None = None, **kwargs) -> P
         # where ZeRO is searched, as just above).
         from autopar.planner.accumulate import accumulate_candidates
 
-        found = [c.step_time for c in candidates if isinstance(c, Plan)]
+        found = [c.step_time for c in candidates if isinstance(c, Plan) and c.pipeline is None]
         candidates += accumulate_candidates(gp, dataclasses.replace(cfg, zero=2 if zero == "auto" else cfg.zero,
                                                                     checkpoint_every=every),
                                             beat=min(found) if found else None)
