@@ -231,7 +231,11 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: fl
     # Saved activations scale like the op's tensors: local/global bytes of its non-parameter inputs
     # and outputs under this strategy.
     # Balanced rows keep (and save) only the rows they compute of q and of the output.
-    rows_of = math.prod(shape[a] for a, e in enumerate(strat.per_axis) if e == "zigzag") if balanced else 1
+    rows_of = 1
+    if balanced:
+        from autopar.strategies.attention import zigzag_ranks
+
+        rows_of = zigzag_ranks(strat, shape)
     glob = loc = 0.0
     for j, (t, p) in enumerate(zip(_input_vals(node), strat.inputs)):
         glob += _nbytes(t.shape, t.dtype)

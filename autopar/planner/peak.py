@@ -40,6 +40,7 @@ from torch.distributed.tensor import Partial, Replicate
 from autopar import placement as pl
 from autopar.lowering import GRAD_BUCKET_BYTES
 from autopar.lowering.graph import tensor_vals
+from autopar.strategies.attention import zigzag_ranks
 
 
 def _nbytes(shape, t: torch.Tensor) -> int:
@@ -241,13 +242,6 @@ def _copy_transient(ctx: _Ctx, t: torch.Tensor, src, dst, together: bool = False
     return total, top
 
 
-def zigzag_ranks(s, mesh_shape) -> int:
-    """The ranks over which strategy ``s`` balances a causal call's rows (1: none)."""
-    from autopar.strategies.attention import zigzag_axes
-
-    return math.prod(mesh_shape[a] for a in zigzag_axes(s))
-
-
 def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
     """A copy node for each copy the lowered program makes (``autopar.lowering.program.Copy``),
     just before its first consumer; every consumer of the copy reads, and saves, the copy."""
@@ -305,7 +299,7 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
                 if f is not None:
                     raf_units.append((n, f.unit))
                     unit_bytes.setdefault(f.unit, {})[e.copy] = nbytes
-            elif e.index == 0 and zigzag_ranks(ctx.strategy_of.get(n.name) or _NONE, ctx.shape) > 1:
+            elif e.index == 0 and n.name in ctx.strategy_of and zigzag_ranks(ctx.strategy_of[n.name], ctx.shape) > 1:
                 # Balanced rows (attention's q, gathered whole): the kernel saves only the rows
                 # it computes (an index_select of the copy), not the copy.
                 rows = (n.name, len(tensor_vals(ctx.nodes[n.name])) + 2)
@@ -325,10 +319,6 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
         n.bwd_alloc += ahead
         n.bwd_max_op += ahead
     return out
-
-
-class _NONE:  # a strategy of no node: no axis balances rows
-    name = "replicate"
 
 
 def _out_index(producer, consumer) -> int:

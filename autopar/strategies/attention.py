@@ -41,12 +41,10 @@ def _zigzag_index(c: int, m: int, h: int, device) -> torch.Tensor:
 
 
 @per_rank
-def _zigzag_mask(offset: int, c: int, m: int, h: int, keys: int, device) -> torch.Tensor:
-    """Causal visibility of the rows of :func:`_zigzag_index` (a block starting at ``offset``)
-    over keys ``[0, keys)``."""
-    q = torch.cat([torch.arange(h, device=device) + c * h,
-                   torch.arange(h, device=device) + (2 * m - 1 - c) * h]).unsqueeze(1) + offset
-    return torch.arange(keys, device=device).unsqueeze(0) <= q
+def _zigzag_mask(rows: torch.Tensor, offset: int, keys: int) -> torch.Tensor:
+    """Causal visibility of query ``rows`` (indices into a block starting at ``offset``) over
+    keys ``[0, keys)``."""
+    return torch.arange(keys, device=rows.device).unsqueeze(0) <= (rows + offset).unsqueeze(1)
 
 
 def zigzag_axes(st) -> list[int]:
@@ -55,13 +53,18 @@ def zigzag_axes(st) -> list[int]:
     return [a for a, name in enumerate(st.name.split(" x ")) if name == "zigzag"]
 
 
+def zigzag_ranks(st, mesh_shape) -> int:
+    """The ranks over which ``st`` balances a causal call's rows (1: none)."""
+    return math.prod(mesh_shape[a] for a in zigzag_axes(st))
+
+
 def computed_rows(st, out_shape: tuple, mesh_shape) -> int:
     """The query rows one rank computes under ``st``: its block of the output's rows, of which
     the ``zigzag`` axes' ranks each compute an equal part."""
     from autopar import placement as pl
 
     rows = pl.local_shape(tuple(out_shape), st.outputs[0], tuple(mesh_shape))[-2]
-    return rows // math.prod(mesh_shape[a] for a in zigzag_axes(st))
+    return rows // zigzag_ranks(st, mesh_shape)
 
 
 def _zigzag_local(node, st, q, k, v, extra, ctx):
@@ -93,7 +96,7 @@ def _zigzag_local(node, st, q, k, v, extra, ctx):
                 return_debug_mask=False, scale=extra["scale"])[0])
         out = torch.cat(halves, dim=-2)
     else:
-        mask = _zigzag_mask(offset, c, m, h, k.shape[-2], q.device)
+        mask = _zigzag_mask(idx, offset, k.shape[-2])
         out = F.scaled_dot_product_attention(mine, k, v, attn_mask=mask, **extra)
     whole = out.new_zeros(*out.shape[:-2], rows, out.shape[-1])
     return whole.index_copy(-2, idx, out)
