@@ -78,6 +78,15 @@ def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shap
     return tuple(out)
 
 
+def chunks_are_blocks(local: Sequence[int], dim: int) -> bool:
+    """Whether the chunks of ``dim`` of a contiguous tensor of ``local`` shape are consecutive
+    blocks of its memory: every dim before ``dim`` has size 1 (dim 0 itself; a (1, seq, hidden)
+    activation's sequence). A collective along ``dim`` then runs as one along dim 0 on a view of
+    the tensor, with no layout copy (``autopar.runtime.collectives``; priced by
+    ``autopar.costs.reshard.copy_bytes``)."""
+    return all(s == 1 for s in local[:dim])
+
+
 def fits(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:
     """True when ``placements`` shard ``shape`` evenly on ``mesh_shape`` (no exception path: this
     is called for every candidate placement of every tensor)."""

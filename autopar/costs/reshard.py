@@ -38,7 +38,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar.costs.collectives import collective_time
 from autopar.mesh import Mesh
-from autopar.placement import fits, fmt, grad_placements, local_shape, parse
+from autopar.placement import chunks_are_blocks, fits, fmt, grad_placements, local_shape, parse
 
 Placements = tuple[Placement, ...]
 
@@ -202,12 +202,14 @@ def copy_bytes(step: Step, state: Placements, shape: Sequence[int], itemsize: in
     on a tensor placed as ``state`` (``autopar.runtime.collectives``; n = size of the axis, B = the
     local bytes before the step). Each copy is a view op and a copy kernel (chunk + cat, narrow +
     clone); ``zero_partial`` is one clone (or one fill of zeros). Steps on a dim 0 only hand the
-    buffer to the collective, and any step over an axis of size 1 is the identity:
+    buffer to the collective, and so do steps on a dim whose local predecessors all have size 1
+    (``placement.chunks_are_blocks``: the chunks are the row blocks, the runtime takes a view);
+    any step over an axis of size 1 is the identity:
 
     - ``all_gather`` along dim d != 0: the n gathered row blocks concatenated along d: 2 n B;
     - ``reduce_scatter`` along d != 0: the chunks of d stacked into rows first: 2 B;
-    - ``all_to_all``: 2 B to stack the chunks of ``dim2`` unless it is 0, 2 B to join ``dim``
-      unless it is 0;
+    - ``all_to_all``: 2 B to stack the chunks of ``dim2`` (before the step), 2 B to join ``dim``
+      (after it), each unless that dim is a leading one;
     - ``slice``: a clone of the chunk, 2 B / n (a view would keep the whole input alive);
     - ``zero_partial``: a clone on coordinate 0, zeros elsewhere: 2 B.
     """
@@ -215,12 +217,16 @@ def copy_bytes(step: Step, state: Placements, shape: Sequence[int], itemsize: in
     if n == 1 or k in ("all_reduce", "noop"):
         return 0, 0
     b = local_bytes(shape, state, mesh_shape, itemsize)
+    if k in ("all_gather", "reduce_scatter", "all_to_all"):
+        local = list(local_shape(shape, state, mesh_shape))
     if k == "all_gather":
-        return (2 * n * b, 2) if step.dim != 0 else (0, 0)
+        return (2 * n * b, 2) if not chunks_are_blocks(local, step.dim) else (0, 0)
     if k == "reduce_scatter":
-        return (2 * b, 2) if step.dim != 0 else (0, 0)
+        return (2 * b, 2) if not chunks_are_blocks(local, step.dim) else (0, 0)
     if k == "all_to_all":
-        copies = (step.dim2 != 0) + (step.dim != 0)
+        after = list(local)
+        after[step.dim], after[step.dim2] = after[step.dim] * n, after[step.dim2] // n
+        copies = (not chunks_are_blocks(local, step.dim2)) + (not chunks_are_blocks(after, step.dim))
         return 2 * b * copies, 2 * copies
     if k == "slice":
         return 2 * b // n, 2

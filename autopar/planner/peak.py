@@ -47,6 +47,13 @@ def _nbytes(shape, t: torch.Tensor) -> int:
     return int(math.prod(shape)) * t.element_size()
 
 
+def _local_shape(t: torch.Tensor, pls, mesh_shape) -> tuple[int, ...]:
+    try:
+        return pl.local_shape(tuple(t.shape), pls, mesh_shape)
+    except ValueError:
+        return tuple(t.shape)
+
+
 def _local(t: torch.Tensor, pls, mesh_shape) -> int:
     if pls is None:
         return _nbytes(t.shape, t)
@@ -219,7 +226,7 @@ def _chunkable(ctx: _Ctx, node, k: int) -> bool:
 def _copy_transient(ctx: _Ctx, t: torch.Tensor, src, dst, together: bool = False) -> tuple[int, int]:
     """(sum of the step outputs' bytes, the largest step's bytes) of the reshard ``src -> dst``;
     ``together``: its gathers run as one collective over their axes (a prefetched copy)."""
-    from autopar.costs.reshard import apply_step, reshard
+    from autopar.costs.reshard import apply_step, copy_bytes, reshard
 
     try:
         steps = reshard(src, dst, tuple(t.shape), t.element_size(), ctx.mesh).steps
@@ -227,15 +234,19 @@ def _copy_transient(ctx: _Ctx, t: torch.Tensor, src, dst, together: bool = False
         return 0, 0
     if together and steps:
         prev, out = _local(t, tuple(src), ctx.shape), _local(t, tuple(dst), ctx.shape)
-        extra = out if steps[0].dim not in (0, None) else 0
+        d = steps[0].dim
+        extra = out if d not in (0, None) and not pl.chunks_are_blocks(_local_shape(t, tuple(dst), ctx.shape), d) else 0
         return out + extra, prev + out + extra
     state, total, top = tuple(src), 0, 0
     prev = _local(t, state, ctx.shape)
     for st in steps:
+        # a gather/scatter along a dim other than a leading one rearranges through a second
+        # buffer (the layout copies ``copy_bytes`` prices)
+        moved = (st.kind in ("all_gather", "reduce_scatter", "all_to_all")
+                 and copy_bytes(st, state, tuple(t.shape), t.element_size(), ctx.shape)[0] > 0)
         state = apply_step(state, st)
         out = _local(t, state, ctx.shape)
-        # a gather/scatter along a dim other than 0 rearranges through a second buffer
-        extra = out if st.kind in ("all_gather", "reduce_scatter", "all_to_all") and st.dim not in (0, None) else 0
+        extra = out if moved else 0
         total += out + extra
         top = max(top, prev + out + extra)
         prev = out

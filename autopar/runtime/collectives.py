@@ -28,6 +28,8 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.placement import chunks_are_blocks
+
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
     # Functional collectives return lazily waited tensors; the step after needs the data.
@@ -100,16 +102,24 @@ def _check_divides(x: torch.Tensor, dim: int, n: int, what: str) -> None:
 
 
 # Layout helpers run per rank on plain tensors (under LocalTensorMode one call for all simulated
-# ranks instead of one dispatch per view op); each returns a fresh contiguous tensor.
+# ranks instead of one dispatch per view op); each returns a contiguous tensor: a fresh one, or a
+# view of its input where the layouts coincide.
+# Where every dim before ``dim`` has size 1 (``placement.chunks_are_blocks``), the row blocks
+# and the chunks of ``dim`` are the same memory: a view, no copy (and no second buffer).
 @maybe_run_for_local_tensor
 def _rows_to_dim(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     # (n*A, ..) stacked along dim 0 -> the n row blocks concatenated along `dim`
+    shape = (x.shape[0] // n, *x.shape[1:dim], x.shape[dim] * n, *x.shape[dim + 1:])
+    if chunks_are_blocks(shape, dim):
+        return x.contiguous().view(shape)
     return torch.cat(x.chunk(n, 0), dim).contiguous()
 
 
 @maybe_run_for_local_tensor
 def _dim_to_rows(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     # the n chunks of `dim` stacked along dim 0, so a dim-0 collective sends chunk k to peer k
+    if chunks_are_blocks(x.shape, dim):
+        return x.contiguous().view(x.shape[0] * n, *x.shape[1:dim], x.shape[dim] // n, *x.shape[dim + 1:])
     return torch.cat(x.chunk(n, dim), 0).contiguous()
 
 

@@ -192,7 +192,8 @@ def test_invalid_inputs_give_clear_errors():
 
 # ---- execution under LocalTensorMode -----------------------------------------------------------
 def _run_pair(lm, dm, mesh, mesh_shape, src, dst, x_global, g_global, grad_dst=None, cache=None):
-    """Reshard forward and backward under ``lm``; returns what :func:`_check` compares."""
+    """Reshard forward and backward under ``lm``; returns what :func:`_check` compares (the
+    shape is ``x_global``'s)."""
     cache = {} if cache is None else cache  # per-rank inputs reused (autograd.grad leaves x untouched)
     gdst = grad_placements(dst) if grad_dst is None else grad_dst
     if ("x", src) not in cache:
@@ -200,7 +201,7 @@ def _run_pair(lm, dm, mesh, mesh_shape, src, dst, x_global, g_global, grad_dst=N
     if ("g", gdst) not in cache:
         cache["g", gdst] = _local_map(lm, g_global, gdst, mesh_shape, seed=2)
     x = cache["x", src]
-    y = reshard_local(x, src, dst, dm, SHAPE, grad_dst=grad_dst, mesh=mesh)
+    y = reshard_local(x, src, dst, dm, tuple(x_global.shape), grad_dst=grad_dst, mesh=mesh)
     # autograd.grad rather than backward(): no accumulation into .grad, a dispatch less per pair
     (gx,) = torch.autograd.grad(y, x, cache["g", gdst])
     return src, dst, gdst, y.detach()._local_tensors, gx._local_tensors
@@ -208,10 +209,11 @@ def _run_pair(lm, dm, mesh, mesh_shape, src, dst, x_global, g_global, grad_dst=N
 
 def _check(results, mesh_shape, x_global, g_global):
     # Outside LocalTensorMode: the per-rank tensors are plain, and ops skip the mode's dispatch.
+    shape = tuple(x_global.shape)
     for src, dst, gdst, ys, gs in results:
         where = f"{fmt(src)} -> {fmt(dst)}"
-        assert torch.equal(assemble(ys, dst, mesh_shape, SHAPE), x_global), where
-        got = assemble(gs, grad_placements(src), mesh_shape, SHAPE)
+        assert torch.equal(assemble(ys, dst, mesh_shape, shape), x_global), where
+        got = assemble(gs, grad_placements(src), mesh_shape, shape)
         assert torch.equal(got, g_global), f"backward of {where} (grad {fmt(gdst)})"
 
 
@@ -221,6 +223,24 @@ def test_every_pair_forward_and_backward(sim):
     pls = all_placements(mesh_shape)
     x_global = torch.randint(-5, 6, SHAPE).float()
     g_global = torch.randint(-5, 6, SHAPE).float()
+    with LocalTensorMode(math.prod(mesh_shape)) as lm:
+        cache = {}
+        results = [_run_pair(lm, dm, mesh, mesh_shape, src, dst, x_global, g_global, cache=cache)
+                   for src, dst in itertools.product(pls, pls)]
+    _check(results, mesh_shape, x_global, g_global)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 4), (1, 1, 16)], ids=["1x8x4", "1x1x16"])
+def test_leading_ones_move_as_rows(sim, shape):
+    """Where every dim before the moved one has size 1 (one sample's (1, seq, hidden)
+    activation split by sequence), the chunks are the row blocks: the runtime hands a view to the
+    dim-0 collective (no layout copy, ``placement.chunks_are_blocks``). Every pair, forward and
+    backward, still gives the exact tensor."""
+    mesh_shape, dm = sim
+    mesh = Mesh(mesh_shape, cluster="a100")
+    pls = all_placements(mesh_shape, shape)
+    x_global = torch.randint(-5, 6, shape).float()
+    g_global = torch.randint(-5, 6, shape).float()
     with LocalTensorMode(math.prod(mesh_shape)) as lm:
         cache = {}
         results = [_run_pair(lm, dm, mesh, mesh_shape, src, dst, x_global, g_global, cache=cache)
@@ -282,24 +302,30 @@ def test_priced_copies_are_the_runtime_copies(sim):
                 self.kernels += 1
             return out
 
-    seen = set()
-    for state in all_placements(mesh_shape):
-        for step in _candidate_steps(state, len(SHAPE)):
-            try:
-                nxt = apply_step(state, step)
-            except ValueError:
-                continue
-            if not fits(SHAPE, nxt, mesh_shape):
-                continue
-            x = torch.zeros(local_shape(SHAPE, state, mesh_shape))
-            with Count() as c:
-                c.bytes = c.kernels = 0
-                apply_steps(x, (step,), dm)
-            want, kernels = copy_bytes(step, state, SHAPE, 4, mesh_shape)
-            assert c.bytes == want, f"{step} from {fmt(state)}: runtime copies {c.bytes} bytes, priced {want}"
-            assert (c.kernels > 0) == (kernels > 0), f"{step} from {fmt(state)}"
-            seen.add(step.kind)
+    seen, free = set(), set()
+    # (1, 8, 8): one sample split by rows, whose chunks are the row blocks (no copy)
+    for shape in (SHAPE, (1, 8, 8)):
+        for state in all_placements(mesh_shape, shape):
+            for step in _candidate_steps(state, len(shape)):
+                try:
+                    nxt = apply_step(state, step)
+                except ValueError:
+                    continue
+                if not fits(shape, nxt, mesh_shape):
+                    continue
+                x = torch.zeros(local_shape(shape, state, mesh_shape))
+                with Count() as c:
+                    c.bytes = c.kernels = 0
+                    apply_steps(x, (step,), dm)
+                want, kernels = copy_bytes(step, state, shape, 4, mesh_shape)
+                where = f"{step} from {fmt(state)} on {shape}"
+                assert c.bytes == want, f"{where}: runtime copies {c.bytes} bytes, priced {want}"
+                assert (c.kernels > 0) == (kernels > 0), where
+                seen.add(step.kind)
+                if step.kind in ("all_gather", "reduce_scatter", "all_to_all") and step.dim != 0 and not want:
+                    free.add(step.kind)
     assert seen == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "slice", "zero_partial"}
+    assert free == {"all_gather", "reduce_scatter", "all_to_all"}, free  # moved along dim 1 as rows
 
 
 def test_reshard_after_forward_gathers_once_per_weight_whatever_python_frees():
