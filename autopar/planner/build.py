@@ -135,6 +135,9 @@ class Built:
     costs carry ``1 / micro_batches``; a pair with one leader is that group's own (diagonal)."""
     overlap: list = dataclasses.field(default_factory=list)
     """``autopar.planner.overlap.Site`` per node whose chunk count the solve decides."""
+    siblings: dict = dataclasses.field(default_factory=dict)
+    """(consumer, input position) -> k for the edges of sibling consumers (:func:`_siblings`),
+    each of which carries 1/k of the copy the k of them share."""
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -824,6 +827,9 @@ def edges(gm, priced, leader, follow, mesh: Mesh, micro: "Micro | None" = None, 
     edge_memo: dict[tuple, np.ndarray] = {}
     acc: dict[tuple[str, str], np.ndarray] = {}
     inner: dict[str, np.ndarray] = defaultdict(lambda: 0.0)
+    # (producer, output index) -> [(consumer, input position, producer leader, matrix)]: the
+    # consumers of one activation that lead their own groups (``_siblings`` reads them)
+    pricer.fanout = defaultdict(list)
     for node in gm.graph.nodes:
         if node.name not in priced:
             continue
@@ -853,6 +859,8 @@ def edges(gm, priced, leader, follow, mesh: Mesh, micro: "Micro | None" = None, 
                 grads = [_in_grad(opt.strategies[u], j) for u in fu]
                 m = edge_memo[ekey] = (pricer.matrix(outs, ins, grads, t, n_uses) if micro is None
                                        else micro.matrix(pricer, prod.name, outs, ins, grads, t, n_uses))
+            if micro is None and n_uses == 0 and lu == node.name and ls != lu:
+                pricer.fanout[(prod.name, idx)].append((node.name, j, ls, m))
             if micro is not None:
                 micro.note(ls, lu, m)
             if ls == lu:
@@ -896,6 +904,36 @@ def _group_vectors(priced, leader, follow, inner, extra):
     for lead, v in extra.items():
         groups[lead]["time"] += v
     return groups
+
+
+def _siblings(gm, priced, fanout, chunked) -> list[list[tuple]]:
+    """Groups of *sibling* consumers of one activation: the same op reading it at the same
+    position, with the same strategies (outputs, and the input and gradient placements there),
+    leading their own groups and pricing the edge alike (Llama's q, k and v projections of the
+    norm's output; the MLP's gate and up projections). The lowered program makes one copy per
+    value and placement (``autopar.lowering.program``) and runs its collectives once, forward and
+    on the summed gradient: tied to one choice, the k siblings share it, so each edge carries 1/k
+    of its price and the search sees what the runtime pays (Megatron's sequence parallelism
+    gathers the norm's rows once for q, k and v). Chunked consumers (``chunked``: their edge runs
+    per chunk) are left out, and so are parameters (each use's gradient is bucketed on its own)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    out = []
+    for members in fanout.values():
+        if len(members) < 2:
+            continue
+        buckets: dict[tuple, list] = {}
+        for c, j, ls, m in members:
+            if c in chunked:
+                continue
+            sts = priced[c].strategies
+            key = (str(by_name[c].target), j, tuple((st.outputs, _in_pl(st, j), _in_grad(st, j)) for st in sts))
+            buckets.setdefault(key, []).append((c, j, ls, m))
+        for group in buckets.values():
+            names = [c for c, *_ in group]
+            if len(group) > 1 and len(set(names)) == len(names) and \
+                    all(np.array_equal(group[0][3], m) for *_, m in group[1:]):
+                out.append(group)
+    return out
 
 
 def _ties(gm, gp, priced, leader) -> tuple[tuple[str, ...], ...]:
@@ -1041,6 +1079,10 @@ def assemble(gp, cfg: Config, priced, order, leader, follow, micro=None, gather_
     from autopar.planner.overlap import add_overlap
 
     sites = add_overlap(gm, gp, priced, leader, follow, acc, inner, cfg, cfg.chunks) if micro is None else []
+    siblings = _siblings(gm, priced, pricer.fanout, {s.node for s in sites})
+    for group in siblings:  # one shared copy: each sibling's edge carries 1/k of it
+        for c, _, ls, m in group:
+            acc[(ls, c)] = acc[(ls, c)] - m * (1.0 - 1.0 / len(group))
     extra = sink_costs(gm, priced, leader, follow, pricer)
     groups = _group_vectors(priced, leader, follow, inner, extra)
     nodes = []
@@ -1053,12 +1095,14 @@ def assemble(gp, cfg: Config, priced, order, leader, follow, micro=None, gather_
                                  act=g["act"], work=g["work"], recompute=g["recompute"]))
     edge_list = tuple(solver.Edge(src=s, dst=d, cost=m) for (s, d), m in acc.items())
     segs = _segments(gm, gp, priced, leader, follow, cfg.mesh.shape) if cfg.checkpoint else ()
-    problem = solver.Problem(nodes=tuple(nodes), edges=edge_list, ties=_ties(gm, gp, priced, leader),
+    ties = _ties(gm, gp, priced, leader) + tuple(tuple(c for c, *_ in g) for g in siblings)
+    problem = solver.Problem(nodes=tuple(nodes), edges=edge_list, ties=ties,
                              segments=segs, memory_budget=cfg.memory_budget, time_limit=cfg.time_limit,
                              mip_gap=cfg.mip_gap,
                              name=type(gp.captured).__name__)
+    shared = {(c, j): len(g) for g in siblings for c, j, *_ in g}
     return Built(problem=problem, priced=priced, leader=leader, follow=follow, order=order,
-                 step_edges={} if micro is None else micro.step, overlap=sites)
+                 step_edges={} if micro is None else micro.step, overlap=sites, siblings=shared)
 
 
 def choices(built: Built, solution) -> dict[str, int]:

@@ -95,7 +95,7 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
                                                                 if np_.chunks > 1},
                                    dtype=cfg.dtype, zero=zero_spec(cfg))
     if step_time is None and lowered is not None:  # a flat plan: copies the lowering shares are paid once
-        saved = _shared_seconds(gp, cfg, lowered)
+        saved = _shared_seconds(gp, cfg, lowered, built.siblings)
         if saved:
             p.step_time -= saved
             p.breakdown["reshard_shared"] = saved  # seconds not paid: taken off the step time
@@ -131,17 +131,25 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
     return p
 
 
-def _shared_seconds(gp, cfg: Config, low) -> float:
-    """Seconds the ILP priced for edges that read a copy another consumer made: the ILP prices
-    every consumer's reshard on its own edge, the lowered program (``autopar.lowering.program``)
-    makes one copy per value and placement and runs its collectives once, forward and on the
-    summed gradient."""
+def _shared_seconds(gp, cfg: Config, low, siblings=None) -> float:
+    """Seconds the ILP priced beyond what the lowered program runs: the lowered program
+    (``autopar.lowering.program``) makes one copy per value and placement and runs its
+    collectives once, forward and on the summed gradient, where the ILP prices each consumer's
+    reshard on its own edge, in full, or 1/k of it on each of k sibling edges
+    (``siblings``: ``Built.siblings``, whose one copy the search already shares)."""
     from autopar.planner.streams import copy_seconds
 
     makers = {id(e) for e in low.makers()}
     nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
-    return sum(sum(copy_seconds(gp, cfg, nodes, e)) for e in low.edges
-               if id(e) not in makers and e.consumer in nodes)
+    siblings = siblings or {}
+    priced = made = 0.0
+    for e in low.edges:
+        if e.consumer not in nodes:
+            continue
+        cost = sum(copy_seconds(gp, cfg, nodes, e))
+        priced += cost / siblings.get((e.consumer, e.index), 1)
+        made += cost if id(e) in makers else 0.0
+    return priced - made
 
 
 _HASHES: dict[int, tuple] = {}
