@@ -906,7 +906,7 @@ def _group_vectors(priced, leader, follow, inner, extra):
     return groups
 
 
-def _siblings(gm, priced, fanout, chunked) -> list[list[tuple]]:
+def _siblings(gm, gp, priced, fanout, chunked) -> list[list[tuple]]:
     """Groups of *sibling* consumers of one activation: the same op reading it at the same
     position, with the same strategies (outputs, and the input and gradient placements there),
     leading their own groups and pricing the edge alike (Llama's q, k and v projections of the
@@ -914,9 +914,13 @@ def _siblings(gm, priced, fanout, chunked) -> list[list[tuple]]:
     value and placement (``autopar.lowering.program``) and runs its collectives once, forward and
     on the summed gradient: tied to one choice, the k siblings share it, so each edge carries 1/k
     of its price and the search sees what the runtime pays (Megatron's sequence parallelism
-    gathers the norm's rows once for q, k and v). Chunked consumers (``chunked``: their edge runs
-    per chunk) are left out, and so are parameters (each use's gradient is bucketed on its own)."""
+    gathers the norm's rows once for q, k and v). Siblings are in one layer (the profiler's
+    layers: one checkpoint region, one pipeline stage, where the lowering shares copies). Chunked
+    consumers (``chunked``: their edge runs per chunk) are left out, and so are parameters (each
+    use's gradient is bucketed on its own)."""
     by_name = {n.name: n for n in gm.graph.nodes}
+    layer_of = {n: (gi, li) for gi, group in enumerate(getattr(gp, "layers", None) or [])
+                for li, layer in enumerate(group.layers) for n in layer}
     out = []
     for members in fanout.values():
         if len(members) < 2:
@@ -926,7 +930,8 @@ def _siblings(gm, priced, fanout, chunked) -> list[list[tuple]]:
             if c in chunked:
                 continue
             sts = priced[c].strategies
-            key = (str(by_name[c].target), j, tuple((st.outputs, _in_pl(st, j), _in_grad(st, j)) for st in sts))
+            key = (str(by_name[c].target), j, layer_of.get(c),
+                   tuple((st.outputs, _in_pl(st, j), _in_grad(st, j)) for st in sts))
             buckets.setdefault(key, []).append((c, j, ls, m))
         for group in buckets.values():
             names = [c for c, *_ in group]
@@ -1079,7 +1084,7 @@ def assemble(gp, cfg: Config, priced, order, leader, follow, micro=None, gather_
     from autopar.planner.overlap import add_overlap
 
     sites = add_overlap(gm, gp, priced, leader, follow, acc, inner, cfg, cfg.chunks) if micro is None else []
-    siblings = _siblings(gm, priced, pricer.fanout, {s.node for s in sites})
+    siblings = _siblings(gm, gp, priced, pricer.fanout, {n for s in sites for n in (s.node, s.other)})
     for group in siblings:  # one shared copy: each sibling's edge carries 1/k of it
         for c, _, ls, m in group:
             acc[(ls, c)] = acc[(ls, c)] - m * (1.0 - 1.0 / len(group))

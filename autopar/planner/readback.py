@@ -96,9 +96,12 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
                                    dtype=cfg.dtype, zero=zero_spec(cfg))
     if step_time is None and lowered is not None:  # a flat plan: copies the lowering shares are paid once
         saved = _shared_seconds(gp, cfg, lowered, built.siblings)
-        if saved:
+        if saved > 0:
             p.step_time -= saved
             p.breakdown["reshard_shared"] = saved  # seconds not paid: taken off the step time
+        elif saved < 0:  # siblings the lowering did not let share one copy: paid more than once
+            p.step_time -= saved
+            p.breakdown["reshard_unshared"] = -saved
     if step_time is None and lowered is not None:
         # ZeRO-3 gathers prefetched a layer ahead and reduce-scatters in flight behind compute; the
         # gathers recomputed regions make again; gradient buckets' all-reduces in flight
@@ -149,7 +152,8 @@ def _shared_seconds(gp, cfg: Config, low, siblings=None) -> float:
         cost = sum(copy_seconds(gp, cfg, nodes, e))
         priced += cost / siblings.get((e.consumer, e.index), 1)
         made += cost if id(e) in makers else 0.0
-    return priced - made
+    saved = priced - made
+    return 0.0 if abs(saved) <= 1e-9 * max(priced, made) else saved  # rounding of the k shares
 
 
 _HASHES: dict[int, tuple] = {}
