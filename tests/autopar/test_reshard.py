@@ -217,25 +217,12 @@ def _check(results, mesh_shape, x_global, g_global):
         assert torch.equal(got, g_global), f"backward of {where} (grad {fmt(gdst)})"
 
 
-def test_every_pair_forward_and_backward(sim):
-    mesh_shape, dm = sim
-    mesh = Mesh(mesh_shape, cluster="a100")
-    pls = all_placements(mesh_shape)
-    x_global = torch.randint(-5, 6, SHAPE).float()
-    g_global = torch.randint(-5, 6, SHAPE).float()
-    with LocalTensorMode(math.prod(mesh_shape)) as lm:
-        cache = {}
-        results = [_run_pair(lm, dm, mesh, mesh_shape, src, dst, x_global, g_global, cache=cache)
-                   for src, dst in itertools.product(pls, pls)]
-    _check(results, mesh_shape, x_global, g_global)
-
-
-@pytest.mark.parametrize("shape", [(1, 8, 4), (1, 1, 16)], ids=["1x8x4", "1x1x16"])
-def test_leading_ones_move_as_rows(sim, shape):
-    """Where every dim before the moved one has size 1 (one sample's (1, seq, hidden)
-    activation split by sequence), the chunks are the row blocks: the runtime hands a view to the
-    dim-0 collective (no layout copy, ``placement.chunks_are_blocks``). Every pair, forward and
-    backward, still gives the exact tensor."""
+@pytest.mark.parametrize("shape", [SHAPE, (1, 8, 4), (1, 1, 16)], ids=["4x8x4", "1x8x4", "1x1x16"])
+def test_every_pair_forward_and_backward(sim, shape):
+    """Every pair of placements, forward and backward, gives the exact tensor. Where every dim
+    before the moved one has size 1 (one sample's (1, seq, hidden) activation split by sequence),
+    the chunks are the row blocks and the runtime hands a view to the dim-0 collective (no layout
+    copy, ``placement.chunks_are_blocks``)."""
     mesh_shape, dm = sim
     mesh = Mesh(mesh_shape, cluster="a100")
     pls = all_placements(mesh_shape, shape)
