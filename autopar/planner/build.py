@@ -915,10 +915,20 @@ def _siblings(gm, gp, priced, fanout, chunked) -> list[list[tuple]]:
     on the summed gradient: tied to one choice, the k siblings share it, so each edge carries 1/k
     of its price and the search sees what the runtime pays (Megatron's sequence parallelism
     gathers the norm's rows once for q, k and v). Siblings are in one layer (the profiler's
-    layers: one checkpoint region, one pipeline stage, where the lowering shares copies). Chunked
-    consumers (``chunked``: their edge runs per chunk) are left out, and so are parameters (each
-    use's gradient is bucketed on its own)."""
+    layers: one checkpoint region, one pipeline stage, where the lowering shares copies) and read
+    nothing else but weights (the projections of one activation: two ops that also read other
+    activations, such as an MoE's gate-up and down grouped matmuls that share the group offsets,
+    are different matmuls, which Megatron splits by column and by row). Chunked consumers
+    (``chunked``: their edge runs per chunk) are left out, and so are parameters (each use's
+    gradient is bucketed on its own)."""
     by_name = {n.name: n for n in gm.graph.nodes}
+    kinds = _kinds(gp.captured)
+    weights = _weight_views(gm, kinds)
+
+    def reads_only_weights_besides(c: str, j: int) -> bool:
+        return all(k == j or a.name in weights or kinds.get(a.name) in ("param", "buffer")
+                   for k, a in enumerate(by_name[c].all_input_nodes))
+
     layer_of = {n: (gi, li) for gi, group in enumerate(getattr(gp, "layers", None) or [])
                 for li, layer in enumerate(group.layers) for n in layer}
     out = []
@@ -927,7 +937,7 @@ def _siblings(gm, gp, priced, fanout, chunked) -> list[list[tuple]]:
             continue
         buckets: dict[tuple, list] = {}
         for c, j, ls, m in members:
-            if c in chunked:
+            if c in chunked or not reads_only_weights_besides(c, j):
                 continue
             sts = priced[c].strategies
             key = (str(by_name[c].target), j, layer_of.get(c),
