@@ -109,6 +109,8 @@ def _check_divides(x: torch.Tensor, dim: int, n: int, what: str) -> None:
 @maybe_run_for_local_tensor
 def _rows_to_dim(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     # (n*A, ..) stacked along dim 0 -> the n row blocks concatenated along `dim`
+    if dim == 0:
+        return x.contiguous()
     shape = (x.shape[0] // n, *x.shape[1:dim], x.shape[dim] * n, *x.shape[dim + 1:])
     if chunks_are_blocks(shape, dim):
         return x.contiguous().view(shape)
@@ -118,6 +120,8 @@ def _rows_to_dim(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 @maybe_run_for_local_tensor
 def _dim_to_rows(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     # the n chunks of `dim` stacked along dim 0, so a dim-0 collective sends chunk k to peer k
+    if dim == 0:
+        return x.contiguous()
     if chunks_are_blocks(x.shape, dim):
         return x.contiguous().view(x.shape[0] * n, *x.shape[1:dim], x.shape[dim] // n, *x.shape[dim + 1:])
     return torch.cat(x.chunk(n, dim), 0).contiguous()
