@@ -1,6 +1,6 @@
 """Architectures outside the test zoo train with the numbers of one device.
 
-Nothing in autopar may be tuned to the six zoo models. Three models with constructs the zoo does
+Nothing in autopar may be tuned to the six zoo models. Models with constructs the zoo does
 not have, each built from a small config with random weights:
 
 - HF ``T5ForConditionalGeneration``: encoder-decoder, cross-attention, relative position bias,
@@ -9,7 +9,10 @@ not have, each built from a small config with random weights:
   relative-position-index buffer that is not persistent;
 - timm ConvNeXt: depthwise convolutions, channels-last LayerNorm, layer scale;
 - HF Gemma, Gemma2 (sliding-window attention, soft-capping), Phi-3 (fused gate/up), DistilBERT
-  (non-persistent position ids), Whisper (audio encoder-decoder, a frozen position table);
+  (non-persistent position ids), Whisper (audio encoder-decoder, a frozen position table), BLOOM
+  (ALiBi position biases), Falcon (attention and MLP in parallel off one norm, multi-query),
+  GPT-NeoX (rotary on a quarter of each head, parallel residual), ALBERT (one layer's weights
+  shared by every layer, a factorised embedding);
 - timm DeiT, MobileNetV3 (squeeze-excite, hard-swish, batch norm after batch norm), RegNetX;
 - hand-written LSTM and GRU language models.
 
@@ -124,6 +127,16 @@ MODELS = {
     "distilbert": lambda: _hf_lm("DistilBertConfig", "DistilBertForMaskedLM", dim=64, hidden_dim=128, n_layers=2,
                                  n_heads=4, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0),
     "whisper": _whisper,
+    "bloom": lambda: _hf_lm("BloomConfig", "BloomForCausalLM", hidden_size=64, n_layer=2, n_head=4,
+                            hidden_dropout=0.0, attention_dropout=0.0, use_cache=False),
+    "falcon": lambda: _hf_lm("FalconConfig", "FalconForCausalLM", hidden_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0, use_cache=False),
+    "gptneox": lambda: _hf_lm("GPTNeoXConfig", "GPTNeoXForCausalLM", rotary_pct=0.25, hidden_dropout=0.0,
+                              attention_dropout=0.0, **{k: v for k, v in _LM.items() if k != "num_key_value_heads"}),
+    "albert": lambda: _hf_lm("AlbertConfig", "AlbertForMaskedLM", embedding_size=32, hidden_size=64,
+                             intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                             classifier_dropout_prob=0.0),
     "lstm": lambda: _rnn("LSTM"),
     "gru": lambda: _rnn("GRU"),
     "deit-fp64": lambda: _timm("deit_tiny_patch16_224", 32, torch.float64, img_size=32, depth=2),
@@ -136,7 +149,7 @@ MODELS = {
 
 
 #: Models whose free plan at these sizes replicates everything: planned data-parallel instead.
-FORCED = {"gemma": "dp", "gemma2": "dp", "distilbert": "dp", "lstm": "dp", "gru": "dp"}
+FORCED = {"gemma": "dp", "gemma2": "dp", "distilbert": "dp", "lstm": "dp", "gru": "dp", "falcon": "dp", "albert": "dp"}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
