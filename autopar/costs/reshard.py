@@ -216,9 +216,8 @@ def copy_bytes(step: Step, state: Placements, shape: Sequence[int], itemsize: in
     n, k = mesh_shape[step.axis], step.kind
     if n == 1 or k in ("all_reduce", "noop"):
         return 0, 0
-    b = local_bytes(shape, state, mesh_shape, itemsize)
-    if k in ("all_gather", "reduce_scatter", "all_to_all"):
-        local = list(local_shape(shape, state, mesh_shape))
+    local = list(local_shape(shape, state, mesh_shape))
+    b = math.prod(local) * itemsize
     if k == "all_gather":
         return (2 * n * b, 2) if not chunks_are_blocks(local, step.dim) else (0, 0)
     if k == "reduce_scatter":

@@ -55,12 +55,7 @@ def _local_shape(t: torch.Tensor, pls, mesh_shape) -> tuple[int, ...]:
 
 
 def _local(t: torch.Tensor, pls, mesh_shape) -> int:
-    if pls is None:
-        return _nbytes(t.shape, t)
-    try:
-        return _nbytes(pl.local_shape(tuple(t.shape), pls, mesh_shape), t)
-    except ValueError:
-        return _nbytes(t.shape, t)
+    return _nbytes(t.shape if pls is None else _local_shape(t, pls, mesh_shape), t)
 
 
 class _Ctx:

@@ -147,10 +147,11 @@ def _shared_seconds(gp, cfg: Config, low, siblings=None) -> float:
     siblings = siblings or {}
     priced = made = 0.0
     for e in low.edges:
-        if e.consumer not in nodes:
+        share = siblings.get((e.consumer, e.index), 1)
+        if e.consumer not in nodes or (share == 1 and id(e) in makers):  # priced as made: nothing to take off
             continue
         cost = sum(copy_seconds(gp, cfg, nodes, e))
-        priced += cost / siblings.get((e.consumer, e.index), 1)
+        priced += cost / share
         made += cost if id(e) in makers else 0.0
     saved = priced - made
     return 0.0 if abs(saved) <= 1e-9 * max(priced, made) else saved  # rounding of the k shares
