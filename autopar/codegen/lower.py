@@ -406,9 +406,12 @@ class _Lowering:
         f, e = self.lowered.prefetch[cid], self.lowered.edges[self.lowered.copies[cid].edges[0]]
         mod = GatherLaunch(self.ctx, f.axes, f.dim, self.compute_dtype if e.cast else None,
                            f"{e.producer} -> {e.consumer}", unit=f.unit)
+        if self.lowered.stages:  # a stage's forward runs once per micro-batch: not the step's start
+            mod.new_step = False
         name = _attr_name(f"prefetch_{e.producer}", self.taken)
         self.root[name] = mod
         self.tokens[cid] = self.graph.call_module(name, (self.env[self.nodes[e.producer]],))
+        self.tokens[cid].meta["autopar_origin"] = f.launch  # a pipeline runs it in the launch's stage
         self.launchers[cid] = mod
 
     def _tag_region(self, node, last) -> None:

@@ -181,7 +181,8 @@ class Prefetch:
     layer (the outermost module of a ``ModuleList``: ``model.layers.3``); 0 is the first."""
     launch: str
     """The node before which the gather starts: the first use of the unit before (the first node
-    of its checkpoint region, when it is in one); for unit 0, its own first use."""
+    of its checkpoint region, when it is in one); for unit 0, and the first unit of a pipeline
+    stage, its own first use."""
     axes: tuple[int, ...]
     """The sharding-mesh axes it gathers over, ascending: one all-gather over those axes together
     (their ranks flattened in row-major order, which is the order of a dim split on each of them);
@@ -596,15 +597,16 @@ class _Lower:
 
 def _place(raw: list[tuple[Edge, object]], regions: Mapping, stages: Mapping) -> tuple[list[Edge], list[Copy]]:
     """The edges in their consumers' regions and stages, grouped into copies: a parameter's per
-    placement and dtype; an activation's, where shareable, per placement within one region and
-    stage; any other edge its own."""
+    placement, dtype and pipeline stage (a stage never sends another a weight: a tied embedding
+    read by the first and the last stage is gathered by each); an activation's, where shareable,
+    per placement within one region and stage; any other edge its own."""
     edges: list[Edge] = []
     groups: dict[tuple, list[int]] = {}
     for e, shareable in raw:
         region, stage = regions.get(e.consumer), stages.get(e.consumer)
         if shareable == "placeholder":
             # One moved copy of an input (a parameter, a buffer, a user input) per placement and dtype.
-            key = ("placeholder", e.producer, e.dst, e.grad_dst, e.cast)
+            key = ("placeholder", e.producer, e.dst, e.grad_dst, e.cast, stage)
         elif shareable:
             key = ("act", e.producer, e.out_index, e.dst, e.grad_dst, region, stage)
         else:
@@ -669,7 +671,7 @@ def lower(captured, choice: Mapping, mesh, *, params: Mapping | None = None, dty
     low.stage_of, low.choice, low.recompute_map = stages or {}, choice, recompute
     regions = low.regions()
     edges, copies = _place(raw, regions, low.stage_of)
-    fetch = prefetches(captured, edges, copies, params_, regions, low.shape, buckets) if not low.stage_of else {}
+    fetch = prefetches(captured, edges, copies, params_, regions, low.shape, buckets, low.stage_of)
     return Lowered(mesh_shape=low.shape, outputs=low.out_pl, edges=edges, copies=copies, params=params_,
                    buckets=buckets, regions=regions, stages=dict(stages or {}), prefetch=fetch, placer=low)
 
@@ -685,12 +687,17 @@ def unit_key(node) -> str:
 
 
 def prefetches(captured, edges: list[Edge], copies: list[Copy], params: Mapping[str, Param], regions: Mapping,
-               mesh_shape, buckets: list[Bucket] = ()) -> dict[int, Prefetch]:
+               mesh_shape, buckets: list[Bucket] = (), stages: Mapping | None = None) -> dict[int, Prefetch]:
     """The :class:`Prefetch` of every copy that gathers a parameter by all-gathers along one dim
     (one per axis: run as one over the axes together) and hands its gradient back by the matching
     reduce-scatters: FSDP's forward prefetch, one unit (a layer) ahead. The reduced shard is then
     whole (no bucket), or Partial on other axes only and all-reduced there by its bucket (HSDP:
-    sharded in a group, replicated across groups; not a ZeRO-2 bucket)."""
+    sharded in a group, replicated across groups; not a ZeRO-2 bucket).
+
+    ``stages`` (node -> pipeline stage): units never span two stages, and a stage's first unit
+    launches its gathers at its own start (a stage runs one micro-batch at a time, and the layer
+    before it is another rank's): every launch is in its copy's stage."""
+    stages = stages or {}
     nodes = {n.name: n for n in captured.gm.graph.nodes}
     pos = {name: i for i, name in enumerate(nodes)}
     n_copies: dict[str, int] = {}
@@ -722,14 +729,17 @@ def prefetches(captured, edges: list[Edge], copies: list[Copy], params: Mapping[
     out: dict[int, Prefetch] = {}
     starts: list[str] = []
     prev = None
+    stage_at: list = []  # per unit: its stage
     for _, cid, first, step in cands:
-        key = unit_key(nodes[first])
+        key = (stages.get(first), unit_key(nodes[first]))
         if not starts or key != prev:
             r = regions.get(first)
             starts.append(start_of_region[r] if r is not None else first)
+            stage_at.append(key[0])
             prev = key
         k = len(starts) - 1
-        out[cid] = Prefetch(copy=cid, unit=k, launch=starts[k - 1] if k else starts[0], axes=step[0], dim=step[1])
+        ahead = k > 0 and stage_at[k - 1] == stage_at[k]
+        out[cid] = Prefetch(copy=cid, unit=k, launch=starts[k - 1] if ahead else starts[k], axes=step[0], dim=step[1])
     return out
 
 

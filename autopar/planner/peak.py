@@ -432,6 +432,7 @@ def _gathered_early(regions: list[list[str]], lowered) -> dict[str, list[str]]:
     region_of = {name: k for k, names in enumerate(regions) for name in names}
     by_unit: dict[int, list[str]] = {}
     last_region: dict[int, int] = {}
+    stage: dict[int, object] = {}  # unit -> its pipeline stage (units never span two)
     for cid, f in lowered.prefetch.items():
         e = lowered.edges[lowered.copies[cid].edges[0]]
         name = f"{e.producer}->{e.consumer}"
@@ -439,9 +440,10 @@ def _gathered_early(regions: list[list[str]], lowered) -> dict[str, list[str]]:
             continue
         by_unit.setdefault(f.unit, []).append(name)
         last_region[f.unit] = max(last_region.get(f.unit, -1), region_of[name])
+        stage[f.unit] = lowered.stages.get(e.consumer)
     out: dict[str, list[str]] = {}
     for u, r in last_region.items():
-        if u - 1 in by_unit:
+        if u - 1 in by_unit and stage[u - 1] == stage[u]:  # (the unit before another stage's is another rank's)
             out.setdefault(regions[r][-1], []).extend(by_unit[u - 1])
     return out
 

@@ -119,7 +119,10 @@ def pipeline_peaks(gp, strategy_of: dict, mesh, pipeline, *, recompute=frozenset
         for a in n.inputs:
             if a in placeholders and placeholders[a].kind == "param":
                 uses.setdefault(a, set()).add(stage_of[n.name])
+    from autopar.planner.peak import _gathered_early
+
     world = dict(steps=steps, placeholders=placeholders, stage_of=stage_of, regions=regions, m=m,
+                 early=_gathered_early(regions, lowered),
                  received=_received(steps, stage_of, placeholders, n_stages), loss=cap.loss_node.name,
                  shared={a for a, st in uses.items() if len(st) > 1}, ctx=ctx, scaled=scaled,
                  bucketed={a for b in _buckets(lowered, placeholders) for a in b})
@@ -191,9 +194,10 @@ def _rank_replay(world, local: list[int], schedule: str, p: int, optimizer: str,
         keep = [k for v in sent for k in by_name[v].out_keys]
         mine = [dataclasses.replace(mine[0], saved=list(mine[0].saved) + keep)] + mine[1:]
     regions = [r for r in world["regions"] if r[0] in names]
+    early = {at: xs for at, xs in world["early"].items() if at in names}
     state = ReplayState(static=static_bytes(ph, size, optimizer))
     loss = world["loss"] if world["loss"] in names else ""
-    _run_schedule(state, mine, ph, regions, loss, (schedule, p, local[0], m), grad_in, size)
+    _run_schedule(state, mine, ph, regions, loss, (schedule, p, local[0], m), grad_in, size, early)
     # GradSync.finish: gradients of parameters read by no local stage arrive as zeros, then
     # every Partial gradient is copied into its bucket's flat buffer at once
     state.grads += sum(x.nbytes for a, x in ph.items() if x.kind == "param" and a not in used)
@@ -206,13 +210,15 @@ def _rank_replay(world, local: list[int], schedule: str, p: int, optimizer: str,
                           optimizer_state=st["optimizer"], activations=best["acts"], activations_end_of_forward=0)
 
 
-def _run_schedule(state, mine: list, ph: dict, regions: list, loss: str, sched: tuple, grad_in: int, size) -> None:
+def _run_schedule(state, mine: list, ph: dict, regions: list, loss: str, sched: tuple, grad_in: int, size,
+                  early: dict | None = None) -> None:
     """The stage's micro-batches through ``state`` in the schedule's order (``sched``: schedule,
     pipeline ranks, stage, micro-batches). The micro-batches are identical, so not all of them
     are replayed: 1F1B repeats one backward-forward cycle once the gradients exist (two cycles
     past the warm-up reach every peak); GPipe's i-th forward and backward differ only by the
     saved activations of the micro-batches still in flight, which two replayed micro-batches
-    plus the saved bytes of the others reproduce (later backwards hold less)."""
+    plus the saved bytes of the others reproduce (later backwards hold less). ``early``: the
+    ZeRO-3 gathers each micro-batch's backward starts ahead (``peak._gathered_early``)."""
     from profiler.memory import Checkpoints, replay_backward, replay_forward
 
     schedule, p, stage, m = sched
@@ -222,7 +228,8 @@ def _run_schedule(state, mine: list, ph: dict, regions: list, loss: str, sched: 
     for kind, i in _actions(schedule, p, stage, m_run):
         if kind == "F":
             nodes = _renamed(mine, i, fixed)
-            ck = Checkpoints(nodes, ph, [[f"{x}#{i}" for x in r] for r in regions])
+            ck = Checkpoints(nodes, ph, [[f"{x}#{i}" for x in r] for r in regions],
+                             {f"{at}#{i}": [f"{x}#{i}" for x in xs] for at, xs in (early or {}).items()})
             runs[i] = (nodes, ck)
             before = state.live_bytes
             replay_forward(nodes, ph, f"{loss}#{i}" if loss else "", size, state, ck)

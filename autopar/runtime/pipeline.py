@@ -279,6 +279,9 @@ class PipelineRunner:
         kwargs = {}
         if last:
             kwargs = {"target": torch.zeros(batch, device=self.device), "losses": losses}
+        from autopar.runtime.prefetch import BackwardGathers
+
+        BackwardGathers.reset()  # the stages' backward prefetch registers afresh in this step's forwards
         self.schedule.step(*args, **kwargs)
         combine = torch.sum if getattr(self, "loss_sum", False) else torch.mean  # how the loss combines
         loss = (combine(torch.stack([x.detach() for x in losses])) if last

@@ -74,6 +74,10 @@ class GatherLaunch(nn.Module):
     launched = 0
     """Gathers this process started ahead (a count for tests and reports)."""
 
+    new_step = True
+    """Unit 0's forward starts a step (a flat plan). A pipeline's stages run their forward once per
+    micro-batch: the step resets the backward prefetch itself (``autopar.runtime.pipeline``)."""
+
     def __init__(self, ctx, axes: tuple[int, ...], dim: int, dtype=None, what: str = "", unit: int = 0):
         super().__init__()
         self.ctx, self.axes, self.dim, self.dtype, self.what, self.unit = ctx, tuple(axes), dim, dtype, what, unit
@@ -83,7 +87,7 @@ class GatherLaunch(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> Gathering:
-        if self.unit == 0:  # a new forward: what the last one left for backward is dropped
+        if self.unit == 0 and self.new_step:  # a new forward: what the last one left for backward is dropped
             BackwardGathers.reset()
         return self.start(x)
 
@@ -104,31 +108,47 @@ class BackwardGathers:
     """Backward prefetch of the gathers recomputed regions make again (FSDP's backward prefetch).
 
     In the forward, each prefetched weight used inside a checkpointed region registers under its
-    unit (:meth:`register`). In backward, when a region recomputes a unit's first weight, the gathers
-    of the unit before it (the next to recompute) start (:meth:`start`), each kept on its
-    ``ReshardModule`` (``bwd_gather``) until that module recomputes and takes it."""
+    unit (:meth:`register`, once per module: the micro-batches of a pipeline stage register the
+    same shards). In backward, when a region recomputes a unit's first weight, the gathers of the
+    unit before it (the next to recompute) start (:meth:`start`), each kept on its
+    ``ReshardModule`` (``bwd_gather``) until that module recomputes and takes it. The
+    registrations hold until the next step's first forward (every micro-batch's backward gathers
+    ahead: the shards are the same parameters until the optimizer steps, and a gather reads them
+    when it starts); a gather started and not taken is dropped at the end of its backward
+    (:meth:`drop_started`), so none outlives the step it was made in."""
 
-    units: dict[int, list] = {}
+    units: dict[int, dict] = {}
     started: list = []
+    begun: set = set()
+    """Units whose gathers this backward started."""
     launched = 0
     """Gathers this process started ahead in backward (a count for tests and reports)."""
 
     @classmethod
     def register(cls, unit: int, mod, x: torch.Tensor) -> None:
-        cls.units.setdefault(unit, []).append((mod, x))
+        cls.units.setdefault(unit, {})[id(mod)] = (mod, x)
 
     @classmethod
     def start(cls, unit: int) -> None:
-        for mod, x in cls.units.pop(unit, ()):
+        """Start the gathers of ``unit``, once in a backward (each of the next unit's modules asks)."""
+        if unit in cls.begun:
+            return
+        cls.begun.add(unit)
+        for mod, x in cls.units.get(unit, {}).values():
             mod.bwd_gather = mod.launcher[0].start(x)
             cls.started.append(mod)
             cls.launched += 1
 
     @classmethod
-    def reset(cls) -> None:
+    def drop_started(cls) -> None:
         for mod in cls.started:
             mod.bwd_gather = None
-        cls.units, cls.started = {}, []
+        cls.started, cls.begun = [], set()
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.drop_started()
+        cls.units = {}
 
 
 class _InFlight:
@@ -162,7 +182,7 @@ class _InFlight:
     def flush(cls) -> None:
         cls.queued = None
         cls.wait()
-        BackwardGathers.reset()
+        BackwardGathers.drop_started()
 
 
 def reduce_async(param: torch.Tensor, grad: torch.Tensor, axes: tuple[int, ...], dim: int, dm, unit,

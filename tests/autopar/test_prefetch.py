@@ -74,12 +74,41 @@ def test_gathers_start_one_layer_ahead():
     assert "prefetch copy" in str(low)
 
 
-def test_no_prefetch_without_zero3_or_in_pipelines():
-    """Replicated or tensor-parallel weights gather nothing; a pipeline's stages gather in place."""
+def test_no_prefetch_without_zero3():
+    """Replicated or tensor-parallel weights gather nothing."""
     cap = _cap("llama")
     assert not lower_plan(cap, _plan("llama", (2, 2), (("dp", 2), ("tp", 2)))).prefetch
+
+
+def test_pipeline_stages_prefetch_their_own_layers():
+    """ZeRO-3 in pipeline stages: every stage's weights are prefetched a layer ahead inside the
+    stage (a launch is always in its copy's stage: the layer before a stage's first is another
+    rank's, so that one launches at its own start), and a weight two stages read (GPT-2's tied
+    embedding and head) is gathered by each: no stage sends another a weight."""
+    tied = _plan("gpt2", (2, 2), (("pp", 2), ("dp", 2), ("zero", 3)))
+    low = lower_plan(_cap("gpt2"), tied)
+    wte = [c for c in low.copies if c.producer == "p_model_lm_head_weight"]
+    assert sorted(low.edges[c.edges[0]].stage for c in wte) == [0, 1], wte
+    assert all(c.id in low.prefetch for c in wte)
+    cap = _cap("llama")
     pipe = _plan("llama", (2, 2), (("pp", 2), ("dp", 2), ("zero", 3)))
-    assert pipe.pipeline is not None and not lower_plan(cap, pipe).prefetch
+    assert pipe.pipeline is not None
+    low = lower_plan(cap, pipe)
+    assert low.prefetch
+    nodes = {n.name: n for n in cap.gm.graph.nodes}
+    pos = {name: i for i, name in enumerate(nodes)}
+    first: dict[int, str] = {}
+    for cid in sorted(low.prefetch, key=lambda c: pos[low.edges[low.copies[c].edges[0]].consumer]):
+        f, e = low.prefetch[cid], low.edges[low.copies[cid].edges[0]]
+        assert low.stages[f.launch] == low.stages[e.consumer], (f, e.consumer)
+        first.setdefault(f.unit, e.consumer)
+    stage_of_unit = {u: low.stages[c] for u, c in first.items()}
+    assert set(stage_of_unit.values()) == {0, 1}
+    for cid, f in low.prefetch.items():
+        ahead = f.unit > 0 and stage_of_unit[f.unit - 1] == stage_of_unit[f.unit]
+        assert f.launch == (first[f.unit - 1] if ahead else first[f.unit]), (f, first)
+    for c in low.copies:  # no copy of a weight serves two stages
+        assert len({low.edges[k].stage for k in c.edges}) == 1
 
 
 def test_pricing_hides_at_most_the_prefetched_collectives():

@@ -59,6 +59,12 @@ CASES = {
     # synchronously inside the recomputed layers, gradients reduce-scattered asynchronously.
     "llama fsdp4 x tp2 every layer recomputed": ("llama", (4, 2), ("dp", "tp"),
                                                  {"dp": 4, "tp": 2, "zero": 3, "recompute": "full"}),
+    # ... in pipeline stages of micro-batches: each stage prefetches its own layers' gathers
+    # (its first layer's at its own start) and reduce-scatters asynchronously, per micro-batch.
+    "llama pp2 x fsdp2 x tp2": ("llama", (2, 2, 2), ("pp", "dp", "tp"), {"pp": 2, "dp": 2, "tp": 2, "zero": 3}),
+    # (four layers: two a stage, so that a stage's recomputed layer has one before it to gather ahead)
+    "gpt2 pp2 x fsdp4 every layer recomputed": ("gpt2@layers=4", (2, 4), ("pp", "dp"),
+                                                {"pp": 2, "dp": 4, "zero": 3, "recompute": "full", "schedule": "1f1b"}),
 }
 #: The sweep (``-m slow``, run by ``benchmarks/nd_sweep.sh``): every zoo model on 2 x 2 x 2
 #: (pp x dp x tp), and on dp x tp those a pipeline cannot run exactly (a training batch norm
@@ -183,11 +189,11 @@ def _trains_like_one_device(pool8, label, case):
         assert all(n[0 if routes else 1] > 0 for n in sent), sent
     else:
         assert not any(n[0] for n in sent), sent
-    # ZeRO-3 without a pipeline: every rank started its weight gathers ahead and its gradient
-    # reduce-scatters asynchronously (autopar.runtime.prefetch); other plans never do
+    # ZeRO-3, flat or in pipeline stages: every rank started its weight gathers ahead and its
+    # gradient reduce-scatters asynchronously (autopar.runtime.prefetch); other plans never do
     # (and, where layers are recomputed, the gathers of the layer recomputed next in backward)
     fetched = [tuple(a - b for a, b in zip(now, was)) for now, was in zip(pool8.run("nd_workers:prefetches"), fetched)]
-    zero3 = layout.get("zero") == 3 and not layout.get("pp")
+    zero3 = layout.get("zero") == 3
     assert all(f[0] > 0 and f[1] > 0 for f in fetched) if zero3 else not any(any(f) for f in fetched), fetched
     if zero3:
         assert all((f[2] > 0) == (layout.get("recompute") == "full") for f in fetched), fetched
