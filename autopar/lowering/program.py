@@ -528,9 +528,10 @@ class _Lower:
         return out
 
     # ---------------------------------------------------------------- edges
-    def raw_edges(self, pgrads) -> list[tuple[Edge, object]]:
+    def raw_edges(self, pgrads, weights_only: bool = False) -> list[tuple[Edge, object]]:
         """Every moving edge with its steps, before regions and stages place it: (edge, how its
-        copy may be shared: ``"placeholder"``, True for an activation, False)."""
+        copy may be shared: ``"placeholder"``, True for an activation, False); ``weights_only``:
+        the parameters' edges alone."""
         raw: list[tuple[Edge, object]] = []
 
         def add(prod, consumer, index, idx, src, dst, gsrc, gdst, shareable):
@@ -576,6 +577,8 @@ class _Lower:
             for i, prod in enumerate(node.all_input_nodes):
                 if not tensor_vals(prod) or len(tensor_vals(prod)) > 1:
                     continue  # a whole tuple passes as it is
+                if weights_only and (prod.op != "placeholder" or self.kinds.get(prod.name) != "param"):
+                    continue
                 outs = self.outputs(prod)
                 if not outs:
                     continue
@@ -588,7 +591,7 @@ class _Lower:
                 add(prod, node, i, 0, outs[0], pls[i], gsrc, grads[i], shareable)
         out = next((n for n in self.cap.gm.graph.nodes if n.op == "output"), None)
         loss = getattr(self.cap, "loss_node", None)
-        if out is not None:
+        if out is not None and not weights_only:
             loss = loss if loss is not None else _first_output(out)
             src = self.outputs(loss)[0]
             add(loss, out, 0, 0, src, self.R(), pl.grad_placements(src), self.R(), False)
@@ -641,7 +644,7 @@ def _first_output(node):
 def lower(captured, choice: Mapping, mesh, *, params: Mapping | None = None, dtype: str = "float32",
           grad_reduce: str = "fp32", zero: tuple | None = None, stages: Mapping | None = None,
           bucket_bytes: int = GRAD_BUCKET_BYTES, recompute=None, chunks: Mapping | None = None,
-          cache_key=None, keep=None) -> Lowered:
+          cache_key=None, keep=None, weights_only: bool = False) -> Lowered:
     """The :class:`Lowered` program of ``choice`` (node name -> :class:`Chosen`, or a
     ``Strategy``: placements per node, with ``recompute``/``segment``/``chunks`` where known) on
     ``mesh`` (the sharding mesh, an ``autopar.Mesh``) for ``captured`` (a
@@ -651,8 +654,13 @@ def lower(captured, choice: Mapping, mesh, *, params: Mapping | None = None, dty
     ``chunks`` (name -> k), where ``choice`` does not carry them. ``cache_key``: a hashable key that stands for
     everything here but ``stages`` and the recompute marks (a replay of one sharding under several
     pipeline cuts reuses the edges; the caller keeps the key honest, and passes in ``keep`` the
-    objects whose ids it holds)."""
+    objects whose ids it holds). ``weights_only``: the program's parameter copies alone (their
+    edges, copies and prefetches; the regions in full): what pricing a pipeline cut's gathers
+    reads (``autopar.planner.pipeline``), not a program to run."""
     hit = _CACHE.get(cache_key) if cache_key is not None else None
+    if hit is None and weights_only and cache_key is not None:
+        cache_key = (*cache_key, "weights")
+        hit = _CACHE.get(cache_key)
     if hit is None:
         low = _Lower(captured, choice, mesh, params=params, dtype=dtype, grad_reduce=grad_reduce, zero=zero,
                      stages=stages, bucket_bytes=bucket_bytes)
@@ -662,7 +670,7 @@ def lower(captured, choice: Mapping, mesh, *, params: Mapping | None = None, dty
                 low.outputs(node)
         pgrads = low.param_grads()
         params_, buckets = low.params_and_buckets(pgrads)
-        hit = (low, params_, buckets, low.raw_edges(pgrads))
+        hit = (low, params_, buckets, low.raw_edges(pgrads, weights_only))
         if cache_key is not None:
             _CACHE[cache_key] = hit + (keep,)  # keeps alive the objects whose ids the key holds
             while len(_CACHE) > 4:
@@ -670,7 +678,7 @@ def lower(captured, choice: Mapping, mesh, *, params: Mapping | None = None, dty
     low, params_, buckets, raw = hit[:4]
     low.stage_of, low.choice, low.recompute_map = stages or {}, choice, recompute
     regions = low.regions()
-    edges, copies = _place(raw, regions, low.stage_of)
+    edges, copies = _place([r for r in raw if r[0].param] if weights_only else raw, regions, low.stage_of)
     fetch = prefetches(captured, edges, copies, params_, regions, low.shape, buckets, low.stage_of)
     return Lowered(mesh_shape=low.shape, outputs=low.out_pl, edges=edges, copies=copies, params=params_,
                    buckets=buckets, regions=regions, stages=dict(stages or {}), prefetch=fetch, placer=low)

@@ -387,7 +387,7 @@ def lower_choice(ctx: _Ctx, recompute, chunks, stages=None, bucket_bytes: int = 
 
 
 def lower_strategies(gp, strategy_of: dict, mesh, *, recompute, chunks, dtype: str = "float32", zero=None,
-                     stages=None, bucket_bytes: int = GRAD_BUCKET_BYTES):
+                     stages=None, bucket_bytes: int = GRAD_BUCKET_BYTES, weights_only: bool = False):
     """:func:`autopar.lowering.program.lower` of a solver's choice (node -> ``Strategy``). The edges
     do not depend on the stages or the recompute marks: one sharding replayed under several
     pipeline cuts and micro-batch counts, and read back, lowers its edges once."""
@@ -396,7 +396,8 @@ def lower_strategies(gp, strategy_of: dict, mesh, *, recompute, chunks, dtype: s
     key = (id(gp), tuple((n, id(s)) for n, s in strategy_of.items()), tuple(sorted((chunks or {}).items())),
            mesh, dtype, zero, bucket_bytes)
     return lower(gp.captured, strategy_of, mesh, dtype=dtype, zero=zero, stages=stages, bucket_bytes=bucket_bytes,
-                 recompute=recompute, chunks=chunks or {}, cache_key=key, keep=list(strategy_of.values()))
+                 recompute=recompute, chunks=chunks or {}, cache_key=key, keep=list(strategy_of.values()),
+                 weights_only=weights_only)
 
 
 def rank_peak(gp, strategy_of: dict, mesh, *, recompute=frozenset(), optimizer: str = "adamw",

@@ -319,6 +319,10 @@ def _finish(gp, cfg: Config, units, axis: int, best: dict):
         bd[k] = float(bd[k] * busy / total) if total > 0 else 0.0
     bd["bubble"] = float(best["cost"].bubble_time)
     bd["grad_sync"] = float(best["sync"])
+    if best.get("hidden"):  # the busiest device's step: in the parts above, taken off its stages' times
+        bd["prefetch_hidden"] = float(best["hidden"])
+    if best.get("regather"):
+        bd["recompute_regather"] = float(best["regather"])
     plan.options["stage_times"] = [float(x) * m for x in best["dev_times"]]
     plan.options["stage_memory"] = best["split"]
     # The memory split is what one device holds: the busiest pipeline rank at its peak (to_plan
@@ -423,6 +427,7 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int, peaks:
     p = cfg.mesh.shape[axis]
     shared = _shared_params(gp, built, sol, units, _sub_mesh(cfg.mesh, axis)[1].shape)
     found = []
+    streams = None  # per stage (hidden, regathered) seconds; False once none has any
     for sched in cfg.schedule_choices or SCHEDULE_CHOICES:
         vs = [1] if sched != "interleaved-1f1b" else [v for v in (cfg.virtual_choices or (2, 4))
                                                       if p * v <= len(units)]
@@ -441,7 +446,16 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int, peaks:
             if part is None:
                 continue
             chunks = [[part.bounds[c] for c in range(d, p * v, p)] for d in range(p)]
-            dev_times = [sum(part.stage_times[c] for c in range(d, p * v, p)) for d in range(p)]
+            times = list(part.stage_times)
+            hid = again = [0.0] * len(times)
+            if streams is not False:  # each stage's prefetched gathers and regathers (ZeRO-3)
+                streams = _stage_streams(gp, cfg, built, sol, units, part.bounds, axis)
+                if streams is not None:
+                    hid, again = streams
+                    times = [x - h + a for x, h, a in zip(times, hid, again)]
+                else:
+                    streams = False  # nothing is gathered: no cut of this sharding has any
+            dev_times = [sum(times[c] for c in range(d, p * v, p)) for d in range(p)]
             cost = solver.pipeline.schedule_cost(sched, dev_times, m, virtual_stages=v)
             split = []
             for d in range(p):
@@ -453,8 +467,11 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int, peaks:
             sync = max(sum(once[lo:hi].sum() for lo, hi in chunks[d]) for d in range(p))
             sync += sum(collective_time("all_reduce", b, cfg.mesh, (axis,))
                         for us, b in shared if len({stage_of[k] for k in us}) > 1)
+            busiest = max(range(p), key=dev_times.__getitem__)
+            mine = range(busiest, p * v, p)
             found.append(dict(sched=sched, m=m, v=v, bounds=part.bounds, cost=cost, step=cost.step_time + sync,
-                              sync=sync, peak=peak, dev_times=dev_times, split=split))
+                              sync=sync, peak=peak, dev_times=dev_times, split=split,
+                              hidden=m * sum(hid[c] for c in mine), regather=m * sum(again[c] for c in mine)))
     found.sort(key=lambda f: (f["step"], f["peak"]))
     if cfg.memory_budget is None:
         return found[0] if found else None
@@ -471,15 +488,11 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int, peaks:
     return None
 
 
-def _replayed_peak(gp, cfg: Config, built, sol, units, bounds, sched: str, m: int, v: int, axis: int):
-    """The largest per-rank peak of the candidate (``autopar.planner.stage_memory.pipeline_peaks``)
-    and, per rank of the pipeline axis, its split at that rank's peak (``params``: parameters,
-    buffers, gradients and optimizer state; ``activations``: the rest), which add up to it."""
+def _recompute_marks(gp, built, sol) -> dict:
+    """Node -> checkpointed segment of the solution, as ``to_plan`` marks them (a checkpointed
+    layer's every member, one region)."""
     from autopar.planner.readback import layer_members
-    from autopar.planner.overlap import chunk_counts
-    from autopar.planner.stage_memory import pipeline_peaks
 
-    pick = choices(built, sol)
     segs = {s.id: s for s in built.problem.segments}
     seg_of: dict[str, str] = {}  # checkpointed leader -> its segment, as ``to_plan`` writes them
     for sid in sol.checkpointed:
@@ -488,6 +501,56 @@ def _replayed_peak(gp, cfg: Config, built, sol, units, bounds, sched: str, m: in
     recompute = {n: seg_of[built.leader[n]] for n in built.order if built.leader[n] in seg_of}
     for sid in sol.checkpointed:  # as ``to_plan`` marks them: the whole layer, one region
         recompute.update((n, sid) for n in layer_members(gp, sid) if n in built.priced and n not in recompute)
+    return recompute
+
+
+def _stage_streams(gp, cfg: Config, built, sol, units, bounds, axis: int):
+    """Per stage of the cut ``bounds``, seconds of one micro-batch that its prefetched ZeRO-3
+    gathers and in-flight reduce-scatters hide behind its compute, and seconds its recomputed
+    layers spend gathering their weights again (``autopar.planner.streams.overlap`` of the stage
+    alone, as the runtime runs each stage: ``autopar.runtime.prefetch``); None when the sharding
+    gathers no weight."""
+    from autopar.planner.build import zero_spec
+    from autopar.planner.overlap import chunk_counts
+    from autopar.planner.peak import lower_strategies
+    from autopar.planner.streams import stage_overlaps
+
+    key = (id(built), id(sol), tuple(bounds), axis, cfg.mesh, cfg.dtype)
+    if key in _STREAMS:
+        return _STREAMS[key][0]
+    pick = choices(built, sol)
+    sub = _sub_mesh(cfg.mesh, axis)[1]
+    planned = set(built.order)
+    stages = [[n for k in range(lo, hi) for n in units[k] if n in planned] for lo, hi in bounds]
+    plan_stage = {n: c for c, st in enumerate(stages) for n in st}
+    low = lower_strategies(gp, {n: built.priced[n].strategies[pick[n]] for n in built.order}, sub,
+                           recompute=_recompute_marks(gp, built, sol), chunks=chunk_counts(built.overlap, pick),
+                           dtype=cfg.dtype, zero=zero_spec(cfg), stages=plan_stage, weights_only=True)
+    out = None
+    if low.prefetch or any(e.param and e.region is not None and any(s.kind == "all_gather" for s in e.forward)
+                           for e in low.makers()):
+        ovs = stage_overlaps(gp, dataclasses.replace(cfg, mesh=sub), built, pick, low, stages)
+        out = [ov.hidden for ov in ovs], [ov.regather for ov in ovs]
+    _STREAMS[key] = (out, built, sol)  # (keeps alive the objects whose ids the key holds)
+    while len(_STREAMS) > 64:
+        _STREAMS.pop(next(iter(_STREAMS)))
+    return out
+
+
+_STREAMS: dict[tuple, tuple] = {}
+"""(sharding, solution, cut) -> :func:`_stage_streams`' answer: a pipeline search prices one cut
+under several schedules and twice (its bound, then under the budget)."""
+
+
+def _replayed_peak(gp, cfg: Config, built, sol, units, bounds, sched: str, m: int, v: int, axis: int):
+    """The largest per-rank peak of the candidate (``autopar.planner.stage_memory.pipeline_peaks``)
+    and, per rank of the pipeline axis, its split at that rank's peak (``params``: parameters,
+    buffers, gradients and optimizer state; ``activations``: the rest), which add up to it."""
+    from autopar.planner.overlap import chunk_counts
+    from autopar.planner.stage_memory import pipeline_peaks
+
+    pick = choices(built, sol)
+    recompute = _recompute_marks(gp, built, sol)
     planned = set(built.order)
     stages = [[n for k in range(lo, hi) for n in units[k] if n in planned] for lo, hi in bounds]
     pipe = Pipeline(axis=axis, stages=stages, microbatches=m, schedule=sched, virtual_stages=v)

@@ -155,8 +155,10 @@ def gathers_again(lowered, reshard_after_forward: bool, gp=None, nodes=None) -> 
         else:
             continue
         out.append((e, lowered.prefetch.get(e.copy), kind))
-    units = {f.unit for _, f, _ in out if f is not None}
-    return [(e, f, kind, f is not None and f.unit + 1 in units) for e, f, kind in out]
+    stage = {f.unit: lowered.stages.get(e.consumer) for e, f, _ in out if f is not None}
+    # (the unit after a pipeline stage's last is another rank's: nothing starts this one's ahead)
+    return [(e, f, kind, f is not None and f.unit + 1 in stage and stage[f.unit + 1] == stage[f.unit])
+            for e, f, kind in out]
 
 
 def gathers_again_charged(gp, cfg, lowered, nodes, reshard_after_forward: bool) -> list:
@@ -174,17 +176,40 @@ def raf_regather_seconds(gp, cfg, lowered) -> float:
     return sum(g for _, _, kind, g in gathers_again_charged(gp, cfg, lowered, nodes, True) if kind == "raf")
 
 
-def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = False) -> Overlap:
+def stage_overlaps(gp, cfg, built, pick, lowered, stages: list) -> list[Overlap]:
+    """:func:`overlap` of each pipeline stage (``stages``: lists of node names) of ``lowered``
+    (lowered with those stages), sharing the work the stages have in common."""
+    shared: dict = {}
+    return [overlap(gp, cfg, built, pick, lowered, only=set(st), shared=shared) for st in stages]
+
+
+def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = False, only=None,
+            shared: dict | None = None) -> Overlap:
     """The :class:`Overlap` of a flat plan (``pick``: node -> strategy index of ``built``;
-    ``lowered``: its lowered program)."""
-    fetch = lowered.prefetch
-    gathers_again = [e for e in lowered.makers() if e.param and e.region is not None
-                     and any(s.kind == "all_gather" for s in e.forward)]
-    buckets = _bucket_sums(gp, cfg, lowered)
+    ``lowered``: its lowered program), or with ``only`` (the nodes of one pipeline stage) of one
+    micro-batch through that stage: its own gathers, reduce-scatters and regathers (a stage's
+    weights are gathered in it, :func:`autopar.lowering.program.prefetches`), without gradient
+    buckets (a pipeline syncs once per step, after every micro-batch). ``shared``: a dict kept
+    across calls on the same program (:func:`stage_overlaps`)."""
+    def mine(e) -> bool:
+        return only is None or e.consumer in only
+
+    shared = {} if shared is None else shared
+    fetch = {cid: f for cid, f in lowered.prefetch.items() if mine(lowered.edges[lowered.copies[cid].edges[0]])}
+    if "again" not in shared:
+        shared["again"] = [e for e in lowered.makers() if e.param and e.region is not None
+                           and any(s.kind == "all_gather" for s in e.forward)]
+    gathers_again = [e for e in shared["again"] if mine(e)]
+    buckets = _bucket_sums(gp, cfg, lowered) if only is None else []
     if not fetch and not gathers_again and not buckets:
         return Overlap()
-    nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
-    order = [n for n in built.order if n in nodes and nodes[n].op == "call_function"]
+    if "nodes" not in shared:
+        nodes = shared["nodes"] = {n.name: n for n in gp.captured.gm.graph.nodes}
+        shared["order"] = [n for n in built.order if n in nodes and nodes[n].op == "call_function"]
+        shared["charged"] = gathers_again_charged(gp, cfg, lowered, nodes, reshard_after_forward)
+        shared["secs"] = {}
+    nodes = shared["nodes"]
+    order = shared["order"] if only is None else [n for n in shared["order"] if n in only]
     fwd, bwd = {}, {}
     for n in order:
         opt, s = built.priced[n], pick[n]
@@ -200,7 +225,9 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
     again_region: dict[int, int] = {}  # unit -> the last of its regions (the first to recompute)
     again_point: dict[int, str] = {}  # unit -> where backward gathers it again (first reached)
     pos = {n: i for i, n in enumerate(order)}
-    for e, f, kind, g in gathers_again_charged(gp, cfg, lowered, nodes, reshard_after_forward):
+    for e, f, kind, g in shared["charged"]:
+        if not mine(e):
+            continue
         if kind == "region":
             regather += g
         if f is None:
@@ -225,9 +252,12 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
         e = lowered.edges[lowered.copies[cid].edges[0]]
         launch_at.setdefault(f.launch, []).append(cid)
         first_use.setdefault(e.consumer, []).append(cid)
-        secs[cid] = copy_seconds(gp, cfg, nodes, e, f)
-        # The ILP priced the edge's own steps; the runtime runs the joint collectives instead.
-        joint_saved += max(0.0, sum(copy_seconds(gp, cfg, nodes, e)) - sum(secs[cid]))
+        if cid not in shared["secs"]:
+            joint = copy_seconds(gp, cfg, nodes, e, f)
+            # The ILP priced the edge's own steps; the runtime runs the joint collectives instead.
+            shared["secs"][cid] = joint, max(0.0, sum(copy_seconds(gp, cfg, nodes, e)) - sum(joint))
+        secs[cid], saved_here = shared["secs"][cid]
+        joint_saved += saved_here
         stall[cid] = max(float(cfg.mesh.links[a].compute_share) for a in f.axes)
     # region -> its nodes' forward seconds, recomputed before the region's backward
     region_fwd: dict[int, float] = {}

@@ -259,3 +259,49 @@ def test_fsdp_over_two_axes_gathers_jointly_whatever_route_its_edges_take(mesh):
         joint, route = copy_seconds(gp, cfg, nodes, e, low.prefetch[cid]), copy_seconds(gp, cfg, nodes, e)
         assert 0 < joint[0] <= route[0] and 0 < joint[1] <= route[1], (joint, route)
     _trains_with_gathers_ahead(ex, plan, mesh)
+
+
+def test_pipeline_stages_price_their_prefetch(monkeypatch):
+    """A pipeline's ZeRO-3 stages are priced as they run: each stage's step takes off what its
+    own prefetch hides (never more than the gathers and reduce-scatters of the busiest device's
+    stages, per micro-batch) and adds what its recomputed layers gather again; priced blocking
+    (the stages' timelines switched off) the same layout is slower."""
+    import autopar
+    import profiler
+    from autopar.mesh import Mesh
+    from autopar.planner import pipeline
+    from autopar.planner.streams import copy_seconds
+
+    ex = _example("llama")
+    gp = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
+    layouts = {"pp2 x fsdp2 x tp2": (("pp", 2), ("dp", 2), ("tp", 2), ("zero", 3), ("recompute", "none")),
+               "pp2 x fsdp2 x tp2 recomputed": (("pp", 2), ("dp", 2), ("tp", 2), ("zero", 3), ("recompute", "full"),
+                                                ("schedule", "1f1b"))}
+    for label, layout in layouts.items():
+        plan = _plan("llama", (2, 4), layout, "a100")
+        assert plan.pipeline is not None and len(plan.pipeline.stages) == 2, label
+        low = lower_plan(gp.captured, plan)
+        cfg = _Cfg(plan)
+        cfg.mesh = cfg.mesh.replace(shape=cfg.mesh.shape[1:], axis_names=cfg.mesh.axis_names[1:],
+                                    links=cfg.mesh.links[1:])  # the stages' sharding mesh
+        m = plan.pipeline.microbatches
+        busiest = max(range(2), key=plan.options["stage_times"].__getitem__)
+        comm = sum(sum(copy_seconds(gp, cfg, nodes, low.edges[low.copies[c].edges[0]], f))
+                   for c, f in low.prefetch.items() if low.stages[low.edges[low.copies[c].edges[0]].consumer] == busiest)
+        again = [e for e in low.makers() if e.param and e.region is not None and low.stages[e.consumer] == busiest
+                 and any(s.kind == "all_gather" for s in e.forward)]
+        hidden = plan.breakdown.get("prefetch_hidden", 0.0)
+        regather = plan.breakdown.get("recompute_regather", 0.0)
+        assert 0.0 < hidden <= m * (comm + sum(copy_seconds(gp, cfg, nodes, e)[0] for e in again)) * (1 + 1e-9), \
+            (label, hidden, comm)
+        assert (regather > 0) == bool(again), (label, regather)
+        with monkeypatch.context() as mp, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mp.setattr(pipeline, "_stage_streams", lambda *a, **k: None)
+            blocking = autopar.plan(ex.model, Mesh((2, 4), axis_names=("dp", "tp"), cluster="a100"), ex.args,
+                                    example_kwargs=ex.kwargs, loss_fn=ex.loss_fn, target=ex.target,
+                                    layout=dict(layout))
+        assert "prefetch_hidden" not in blocking.breakdown
+        if not again:  # (a recomputed plan priced blocking also leaves out its regathers)
+            assert blocking.step_time > plan.step_time, (label, blocking.step_time, plan.step_time)
