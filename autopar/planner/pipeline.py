@@ -253,6 +253,10 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
             found = _best_schedule(gp, c_cfg, built, sol, units, axis, m)
             if found is None and cfg.checkpoint and not cfg.checkpoint_every and built.problem.segments:
                 found, sol = _recompute_to_fit(gp, c_cfg, built, units, axis, m)
+                if found is not None:  # each stage recomputes for its own micro-batches in flight
+                    own = _per_stage_recompute(gp, c_cfg, built, sol, units, axis, dict(found, m=m))
+                    if own is not None:
+                        found, sol = own
         if found is None:
             continue
         found = dict(found, built=built, sol=sol, sub_cfg=sub_cfg, cfg=c_cfg)
@@ -373,6 +377,60 @@ def _recompute_to_fit(gp, cfg: Config, built, units, axis: int, m: int):
             return None, None
         share *= 0.97 * cfg.memory_budget / min(seen)
     return None, None
+
+
+def _per_stage_recompute(gp, cfg: Config, built, sol, units, axis: int, found: dict):
+    """The found plan's stages each recompute what their own micro-batches in flight need: a
+    shared stage row (:func:`_stage_problem`) sizes every stage for the most micro-batches any
+    holds (the 1F1B first stage's), so later stages, holding fewer, recompute layers they need
+    not. Per device of the pipeline axis, with the sharding of ``sol`` (tied across layers: one
+    choice), layers are recomputed greedily by bytes saved per second added until its linear
+    figure (resident + in flight x saved) fits the budget; the cut and schedule are then priced
+    again and replayed (:func:`_best_schedule`, the found schedule). The result when it fits and
+    is faster, else None."""
+    p, m, v = cfg.mesh.shape[axis], found["m"], found["v"]
+    seg_of_unit: dict[int, str] = {}
+    unit_of = {n: k for k, u in enumerate(units) for n in u}
+    for g in built.problem.segments:
+        seg_of_unit.setdefault(unit_of[g.nodes[0]], g.id)
+    if not seg_of_unit:
+        return None
+    bare = dataclasses.replace(sol, checkpointed=())
+    every = dataclasses.replace(sol, checkpointed=tuple(g.id for g in built.problem.segments))
+    t0, _, mem, act0, _ = _unit_figures(built, bare, units, m)
+    t1, _, _, act1, _ = _unit_figures(built, every, units, m)
+    flight = solver.pipeline.in_flight(found["sched"], p, m, v)
+    bounds = found["bounds"]
+    target = cfg.memory_budget
+    sched_cfg = dataclasses.replace(cfg, schedule_choices=(found["sched"],),
+                                    virtual_choices=(v,) if found["sched"] == "interleaved-1f1b" else cfg.virtual_choices)
+    for _ in range(_STAGE_ROUNDS):
+        chosen: list[str] = []
+        for d in range(p):
+            ks = [k for c in range(d, p * v, p) for k in range(*bounds[c])]
+            f = flight[d]
+            need = sum(mem[k] for k in ks) + f * sum(act0[k] for k in ks) - target
+            gain = sorted((k for k in ks if k in seg_of_unit and act0[k] > act1[k]),
+                          key=lambda k: -(act0[k] - act1[k]) / max(t1[k] - t0[k], 1e-12))
+            for k in gain:
+                if need <= 0:
+                    break
+                chosen.append(seg_of_unit[k])
+                need -= f * (act0[k] - act1[k])
+        segs = [g.id for g in built.problem.segments if g.id in set(chosen)]
+        if set(segs) == set(sol.checkpointed):
+            return None
+        ev = solver.evaluate(built.problem, sol.choice, segs)
+        trial = dataclasses.replace(sol, checkpointed=tuple(segs), objective=ev.objective, split=ev.split,
+                                    peak_bytes=ev.peak_bytes)
+        seen: list[float] = []
+        again = _best_schedule(gp, sched_cfg, built, trial, units, axis, m, peaks=seen)
+        if again is not None:
+            return (again, trial) if again["step"] < found["step"] else None
+        if not seen:
+            return None
+        target *= 0.97 * cfg.memory_budget / min(seen)
+    return None
 
 
 def _unit_figures(built, sol, units, m: int):

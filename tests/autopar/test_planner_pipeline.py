@@ -132,3 +132,41 @@ def test_no_pipeline_when_the_batch_cannot_be_cut():
     gp = _gp("gpt2", 3)  # two stages need 2, 4, 8 or 16 micro-batches: none cuts 3 samples
     with pytest.raises(ValueError, match="a batch of 3 does not cut into 2 or more equal micro-batches"):
         plan_profile(gp, Mesh((2, 1), cluster="h100"), force="pp-tp")
+
+
+def test_each_stage_recomputes_for_its_own_micro_batches_in_flight(monkeypatch):
+    """Under a budget that makes a 4-stage 1F1B pipeline recompute, each stage recomputes for the
+    micro-batches it holds: the first (4 in flight) at least as much as any, the last (1) less
+    than the first; the plan fits, and it is faster than the plan whose stages all recompute for
+    the first stage's flight (one shared stage row)."""
+    import warnings
+
+    import autopar
+    import sys
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
+    import cases
+
+    ex = cases.example("llama", batch=16, layers=8)
+    mesh = Mesh((4, 2), axis_names=("pp", "dp"), cluster="a100")
+
+    def plan(**kw):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return autopar.plan(ex.model, mesh, ex.args, example_kwargs=ex.kwargs, loss_fn=ex.loss_fn,
+                                target=ex.target, layout={"pp": 4, "dp": 2, "schedule": "1f1b"}, **kw)
+
+    budget = 0.9 * plan().peak_bytes
+    own = plan(memory_budget=budget)
+
+    def recomputed(p):
+        return [sum(1 for n in st if n in p.nodes and p.nodes[n].recompute) for st in p.pipeline.stages]
+
+    counts = recomputed(own)
+    assert own.peak_bytes <= budget and own.pipeline.schedule == "1f1b" and len(counts) == 4
+    assert counts[0] == max(counts) > counts[-1], counts
+    monkeypatch.setattr(pp, "_per_stage_recompute", lambda *a, **k: None)
+    shared = plan(memory_budget=budget)
+    assert shared.peak_bytes <= budget
+    assert own.step_time < shared.step_time, (own.step_time, shared.step_time, counts, recomputed(shared))

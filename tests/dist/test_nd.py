@@ -59,6 +59,10 @@ CASES = {
     # synchronously inside the recomputed layers, gradients reduce-scattered asynchronously.
     "llama fsdp4 x tp2 every layer recomputed": ("llama", (4, 2), ("dp", "tp"),
                                                  {"dp": 4, "tp": 2, "zero": 3, "recompute": "full"}),
+    # A budget (0.9 of the unbudgeted peak) that makes a 4-stage 1F1B pipeline recompute: each
+    # stage recomputes for its own micro-batches in flight (the first more than the last).
+    "llama pp4 x dp2 per-stage recompute": ("llama@layers=8,batch=16", (4, 2), ("pp", "dp"),
+                                            {"pp": 4, "dp": 2, "schedule": "1f1b", "budget_share": 0.9}),
     # ... in pipeline stages of micro-batches: each stage prefetches its own layers' gathers
     # (its first layer's at its own start) and reduce-scatters asynchronously, per micro-batch.
     "llama pp2 x fsdp2 x tp2": ("llama", (2, 2, 2), ("pp", "dp", "tp"), {"pp": 2, "dp": 2, "tp": 2, "zero": 3}),
@@ -96,10 +100,14 @@ def _plan(label):
 
     name, shape, names, layout = {**CASES, **SWEEP}[label]
     ex = _example(name)
+    layout = dict(layout)
+    share = layout.pop("budget_share", None)  # a budget of that share of the unbudgeted plan's peak
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return autopar.plan(ex.model, Mesh(shape, axis_names=names, cluster="cpu"), ex.args,
-                            example_kwargs=ex.kwargs, loss_fn=ex.loss_fn, target=ex.target, layout=layout)
+        mesh = Mesh(shape, axis_names=names, cluster="cpu")
+        kw = dict(example_kwargs=ex.kwargs, loss_fn=ex.loss_fn, target=ex.target, layout=layout)
+        budget = None if share is None else share * autopar.plan(ex.model, mesh, ex.args, **kw).peak_bytes
+        return autopar.plan(ex.model, mesh, ex.args, memory_budget=budget, **kw)
 
 
 def _rank_predictions(name: str, plan) -> list[float]:
@@ -159,6 +167,9 @@ def _trains_like_one_device(pool8, label, case):
     if layout.get("pp"):
         pipe = plan.pipeline
         assert pipe is not None and len(pipe.stages) == layout["pp"] * (pipe.virtual_stages or 1)
+        if "budget_share" in layout:  # the stages recompute for their own flights
+            counts = [sum(1 for n in st if n in plan.nodes and plan.nodes[n].recompute) for st in pipe.stages]
+            assert counts[0] == max(counts) > counts[-1], counts
         if layout.get("microbatches"):
             assert pipe.microbatches == layout["microbatches"]
     if layout.get("microbatches") and not layout.get("pp"):
