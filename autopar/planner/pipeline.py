@@ -263,6 +263,7 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
         if ci not in best or (found["step"], found["peak"]) < (best[ci]["step"], best[ci]["peak"]):
             best[ci] = found
         top = min(top, found["step"])
+    _STREAMS.clear()  # (what the cuts of this search were priced at: not needed once it ends)
     out = []
     for ci, (mesh, axis) in enumerate(candidates):
         if ci in best:
@@ -389,11 +390,11 @@ def _per_stage_recompute(gp, cfg: Config, built, sol, units, axis: int, found: d
     again and replayed (:func:`_best_schedule`, the found schedule). The result when it fits and
     is faster, else None."""
     p, m, v = cfg.mesh.shape[axis], found["m"], found["v"]
-    seg_of_unit: dict[int, str] = {}
+    segs_of_unit: dict[int, list[str]] = {}  # a unit's segments are recomputed together
     unit_of = {n: k for k, u in enumerate(units) for n in u}
     for g in built.problem.segments:
-        seg_of_unit.setdefault(unit_of[g.nodes[0]], g.id)
-    if not seg_of_unit:
+        segs_of_unit.setdefault(unit_of[g.nodes[0]], []).append(g.id)
+    if not segs_of_unit:
         return None
     bare = dataclasses.replace(sol, checkpointed=())
     every = dataclasses.replace(sol, checkpointed=tuple(g.id for g in built.problem.segments))
@@ -410,13 +411,15 @@ def _per_stage_recompute(gp, cfg: Config, built, sol, units, axis: int, found: d
             ks = [k for c in range(d, p * v, p) for k in range(*bounds[c])]
             f = flight[d]
             need = sum(mem[k] for k in ks) + f * sum(act0[k] for k in ks) - target
-            gain = sorted((k for k in ks if k in seg_of_unit and act0[k] > act1[k]),
+            gain = sorted((k for k in ks if k in segs_of_unit and act0[k] > act1[k]),
                           key=lambda k: -(act0[k] - act1[k]) / max(t1[k] - t0[k], 1e-12))
             for k in gain:
                 if need <= 0:
                     break
-                chosen.append(seg_of_unit[k])
+                chosen += segs_of_unit[k]
                 need -= f * (act0[k] - act1[k])
+            if need > 0:  # this device does not fit by its figure even recomputing every layer
+                return None
         segs = [g.id for g in built.problem.segments if g.id in set(chosen)]
         if set(segs) == set(sol.checkpointed):
             return None
@@ -590,7 +593,7 @@ def _stage_streams(gp, cfg: Config, built, sol, units, bounds, axis: int):
         ovs = stage_overlaps(gp, dataclasses.replace(cfg, mesh=sub), built, pick, low, stages)
         out = [ov.hidden for ov in ovs], [ov.regather for ov in ovs]
     _STREAMS[key] = (out, built, sol)  # (keeps alive the objects whose ids the key holds)
-    while len(_STREAMS) > 64:
+    while len(_STREAMS) > 32:
         _STREAMS.pop(next(iter(_STREAMS)))
     return out
 
