@@ -205,6 +205,13 @@ class GraphProfile:
             self._memo["saves"] = {st.name: {k[0] for k in st.saved} for st in self._step_nodes("fp32")}
         return self._memo["saves"].get(name, set())
 
+    def step_nodes(self, dtype: Any = torch.float32) -> list[StepNode]:
+        """The memory simulation's nodes of one training step in graph order (what
+        ``profiler.memory.simulate`` replays): the fp32 run, or for ``"bf16-mixed"``/``"fp16-mixed"``
+        the mixed replay. Shared with the caller: copy a node before changing it."""
+        precision = normalize_precision(dtype)
+        return self._step_nodes(precision if precision.endswith("-mixed") else "fp32")
+
     def _step_nodes(self, precision: str) -> list[StepNode]:
         """The simulation's nodes: the fp32 run, or (once, on demand) the mixed-precision replay."""
         run = precision if precision.endswith("-mixed") else "fp32"

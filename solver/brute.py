@@ -54,6 +54,8 @@ def brute_force(problem: Problem, *, max_evaluations: int = 4_000_000) -> Soluti
     cols = range(len(problem.nodes))
     take = lambda name: np.stack([getattr(problem.nodes[i], name)[grid[:, i]] for i in cols], axis=1)
     time, mem, act, work, rec = (take(k) for k in ("time", "mem", "act", "work", "recompute"))
+    for u, i, m in problem.edge_mem:  # a copy an in-edge makes node i keep counts as i's
+        act[:, i] += m[grid[:, u], grid[:, i]]
     base = time.sum(1)
     for e in problem.edges:
         base = base + e.cost[grid[:, idx[e.src]], grid[:, idx[e.dst]]]

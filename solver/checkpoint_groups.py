@@ -48,6 +48,10 @@ class SegGroup:
     """Tie class -> (S_class,) recompute seconds of one instance's nodes of that class."""
     keep: dict[int, np.ndarray]
     """Tie class of a keep node -> (S_class,) keep bytes of one instance."""
+    emem: dict[tuple[int, int], np.ndarray]
+    """Class edge ``(a, b)``, ``a < b`` -> (S_a, S_b) bytes one instance's nodes keep through
+    their in-edges between classes a and b (``Edge.mem``); an in-edge inside one class adds its
+    diagonal to ``act`` instead."""
     label: str
     """The first segment's id, for row names."""
 
@@ -66,13 +70,23 @@ class FamilyGroup:
     """Per instance: ``SegGroup`` index -> segment position."""
 
 
+def _in_mem(problem: Problem) -> dict[int, list[tuple[int, np.ndarray]]]:
+    """Node position -> [(source position, Edge.mem)] of its in-edges that keep bytes."""
+    out: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for u, i, m in problem.edge_mem:
+        out.setdefault(i, []).append((u, m))
+    return out
+
+
 def _twin_keys(problem: Problem) -> list[int]:
     """Per segment, an id equal for twins (same classes, same arrays)."""
     idx, cls, ids = problem.node_index, problem.class_of, {}
+    inm = _in_mem(problem)
     out = []
     for seg in problem.segments:
         nodes = tuple((int(cls[idx[n]]), problem.nodes[idx[n]].act.tobytes(),
-                       problem.nodes[idx[n]].recompute.tobytes()) for n in seg.nodes)
+                       problem.nodes[idx[n]].recompute.tobytes(),
+                       tuple((int(cls[u]), m.tobytes()) for u, m in inm.get(idx[n], ()))) for n in seg.nodes)
         keep = tuple((int(cls[idx[k]]), b.tobytes()) for k, b in zip(seg.keep, seg.keep_bytes))
         out.append(ids.setdefault((nodes, keep), len(ids)))
     return out
@@ -120,25 +134,34 @@ def _covers(problem: Problem, fam: list[int], label: dict[int, int]) -> tuple[tu
     return tuple(sorted({tuple(sorted(s)) for s in by_node.values() if len(s) > 1}))
 
 
-def _group_arrays(problem: Problem, g: int) -> tuple[dict, dict, dict]:
+def _group_arrays(problem: Problem, g: int, inm: dict) -> tuple[dict, dict, dict, dict]:
     idx, cls = problem.node_index, problem.class_of
     act: dict[int, np.ndarray] = {}
     rec: dict[int, np.ndarray] = {}
     keep: dict[int, np.ndarray] = {}
+    emem: dict[tuple[int, int], np.ndarray] = {}
     seg = problem.segments[g]
     for n in seg.nodes:
         node, c = problem.nodes[idx[n]], int(cls[idx[n]])
         act[c] = act.get(c, 0.0) + node.act
         rec[c] = rec.get(c, 0.0) + node.recompute
+        for u, m in inm.get(idx[n], ()):
+            a = int(cls[u])
+            if a == c:
+                act[c] = act[c] + np.diag(m)
+            else:
+                key, m = ((a, c), m) if a < c else ((c, a), m.T)
+                emem[key] = emem[key] + m if key in emem else m.copy()
     for k, b in zip(seg.keep, seg.keep_bytes):
         c = int(cls[idx[k]])
         keep[c] = keep.get(c, 0.0) + b
-    return act, rec, keep
+    return act, rec, keep, emem
 
 
 def build_families(problem: Problem) -> tuple[list[SegGroup], list[FamilyGroup]]:
     """Twin groups and family groups of ``problem.segments`` (see the module docstring)."""
     twin = _twin_keys(problem)
+    inm = _in_mem(problem)
     shapes: dict[tuple, list[list[int]]] = {}
     for f, fam in enumerate(_families(problem)):
         keys = [twin[g] for g in fam]
@@ -156,10 +179,10 @@ def build_families(problem: Problem) -> tuple[list[SegGroup], list[FamilyGroup]]
         slot = {key(g): base + j for j, g in enumerate(first)}
         instances = tuple({slot[key(g)]: g for g in fam} for fam in fams)
         for j, g in enumerate(first):
-            act, rec, keep = _group_arrays(problem, g)
+            act, rec, keep, emem = _group_arrays(problem, g, inm)
             segs = tuple(inst[base + j] for inst in instances)
             groups.append(SegGroup(n=len(fams), family=len(fgroups), segments=segs, act=act, rec=rec,
-                                   keep=keep, label=problem.segments[g].id))
+                                   keep=keep, emem=emem, label=problem.segments[g].id))
         covers = _covers(problem, first, {g: slot[key(g)] for g in first})
         fgroups.append(FamilyGroup(n=len(fams), groups=tuple(range(base, len(groups))), covers=covers,
                                    instances=instances))

@@ -7,9 +7,12 @@ checkpointed segments (no two sharing a node):
 
     objective = sum_i time_i[s_i] + sum_(u,v) cost_uv[s_u, s_v] + sum_{g in K} sum_{i in g} recompute_i[s_i]
     peak      = sum_i mem_i[s_i]                                   resident for the whole step
-              + sum_{i not in any g in K} act_i[s_i]               saved for backward
+              + sum_{i not in any g in K} act'_i                   saved for backward
               + sum_{g in K} sum_{k in keep(g)} keep_bytes_gk[s_k] checkpoint inputs
-              + max(0, max_i work_i[s_i], max_{g in K} sum_{i in g} act_i[s_i])   transient
+              + max(0, max_i work_i[s_i], max_{g in K} sum_{i in g} act'_i)   transient
+
+    act'_i    = act_i[s_i] + sum_{(u,i)} mem_ui[s_u, s_i]           what node i keeps, with the
+                                                                   copies its in-edges make it keep
 """
 from __future__ import annotations
 
@@ -64,6 +67,15 @@ def _choice_vector(problem: Problem, choice: dict[str, int]) -> np.ndarray:
     return s
 
 
+def _kept(problem: Problem, s: np.ndarray) -> np.ndarray:
+    """(num_nodes,) act'_i of the module docstring: each node's saved bytes under ``s``, with the
+    bytes its in-edges' copies add (``Edge.mem``)."""
+    act = np.array([float(n.act[s[i]]) for i, n in enumerate(problem.nodes)])
+    for u, i, m in problem.edge_mem:
+        act[i] += float(m[s[u], s[i]])
+    return act
+
+
 def evaluate(problem: Problem, choice: dict[str, int], checkpointed=()) -> Evaluation:
     """Price ``choice`` (node id -> strategy index) with segments ``checkpointed`` (ids)."""
     s = _choice_vector(problem, choice)
@@ -75,15 +87,16 @@ def evaluate(problem: Problem, choice: dict[str, int], checkpointed=()) -> Evalu
     covered = np.zeros(len(problem.nodes), dtype=bool)
     recompute = kept = 0.0
     transient = max([0.0] + [float(n.work[s[i]]) for i, n in enumerate(problem.nodes)])
+    act = _kept(problem, s)
     for g in segs:
         seg = problem.segments[g]
         ids = [idx[n] for n in seg.nodes]
         covered[ids] = True
         recompute += sum(float(problem.nodes[i].recompute[s[i]]) for i in ids)
         kept += sum(float(b[s[idx[k]]]) for k, b in zip(seg.keep, seg.keep_bytes))
-        transient = max(transient, sum(float(problem.nodes[i].act[s[i]]) for i in ids))
+        transient = max(transient, float(act[ids].sum()))
     resident = sum(float(n.mem[s[i]]) for i, n in enumerate(problem.nodes))
-    saved = sum(float(n.act[s[i]]) for i, n in enumerate(problem.nodes) if not covered[i])
+    saved = float(act[~covered].sum())
     split = {"compute": time - comm, "comm": comm, "reshard": reshard, "recompute": recompute}
     memory = {"resident": resident, "saved": saved, "kept_inputs": kept, "transient": transient}
     return Evaluation(objective=time + reshard + recompute, split=split,
@@ -104,6 +117,7 @@ def memory_terms(problem: Problem, choice: dict[str, int], checkpointed=()) -> l
     idx = problem.node_index
     terms: dict[str, float] = {}
     covered = set()
+    act = _kept(problem, s)
     for g in segs:
         seg = problem.segments[g]
         covered.update(idx[n] for n in seg.nodes)
@@ -112,7 +126,7 @@ def memory_terms(problem: Problem, choice: dict[str, int], checkpointed=()) -> l
             terms[key] = terms.get(key, 0.0) + float(b[s[idx[k]]])
     for i, n in enumerate(problem.nodes):
         for key, value in ((f"parameters+optimizer state of {_who(problem, i)}", n.mem[s[i]]),
-                           (f"activations saved by {_who(problem, i)}", 0.0 if i in covered else n.act[s[i]])):
+                           (f"activations saved by {_who(problem, i)}", 0.0 if i in covered else act[i])):
             if value > 0:
                 terms[key] = terms.get(key, 0.0) + float(value)
     # The transient is a max, so only its largest candidate is a term of the peak.
@@ -122,7 +136,7 @@ def memory_terms(problem: Problem, choice: dict[str, int], checkpointed=()) -> l
             best = (f"transient workspace of node {n.id!r}", float(n.work[s[i]]))
     for g in segs:
         seg = problem.segments[g]
-        a = sum(float(problem.nodes[idx[n]].act[s[idx[n]]]) for n in seg.nodes)
+        a = float(act[[idx[n] for n in seg.nodes]].sum())
         if a > best[1]:
             best = (f"recomputed activations of segment {seg.id!r}", a)
     if best[1] > 0:

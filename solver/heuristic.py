@@ -6,6 +6,7 @@ charged ``lam`` seconds instead:
     time'_i[s] = time_i[s] + lam (mem_i[s] + act_i[s])                          (nothing checkpointed)
     time'_i[s] = time_i[s] + recompute_i[s] + lam mem_i[s]   (i inside a checkpointed segment)
     time'_k[s] = time_k[s] + lam keep_bytes_gk[s]            (k a kept input of a checkpointed segment)
+    cost'_uv   = cost_uv + lam mem_uv                          (v outside every checkpointed segment)
 
 Without a budget the exact reductions fold such a problem to a few columns, so each price costs
 milliseconds. A bisection on ``lam`` finds the cheapest price whose answer fits the budget, once
@@ -61,7 +62,9 @@ def _priced(problem: Problem, lam: float, ckpt: tuple[str, ...]) -> Problem:
         extra = lam * n.mem + (n.recompute if n.id in covered else lam * n.act) + lam * keep.get(n.id, 0.0)
         nodes.append(Node(id=n.id, labels=n.labels, time=n.time + extra, comm=n.comm, mem=n.mem, act=n.act,
                           work=n.work, recompute=n.recompute))
-    return dataclasses.replace(problem, nodes=tuple(nodes), segments=(), memory_budget=None)
+    edges = tuple(dataclasses.replace(e, cost=e.cost + (0.0 if e.dst in covered else lam * e.mem), mem=None)
+                  if e.mem is not None else e for e in problem.edges)
+    return dataclasses.replace(problem, nodes=tuple(nodes), edges=edges, segments=(), memory_budget=None)
 
 
 def incumbent(problem: Problem, solve_free) -> tuple[dict[str, int], tuple[str, ...], float] | None:
@@ -71,7 +74,8 @@ def incumbent(problem: Problem, solve_free) -> tuple[dict[str, int], tuple[str, 
     if budget is None:
         return None
     secs = sum(float(n.time.max()) for n in problem.nodes) + sum(float(e.cost.max()) for e in problem.edges)
-    byts = sum(float((n.mem + n.act).max()) for n in problem.nodes) or 1.0
+    byts = (sum(float((n.mem + n.act).max()) for n in problem.nodes)
+            + sum(float(m.max()) for _, _, m in problem.edge_mem)) or 1.0
     best = None
     sets = ((), _disjoint(problem)) if problem.segments else ((),)
     steps = max(0, min(BISECTION_STEPS, WORK // (len(problem.nodes) * len(sets)) - 1))

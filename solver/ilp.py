@@ -12,6 +12,9 @@ Variables
     y[e,s,t] in [0,1]        edge e=(a,b) sees a on s and b on t (integral whenever x is)
     k[G]     in {0..n_G}     how many instances of twin group G are checkpointed
     w[G,C,s] >= 0            = k[G] * x[C,s] for every class C in G's nodes or keep nodes
+    v[G,e,l] >= 0            = k[G] * sum_{(s,t) in L_l} y[e,s,t] for every class edge e whose
+                             kept copies G holds, per level l (the y cells L_l where G keeps the
+                             same bytes kept_Ge[l])
     z[G]     in {0,1}        = [k[G] >= 1] (for n_G = 1, z[G] is k[G] itself)
     tau      >= work_lb      the transient bytes on top of everything kept
 
@@ -29,13 +32,18 @@ Constraints
     ck_once[F,q]         sum_{G in Q_q} k[G] <= n_F   for each set Q_q of groups covering a
                          common node (nested segments: at most one per node)     (add_checkpoints)
     ck_any[G]            k[G] <= n_G z[G]                                         (add_checkpoints)
+    ck_edge[G,e]         sum_l v[G,e,l] = k[G];  v[G,e,l] <= n_G sum_{L_l} y[e,s,t]  (add_checkpoints)
     transient_work[C]    tau >= sum_s work_C[s] x[C,s]                            (add_memory)
-    transient_ckpt_w[G]  tau >= sum_C sum_s act_GC[s] w[G,C,s] / n_G  (exact for n_G = 1)
+    transient_ckpt_w[G]  tau >= (sum_C sum_s act_GC[s] w[G,C,s]
+                                + sum_e sum_l kept_Ge[l] v[G,e,l]) / n_G  (exact for n_G = 1)
                                                                                   (add_memory)
-    transient_ckpt[G]    only for n_G > 1: tau >= sum_C sum_s act_GC[s] x[C,s] - M_G (1 - z[G]),
-                         M_G = sum_C max_s act_GC[s]                              (add_memory)
+    transient_ckpt[G]    only for n_G > 1: tau >= sum_C sum_s act_GC[s] x[C,s]
+                         + sum_e sum_{s,t} kept_Ge[s,t] y[e,s,t] - M_G (1 - z[G]),
+                         M_G = sum_C max_s act_GC[s] + sum_e max kept_Ge          (add_memory)
     mem_peak             sum_C sum_s (static_C[s] + cov_C[s]) x[C,s]
+                         + sum_e sum_{s,t} kept_e[s,t] y[e,s,t]
                          - sum_G sum_C sum_s act_GC[s] w[G,C,s]
+                         - sum_G sum_e sum_l kept_Ge[l] v[G,e,l]
                          + sum_G sum_K sum_s keep_GK[s] w[G,K,s] + tau + const_bytes
                          <= memory_budget   (or <= P)                             (add_memory)
 
@@ -43,7 +51,9 @@ Exactness. For binary x the transportation rows force y[e,s,t] = x[a,s] x[b,t], 
 ``ck_count``/``ck_link`` rows force w[G,C,s] = k[G] x[C,s]; so the ILP prices every choice exactly
 as ``solver.evaluate`` does. ``time_C``/``static_C``/``cov_C``/``work_C`` are a class's summed
 member terms (``cov``: saved bytes of members inside some segment); ``act_GC``, ``rec_GC``,
-``keep_GK`` are one instance's bytes and seconds of group G on class C. Counts are turned back into
+``keep_GK`` are one instance's bytes and seconds of group G on class C; ``kept_e`` the bytes the
+consumers of class edge e keep (``Edge.mem``), ``kept_Ge`` one instance's part of it inside G. For integral x the y cells are one-hot, so one
+level's v is k[G] and the others 0, exactly. Counts are turned back into
 segment ids by ``solver.checkpoint_groups.decompose``.
 
 Solve path (``solve``): answers are cached by ``Problem.digest``; with a budget the problem
@@ -110,7 +120,8 @@ class _Formulation:
         # Scales: seconds divided by the largest time coefficient and bytes by the largest byte
         # coefficient, so the matrix and costs span O(1) (HiGHS warns on tiny costs otherwise).
         recs = [r for g in cp.groups for r in g.rec.values()]
-        byts = [b for g in cp.groups for d in (g.act, g.keep) for b in d.values()]
+        byts = ([b for g in cp.groups for d in (g.act, g.keep, g.emem) for b in d.values()]
+                + list(cp.emem.values()))
         self.T = max([float(np.abs(t.time[t.alive]).max()) for t in cls]
                      + [float(np.abs(m).max()) for m in cp.edges.values()]
                      + [float(r.max()) for r in recs] + [1e-30])
@@ -120,6 +131,9 @@ class _Formulation:
         self.y: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self.k: dict[int, int] = {}
         self.w: dict[tuple[int, int], dict[int, int]] = {}
+        self.v: dict[tuple[int, tuple[int, int]], tuple[np.ndarray, np.ndarray]] = {}  # (G, e) -> (v, levels)
+        self.kept: dict[tuple[int, int], np.ndarray] = {}          # e -> kept_e per y column
+        self.kept_g: dict[tuple[int, tuple[int, int]], np.ndarray] = {}  # (G, e) -> kept_Ge per y column
         self.z: dict[int, int] = {}
         self.add_onehot()
         self.add_edges()
@@ -172,9 +186,21 @@ class _Formulation:
     def add_edges(self) -> None:
         """y[e,i,j] over the row groups I_i / column groups J_j of each edge's cost (strategies with
         identical cost rows / columns) and the transportation rows edge_src[e,i], edge_dst[e,j]."""
+        held: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}  # e -> [(G, kept_Ge)]
+        for g, grp in enumerate(self.cp.groups if self.memory else ()):
+            for key, m in grp.emem.items():
+                held.setdefault(key, []).append((g, m))
         for e, ((a, b), m) in enumerate(self.cp.edges.items()):
             sa, sb = sorted(self.x[a]), sorted(self.x[b])
-            rows, cols, cost = _groups(m[np.ix_(sa, sb)])
+            kept = self.cp.emem.get((a, b)) if self.memory else None
+            layers = [m] + ([kept] + [k for _, k in held.get((a, b), ())] if kept is not None else [])
+            rows, cols, _ = _groups(np.stack([x[np.ix_(sa, sb)] for x in layers], axis=-1))
+            first_r, first_c = [g[0] for g in rows], [g[0] for g in cols]
+            cost = m[np.ix_(sa, sb)][np.ix_(first_r, first_c)]
+            if kept is not None:
+                self.kept[(a, b)] = kept[np.ix_(sa, sb)][np.ix_(first_r, first_c)].ravel()
+                for g, k in held.get((a, b), ()):
+                    self.kept_g[(g, (a, b))] = k[np.ix_(sa, sb)][np.ix_(first_r, first_c)].ravel()
             ni, nj = len(rows), len(cols)
             first = self.block(ni * nj, 0.0, 1.0)
             ye = np.arange(first, first + ni * nj).reshape(ni, nj)  # column of y[e,i,j]
@@ -204,6 +230,19 @@ class _Formulation:
                 for s, v in wg.items():
                     self.row(f"ck_link[{grp.label},{self.cp.names[c]},{s}]", {v: 1.0, self.x[c][s]: -float(grp.n)},
                              pulp.LpConstraintLE, 0.0)
+            for key in sorted(k for (h, k) in self.kept_g if h == g):
+                ye = self.y[key][0].ravel()
+                levels, which = np.unique(self.kept_g[(g, key)], return_inverse=True)
+                first = self.block(levels.size, 0.0, float(grp.n))
+                vs = np.arange(first, first + levels.size)
+                tag = f"{grp.label},{self.cp.names[key[0]]}->{self.cp.names[key[1]]}"
+                self.col_names.extend(f"v_{g:05d}_{key[0]:06d}_{key[1]:06d}_{lv:04d}" for lv in range(levels.size))
+                self.v[(g, key)] = (vs, levels)
+                self.row(f"ck_edge[{tag}]", {**{int(v): 1.0 for v in vs}, kg: -1.0}, pulp.LpConstraintEQ, 0.0)
+                for lv, v in enumerate(vs):
+                    cells = ye[which == lv]
+                    self.row(f"ck_edge_link[{tag},{lv}]", {int(v): 1.0, **{int(y): -float(grp.n) for y in cells}},
+                             pulp.LpConstraintLE, 0.0)
             if grp.n == 1:
                 self.z[g] = kg
             else:
@@ -229,6 +268,11 @@ class _Formulation:
                 big += float(act[cp.classes[c].alive].max()) / B
                 for s, v in self.x[c].items():
                     terms[v] = terms.get(v, 0.0) + float(act[s]) / B
+            for key in grp.emem:
+                k = self.kept_g[(g, key)]
+                big += float(k.max()) / B
+                for v, coef in zip(self.y[key][0].ravel(), k):
+                    terms[int(v)] = terms.get(int(v), 0.0) + float(coef) / B
             if big <= 0:
                 continue
             # tau >= A_G(x) k_G / n_G = sum act w / n_G: exact for n_G = 1 (w = z x) and, unlike the
@@ -236,6 +280,9 @@ class _Formulation:
             # mem_peak but also lifts tau by half of them, as the integer model does.
             terms_w = {v: float(act[s]) / (B * grp.n) for c, act in grp.act.items()
                        for s, v in self.w[(g, c)].items()}
+            for key in grp.emem:
+                for v, coef in zip(*self.v[(g, key)]):
+                    terms_w[int(v)] = float(coef) / (B * grp.n)
             self.row(f"transient_ckpt_w[{grp.label}]", {**terms_w, self.tau: -1.0}, pulp.LpConstraintLE, 0.0)
             if grp.n > 1:  # tau >= A_G(x) - M_G (1 - z_G): exact when 1 <= k_G < n_G
                 terms[self.z[g]] = big
@@ -251,6 +298,14 @@ class _Formulation:
                 coef = float(grp.keep[c][s]) if c in grp.keep else 0.0
                 coef -= float(grp.act[c][s]) if c in grp.act else 0.0
                 terms[v] = terms.get(v, 0.0) + coef / B
+        for key, k in self.kept.items():
+            for v, coef in zip(self.y[key][0].ravel(), k):
+                if coef:
+                    terms[int(v)] = terms.get(int(v), 0.0) + float(coef) / B
+        for (g, key), (vs, levels) in self.v.items():
+            for v, coef in zip(vs, levels):
+                if coef:
+                    terms[int(v)] = -float(coef) / B
         if self.peak:
             self.P = self.var("P")
             terms[self.P] = -1.0
@@ -355,16 +410,17 @@ class _Formulation:
 
 
 def _groups(m: np.ndarray) -> tuple[list[list[int]], list[list[int]], np.ndarray]:
-    """Row groups and column groups of identical entries of ``m`` (k_a, k_b), in first-seen order,
-    and the (rows, cols) matrix of their common costs. Resharding costs depend on the producer's
-    output placement and the consumer's wanted input, so 10 strategies often make 3-4 groups."""
+    """Row groups and column groups of identical entries of ``m`` (k_a, k_b) or (k_a, k_b, L)
+    (several matrices at once), in first-seen order, and the (rows, cols) matrix of their common
+    entries. Resharding costs depend on the producer's output placement and the consumer's wanted
+    input, so 10 strategies often make 3-4 groups."""
     def split(mat: np.ndarray) -> list[list[int]]:
         seen: dict[bytes, list[int]] = {}
         for i, r in enumerate(mat):
             seen.setdefault(r.tobytes(), []).append(i)
         return list(seen.values())
 
-    rows, cols = split(m), split(m.T)
+    rows, cols = split(m), split(m.swapaxes(0, 1))
     return rows, cols, m[np.ix_([g[0] for g in rows], [g[0] for g in cols])]
 
 

@@ -93,6 +93,10 @@ class Edge:
     """Id of the consuming node."""
     cost: np.ndarray
     """(S_src, S_dst) seconds of resharding (forward + backward) when src picks s and dst picks t."""
+    mem: np.ndarray | None = None
+    """(S_src, S_dst) bytes ``dst`` keeps from forward to backward because of this edge when src
+    picks s and dst picks t (the resharded copy of src's output that dst saves); like ``dst``'s
+    ``act``, counted unless a checkpointed segment holds ``dst``. None = zeros."""
 
     def __post_init__(self) -> None:
         cost = np.array(self.cost, dtype=np.float64)
@@ -101,6 +105,13 @@ class Edge:
                              f"(S_src, S_dst), got shape {cost.shape}")
         cost.setflags(write=False)
         object.__setattr__(self, "cost", cost)
+        if self.mem is not None:
+            mem = np.array(self.mem, dtype=np.float64)
+            if mem.shape != cost.shape or (mem.size and not (mem.min() >= 0 and math.isfinite(mem.max()))):
+                raise ValueError(f"edge {self.src!r}->{self.dst!r}: mem must be a finite, >= 0 matrix of the "
+                                 f"cost's shape {cost.shape}, got shape {mem.shape}")
+            mem.setflags(write=False)
+            object.__setattr__(self, "mem", mem if mem.any() else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,11 +237,19 @@ class Problem:
             put(n.id, n.labels, n.time, n.comm, n.mem, n.act, n.work, n.recompute)
         for e in self.edges:
             put(e.src, e.dst, e.cost.shape, e.cost)
+            if e.mem is not None:
+                put("mem", e.mem)
         put(self.ties)
         for seg in self.segments:
             put(seg.id, seg.nodes, seg.keep, *seg.keep_bytes)
         put(self.memory_budget, self.time_limit, self.mip_gap)
         return h.hexdigest()
+
+    @cached_property
+    def edge_mem(self) -> tuple[tuple[int, int, np.ndarray], ...]:
+        """(src position, dst position, mem) of every edge that keeps bytes (``Edge.mem``)."""
+        idx = self.node_index
+        return tuple((idx[e.src], idx[e.dst], e.mem) for e in self.edges if e.mem is not None)
 
     @cached_property
     def node_index(self) -> dict[str, int]:

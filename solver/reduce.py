@@ -13,6 +13,9 @@ Each reduction keeps the optimum (objective and, with a budget, feasibility) unc
   the saved bytes and recompute seconds of each covered member, and its keep bytes. Any solution
   using ``s`` stays as good after switching to ``s'``, so an optimum survives. Exactly equal
   strategies keep the lowest index; without a budget memory only breaks ties in time.
+* **kept copies** (``Edge.mem``): an edge whose copy its consumer keeps is summed like its cost
+  (``Compact.emem``; the part into each segment group is in ``SegGroup.emem``); it is never folded
+  or eliminated, and dominance compares every member edge's bytes apart (a checkpoint drops some).
 * **followers** (``eliminate``): a class outside every segment with a single neighbour ``u`` whose
   best strategy for each strategy of ``u`` is no worse in every term is folded into ``u`` (its
   choice becomes a table indexed by ``u``'s choice); a class between two neighbours whose bytes do
@@ -60,6 +63,9 @@ class Compact:
     """Remaining tie classes by class index (ascending)."""
     edges: dict[tuple[int, int], np.ndarray]
     """(a, b) with a < b -> (S_a, S_b) seconds, original strategy indices."""
+    emem: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    """(a, b) with a < b -> (S_a, S_b) bytes the consumers keep through that class edge
+    (``Edge.mem``, summed over its member edges), original strategy indices."""
     groups: list[SegGroup]
     """Checkpoint twin groups (empty without a budget)."""
     fams: list[FamilyGroup]
@@ -85,7 +91,19 @@ class Compact:
         return out
 
 
+def _node_act(problem: Problem) -> list[np.ndarray]:
+    """Per node, ``act`` plus the diagonal of each in-edge's ``mem`` from its own tie class (both
+    ends pick one index)."""
+    out = [n.act for n in problem.nodes]
+    cof = problem.class_of
+    for u, i, m in problem.edge_mem:
+        if cof[u] == cof[i]:
+            out[i] = out[i] + np.diag(m)
+    return out
+
+
 def _class_terms(problem: Problem, groups: list[SegGroup]) -> list[ClassTerms]:
+    acts = _node_act(problem)
     covered = np.zeros(len(problem.nodes), dtype=bool)
     for seg in problem.segments if groups else ():
         covered[[problem.node_index[n] for n in seg.nodes]] = True
@@ -97,14 +115,14 @@ def _class_terms(problem: Problem, groups: list[SegGroup]) -> list[ClassTerms]:
     for c, members in enumerate(problem.classes):
         nodes = [problem.nodes[i] for i in members]
         size = nodes[0].size
-        mono = [n.act for i, n in zip(members, nodes) if covered[i]]
+        mono = [acts[i] for i in members if covered[i]]
         mono += [n.recompute for i, n in zip(members, nodes) if covered[i]] + keeps.get(c, [])
         mono_arr = np.unique(np.array(mono).reshape(-1, size), axis=0)
         out.append(ClassTerms(
             members=members, alive=np.arange(size),
             time=np.sum([n.time for n in nodes], axis=0),
-            static=np.sum([n.mem + (0 if covered[i] else n.act) for i, n in zip(members, nodes)], axis=0),
-            cov=np.sum([n.act if covered[i] else np.zeros(size) for i, n in zip(members, nodes)], axis=0),
+            static=np.sum([n.mem + (0 if covered[i] else acts[i]) for i, n in zip(members, nodes)], axis=0),
+            cov=np.sum([acts[i] if covered[i] else np.zeros(size) for i in members], axis=0),
             work=np.max([n.work for n in nodes], axis=0),
             mono=mono_arr))
     return out
@@ -136,17 +154,26 @@ class _Reducer:
         self.cls = dict(enumerate(_class_terms(problem, self.groups)))
         self.involved = {c for g in self.groups for d in (g.act, g.keep) for c in d}
         self.edges: dict[tuple[int, int], np.ndarray] = {}
+        self.emem: dict[tuple[int, int], np.ndarray] = {}        # summed kept bytes (with a budget)
+        self.emono: dict[tuple[int, int], list[np.ndarray]] = {}  # its distinct member matrices
         self.nbrs: dict[int, set[int]] = {c: set() for c in self.cls}
         cof, idx = problem.class_of, problem.node_index
         for e in problem.edges:
             a, b = int(cof[idx[e.src]]), int(cof[idx[e.dst]])
             if a == b:  # both ends tied: they pick the same index s, so the cost is cost[s, s]
                 self.cls[a].time = self.cls[a].time + np.diag(e.cost)
-                continue
+                continue  # (and its kept bytes are the consumer's: _node_act)
             key, cost = ((a, b), e.cost) if a < b else ((b, a), e.cost.T)
             self.edges[key] = self.edges[key] + cost if key in self.edges else cost.copy()
             self.nbrs[a].add(b)
             self.nbrs[b].add(a)
+            if e.mem is not None and memory:
+                m = e.mem if a < b else e.mem.T
+                self.emem[key] = self.emem[key] + m if key in self.emem else m.copy()
+                seen = self.emono.setdefault(key, [])
+                if not any(np.array_equal(m, x) for x in seen):
+                    seen.append(m)
+        self.pinned = {c for key in self.emem for c in key}  # never folded away
         self.out = Compact(classes={}, edges={}, groups=self.groups, fams=self.fams,
                            names=[problem.nodes[m[0]].id for m in problem.classes])
 
@@ -163,6 +190,8 @@ class _Reducer:
     def fold_separable(self, c: int) -> bool:
         changed = False
         for d in sorted(self.nbrs[c]):
+            if (min(c, d), max(c, d)) in self.emem:
+                continue
             m = self.oriented(c, d)
             resid = m - m[:, :1] - m[:1, :] + m[0, 0]
             if np.abs(resid).max() <= 1e-12 * max(np.abs(m).max(), 1e-300):
@@ -181,7 +210,12 @@ class _Reducer:
         vt = np.vstack([t.time[a][None, :]] + [self.oriented(c, d).T for d in sorted(self.nbrs[c])])
         # With a budget the always-counted bytes and each covered member's act are compared apart
         # (a checkpoint drops the latter); without one, bytes only break ties.
-        vm = np.vstack([t.static[a][None, :], t.work[a][None, :], t.mono[:, a]] if self.memory
+        kept = []  # each member edge's kept bytes apart: a checkpoint may drop some and not others
+        for d in sorted(self.nbrs[c]) if self.memory else ():
+            for m in self.emono.get((min(c, d), max(c, d)), ()):
+                m = m if c < d else m.T
+                kept.append(m[np.ix_(a, self.cls[d].alive)].T)
+        vm = np.vstack([t.static[a][None, :], t.work[a][None, :], t.mono[:, a]] + kept if self.memory
                        else [(t.static + t.cov)[a][None, :], t.work[a][None, :]])
         dead = _dominated(vt, vm, self.memory)
         if not dead.any():
@@ -193,7 +227,7 @@ class _Reducer:
         """Fold class c away if it lies outside every segment and is a constant (no edge, one
         strategy), a leaf follower, or a series node; returns the classes it was folded into."""
         t = self.cls[c]
-        if c in self.involved or len(self.nbrs[c]) > 2:
+        if c in self.involved or c in self.pinned or len(self.nbrs[c]) > 2:
             return None
         if not self.nbrs[c]:
             if t.alive.size > 1:
@@ -290,6 +324,7 @@ class _Reducer:
                         queued.add(d)
         self.out.classes = dict(sorted(self.cls.items()))
         self.out.edges = dict(sorted(self.edges.items()))
+        self.out.emem = dict(sorted(self.emem.items()))
         return self.out
 
 
@@ -303,5 +338,6 @@ def reduce_problem(problem: Problem) -> Compact:
         "edges": len(problem.edges), "segments": len(problem.segments), "classes": len(problem.classes),
         "ilp_classes": len(out.classes), "ilp_strategies": sum(t.alive.size for t in out.classes.values()),
         "ilp_edges": len(out.edges), "segment_groups": len(out.groups), "family_groups": len(out.fams),
+        **({"kept_copy_edges": len(out.emem)} if out.emem else {}),
     }
     return out

@@ -1,7 +1,12 @@
 """The budget loop: the flat plan over every mesh axis, solved until its replayed peak fits.
 
 The ILP's memory row is a linear bound of the step's peak; the plan's peak is its per-rank
-replay. :func:`solve_flat` re-rows and re-solves until a plan fits (and bisects for a faster one).
+replay. The row prices what the lowered program keeps (each saved storage at its own placement,
+the resharded copies and gathered weights consumers keep, the chunks' outputs: ``build``), so it
+holds the replay's saved activations and usually the first solve's plan fits; the row still adds
+every gradient to every saved activation, which the step never holds at once. :func:`solve_flat`
+re-rows and re-solves until a plan fits, bisects for a faster one, and where the row over-counted
+a fitting plan by more than ``_BUDGET_BISECT`` tries once a row raised by that excess.
 """
 from __future__ import annotations
 
@@ -169,30 +174,33 @@ def _experts_divide(gp, ranks: int) -> bool:
 def _reshard_after_forward(gp, cfg: Config, built, p, every, solved):
     """Where the budget binds (the plan recomputes) and the plan gathers ZeRO-3 weights: the plan
     read back with those weights freed after the forward and gathered again (ahead) in backward
-    (FSDP's ``reshard_after_forward``), and, since that replay keeps less, the problem solved once
-    more with its memory row raised by what it saves (the ILP's problem is the same either way:
-    its row does not hold the gathered copies). The fastest that fits; None when ``p`` stays.
+    (FSDP's ``reshard_after_forward``), and the problem whose memory row keeps no gathered weight
+    past the forward (``build._Kept``) solved once at the row that gave ``p``. The fastest that
+    fits; None when ``p`` stays.
     ``solved``: (the plan, its memory row, its solution)."""
     _, row, sol = solved
     if (not isinstance(p, Plan) or sol is None or cfg.reshard_after_forward or cfg.memory_budget is None
             or not p.breakdown.get("prefetch_comm")
             or not any(np_.recompute for np_ in p.nodes.values())):
         return None
+    from autopar.planner.build import assemble
+
     c = dataclasses.replace(cfg, reshard_after_forward=True)
     axes = list(range(cfg.mesh.ndim))
     t = p.timings.get("build_seconds", 0.0)
     same = to_plan(gp, c, built, sol, sharding_axes=axes, build_seconds=t)
     best = same if same.peak_bytes <= cfg.memory_budget and same.step_time < p.step_time * (1 - 1e-9) else None
-    saved = p.peak_bytes - same.peak_bytes
-    if saved > 0 and row is not None and row < cfg.memory_budget:
+    if p.peak_bytes - same.peak_bytes > 0 and row is not None:
+        # the problem whose memory row keeps no gathered weight past the forward
+        freed = assemble(gp, c, built.priced, built.order, built.leader, built.follow)
         try:
-            again = solver.solve(dataclasses.replace(built.problem, memory_budget=min(cfg.memory_budget, row + saved)))
+            again = solver.solve(dataclasses.replace(freed.problem, memory_budget=row))
         except solver.Infeasible:
             again = None
         if again is not None:
             if every:
-                again = checkpoint_every(built.problem, again)
-            q = to_plan(gp, c, built, again, sharding_axes=axes, build_seconds=t)
+                again = checkpoint_every(freed.problem, again)
+            q = to_plan(gp, c, freed, again, sharding_axes=axes, build_seconds=t)
             to_beat = min(p.step_time, best.step_time) if best is not None else p.step_time
             if q.peak_bytes <= cfg.memory_budget and q.step_time < to_beat * (1 - 1e-9):
                 best = q
@@ -249,6 +257,7 @@ def _budget_loop(gp, cfg: Config, built, every: bool, beat, t_build: float, solv
     hi = math.inf                # the lowest row whose plan did not fit
     row = budget
     bound = None                 # no flat plan under the budget is faster than this
+    probed = False               # a row above the budget was tried (the row over-counted a plan)
     for _ in range(_BUDGET_ROUNDS):
         try:
             sol = solver.solve(dataclasses.replace(problem, memory_budget=row) if budget is not None else problem)
@@ -274,7 +283,18 @@ def _budget_loop(gp, cfg: Config, built, every: bool, beat, t_build: float, solv
         solved[id(p)] = (p, row if budget is not None else None, sol)
         last = (p, sol)
         if budget is None or (p.peak_bytes <= budget and row == budget):
+            if budget is not None and not probed and sol.stats.get("budget_binds") and \
+                    float(sol.peak_bytes) >= (1 - _BUDGET_BISECT) * row and \
+                    float(sol.peak_bytes) - p.peak_bytes > _BUDGET_BISECT * budget:
+                # The row over-counts this plan (it holds every gradient with every saved
+                # activation; the step never does): one solve with the row raised by the excess
+                # may find a faster plan that still fits.
+                probed, fit, lo = True, p, row
+                row = budget + float(sol.peak_bytes) - p.peak_bytes
+                continue
             return p
+        if probed and fit is not None and row > budget:  # the probe: keep what fits and is faster
+            return p if p.peak_bytes <= budget and p.step_time < fit.step_time else fit
         if p.peak_bytes <= budget:
             lo = row
             if fit is None or p.step_time < fit.step_time:

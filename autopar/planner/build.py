@@ -247,7 +247,23 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: fl
         glob += _nbytes(t.shape, t.dtype)
         loc += _local_bytes(t, p, shape) / rows_of
     frac = loc / glob if glob else 1.0
-    act = (prof.saved_bytes * act_scale if saved is None else saved) * frac * scale
+    if isinstance(saved, SavedSplit):
+        ins, outv = [tensor_vals(a) for a in node.all_input_nodes], tensor_vals(node)
+        act = saved.internal * frac
+        for j, idx, b in saved.inputs:
+            if j < len(strat.inputs) and idx < len(ins[j]):
+                t = ins[j][idx]
+                act += b * _local_bytes(t, strat.inputs[j], shape) / _nbytes(t.shape, t.dtype) / (
+                    rows_of if j == 0 else 1)
+            else:
+                act += b * frac
+        for i, b in saved.outputs:
+            t = outv[i] if i < len(outv) else None
+            act += (b * _local_bytes(t, strat.outputs[i] if i < len(strat.outputs) else None, shape)
+                    / _nbytes(t.shape, t.dtype) / rows_of if t is not None and t.numel() else b * frac)
+        act *= scale
+    else:
+        act = (prof.saved_bytes * act_scale if saved is None else saved) * frac * scale
     if (strat.load != 1.0 or balanced) and not (cfg.dtype == "bf16-mixed" and cfg.mesh.cluster != "cpu") and outs:
         # causal rows split without the flash kernel: the busiest rank's saved mask (rows x keys)
         from autopar.strategies.attention import computed_rows
@@ -261,6 +277,62 @@ def _price(node, strat: Strategy, prof, kind: str | None, cfg: Config, scale: fl
     if any(c.kind == "all_to_all" for c in strat.comm):  # a routing region's rows, as sent and as received
         work += 2 * sum(_local_bytes(t, p, shape) for t, p in zip(outs, strat.outputs)) * act_scale * scale
     return fwd + bwd + comm, comm, 0.0, act, work, fwd
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedSplit:
+    """The bytes a node saves for backward (each storage counted at its first saver, parameters
+    and buffers left out, as ``GraphProfile.saved_bytes_by_node``), by what they are: ``inputs``
+    ``(j, k, bytes)``: the k-th output of its j-th input node (sized by the strategy's input
+    placement j: what the lowered program hands the op, a resharded copy or the producer's own
+    storage); ``outputs`` ``(i, bytes)``: its i-th output (by the output placement); ``internal``:
+    the rest (by the op's share of its tensors). As the memory replay sizes them
+    (``autopar.planner.peak``)."""
+
+    internal: float
+    inputs: tuple[tuple[int, int, float], ...]
+    outputs: tuple[tuple[int, float], ...]
+
+
+def saved_split(gm, gp, cfg: Config) -> dict[str, SavedSplit]:
+    """:class:`SavedSplit` of every node that saves something, in ``cfg``'s precision."""
+    steps = gp.step_nodes("bf16-mixed" if cfg.dtype == "bf16-mixed" else "fp32")
+    size = {k: b for st in steps for k, b in st.storages.items()}
+    outs = {st.name: st.out_keys for st in steps}
+    inputs = set(gp.captured.user_inputs)
+    resident = {n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name not in inputs}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    counted: set = set()
+    out: dict[str, SavedSplit] = {}
+    for st in steps:
+        node = by_name.get(st.name)
+        if node is None:
+            continue
+        where: dict = {}
+        for j, a in enumerate(node.all_input_nodes):
+            for idx, k in enumerate(outs.get(a.name) or [(a.name, 0)]):
+                where.setdefault(k, ("in", j, idx))
+        for i, k in enumerate(st.out_keys):
+            where.setdefault(k, ("out", i, 0))
+        internal, ins, outv = 0.0, [], []
+        for k in st.saved:
+            if k[0] in resident or k in counted:
+                continue
+            counted.add(k)
+            b = size.get(k)
+            if b is None:  # a user input (a placeholder: no step node)
+                b = sum(_nbytes(t.shape, t.dtype) for t in tensor_vals(by_name[k[0]])) if k[0] in by_name else 0.0
+            b = float(b)
+            w = where.get(k)
+            if w is None:
+                internal += b
+            elif w[0] == "in":
+                ins.append((w[1], w[2], b))
+            else:
+                outv.append((w[1], b))
+        if internal or ins or outv:
+            out[st.name] = SavedSplit(internal, tuple(ins), tuple(outv))
+    return out
 
 
 def _input_vals(node) -> list:
@@ -541,6 +613,8 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
     # under-counted Llama-2-7B's saved activations by 26% (28.6 GiB a layer against 21.3).
     saved_at = gp.saved_bytes_by_node(cfg.dtype) if cfg.dtype.endswith("-mixed") and hasattr(
         gp, "saved_bytes_by_node") else None
+    # ... and each saved storage sized by its own placement where it is an input or an output.
+    split_at = saved_split(gm, gp, cfg) if hasattr(gp, "step_nodes") else {}
     # The ops' own transients, in the flat problem's row (a pipeline's stage rows are solved
     # against p x the budget over all stages, where one op's transient is not what binds).
     transient_at = gp.transient_bytes_by_node(cfg.dtype) if micro is None and hasattr(
@@ -619,7 +693,7 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
                 f"{tuple(t.shape)} on mesh {cfg.mesh.shape}: no placement of that family divides it; "
                 f"choose another family or a batch size divisible by the mesh")
         prof = gp.nodes.get(node.name)
-        saved = saved_at.get(node.name) if saved_at is not None else None
+        saved = split_at.get(node.name) or (saved_at.get(node.name) if saved_at is not None else None)
         transient = float(transient_at.get(node.name, 0))
         pkey = None if key is None else (key, id(allowed[0]), len(allowed), _prof_key(prof), scale, saved, transient)
         opt = priced_memo.get(pkey) if pkey is not None else None
@@ -717,6 +791,9 @@ class _EdgePricer:
         reduce-scatter) that stays exposed: 1 prices it blocking; the flat search's second solve
         prices the exposure the prefetch timeline found (``budget.solve_flat``)."""
         self.cache: dict[Any, np.ndarray] = {}
+        self.kept: dict[tuple[str, str], np.ndarray] = {}
+        """(src leader, dst leader) -> bytes the consumers keep (``_Kept``), filled by ``edges``."""
+        self.kept_by: dict[tuple[str, int], np.ndarray] = {}
         self.pair: dict[Any, float] = {}
         self.text: dict[int, str | None] = {}
 
@@ -812,8 +889,94 @@ class _AsRun:
         return self._bwd
 
 
+class _Kept:
+    """What a consumer keeps of a resharded input, for the ILP's memory row (``solver.Edge.mem``).
+
+    The lowered program makes one copy per value and placement wherever an edge's placement
+    changes (``autopar.lowering.program``), and a consumer that saved that input for backward
+    saves the copy instead (the replay: ``autopar.planner.peak._insert_copies``). ``act`` counts
+    each saved activation storage once, at its first saver, as that saver reads it
+    (:class:`SavedSplit`). Another saver ``N`` of it keeps something new exactly where it reads
+    it at another placement than the first saver ``F`` does: its own copy, or the original that
+    ``F`` replaced by a copy; so those bytes sit on an edge ``F -> N`` (:meth:`between`). A weight
+    is resident, not in ``act``: a consumer keeps the gathered copy of a ZeRO-3 weight until its
+    backward (an edge from the weight, :meth:`matrix`), unless the plan frees it after the forward
+    (``Config.reshard_after_forward``: gathered again in backward, a transient). A checkpointed
+    segment holding the consumer keeps none of it (the solver drops the bytes)."""
+
+    def __init__(self, gm, gp, cfg: Config):
+        steps = gp.step_nodes("bf16-mixed" if cfg.dtype == "bf16-mixed" else "fp32")
+        self.saved = {st.name: set(st.saved) for st in steps}
+        self.outs = {st.name: st.out_keys for st in steps}
+        self.itemsize = {k: v for st in steps for k, v in st.float_size.items()}
+        self.first: dict = {}
+        for st in steps:
+            for k in st.saved:
+                self.first.setdefault(k, st.name)
+        inputs = set(gp.captured.user_inputs)
+        self.resident = {n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name not in inputs}
+        self.raf = bool(cfg.reshard_after_forward)
+        self.shape = cfg.mesh.shape
+
+    def applies(self, prod, node):
+        """None, or how ``node``'s saving of ``prod``'s output reaches the row: ``"weight"`` (a
+        parameter's storage), or the name of the storage's first saver (``node`` is another)."""
+        mine = self.saved.get(node.name)
+        if not mine:
+            return None
+        key = next((k for k in self.outs.get(prod.name) or [(prod.name, 0)] if k in mine), None)
+        if key is None:
+            return None
+        if key[0] in self.resident:
+            return "weight"
+        first = self.first.get(key)
+        return first if first != node.name else None
+
+    def between(self, prod, idx: int, ins_first: list, ins: list, t) -> np.ndarray | None:
+        """(first saver's choices, consumer's choices) bytes the consumer keeps of ``prod``'s
+        ``idx``-th output ``t`` that the first saver's ``act`` does not hold: where the two read
+        it at different placements, the consumer's own (its copy, or the original)."""
+        ratio = self._ratio(prod, idx, t)
+        first = [pl.fmt(x) if x is not None else None for x in ins_first]
+        mine = [pl.fmt(x) if x is not None else None for x in ins]
+        m = np.zeros((len(ins_first), len(ins)))
+        for b, (x, xs) in enumerate(zip(ins, mine)):
+            if xs is None:
+                continue
+            size = _local_bytes(t, x, self.shape) * ratio
+            for a, fs in enumerate(first):
+                if fs is not None and fs != xs:
+                    m[a, b] = size
+        return m if m.any() else None
+
+    def _ratio(self, prod, idx: int, t) -> float:
+        keys = self.outs.get(prod.name)
+        return (self.itemsize.get(keys[idx]) or t.element_size()) / t.element_size() if keys and idx < len(
+            keys) else 1.0
+
+    def matrix(self, prod, idx: int, outs: list, ins: list, t) -> np.ndarray | None:
+        """(producer choices, consumer choices) bytes a consumer for which :meth:`applies` keeps
+        of ``prod``'s ``idx``-th output ``t`` (the traced value; its bytes per element as the step
+        makes it, as the replay sizes it); None if none."""
+        ratio = self._ratio(prod, idx, t)
+        src = [pl.fmt(o) if o is not None else None for o in outs]
+        dst = [pl.fmt(x) if x is not None else None for x in ins]
+        m = np.zeros((len(outs), len(ins)))
+        for b, (x, xs) in enumerate(zip(ins, dst)):
+            if xs is None:
+                continue
+            size = _local_bytes(t, x, self.shape) * ratio
+            for a, (o, os_) in enumerate(zip(outs, src)):
+                if os_ is None or os_ == xs:
+                    continue
+                if self.raf and prod.op == "placeholder" and size > _local_bytes(t, o, self.shape) * ratio:
+                    continue  # freed after the forward, gathered again in backward
+                m[a, b] = size
+        return m if m.any() else None
+
+
 def edges(gm, priced, leader, follow, mesh: Mesh, micro: "Micro | None" = None, params=(), cfg=None,
-          itemsizes=None, gather_scale: float = 1.0):
+          itemsizes=None, gather_scale: float = 1.0, gp=None):
     """Resharding edges between groups, plus the cost of edges inside a group folded into the
     group's own time vector (returned as ``inner``: leader -> extra seconds per choice); with
     ``micro``, priced per micro-batch (``Micro.matrix``). ``params``: placeholder names of
@@ -830,6 +993,12 @@ def edges(gm, priced, leader, follow, mesh: Mesh, micro: "Micro | None" = None, 
     # (producer, output index) -> [(consumer, input position, producer leader, matrix)]: the
     # consumers of one activation that lead their own groups (``_siblings`` reads them)
     pricer.fanout = defaultdict(list)
+    # (src leader, dst leader) -> bytes kept (flat problems; a pipeline stage's row is per micro-batch)
+    kept = _Kept(gm, gp, cfg) if gp is not None and cfg is not None and micro is None else None
+    kept_acc: dict[tuple[str, str], np.ndarray] = {}
+    kept_by: dict[tuple[str, int], np.ndarray] = {}  # (consumer, input position) -> its kept bytes
+    kept_memo: dict[tuple, np.ndarray | None] = {}
+    by_name = {n.name: n for n in gm.graph.nodes} if kept is not None else {}
     for node in gm.graph.nodes:
         if node.name not in priced:
             continue
@@ -868,6 +1037,30 @@ def edges(gm, priced, leader, follow, mesh: Mesh, micro: "Micro | None" = None, 
             else:
                 key = (ls, lu)
                 acc[key] = acc[key] + m if key in acc else m.copy()
+                how = kept.applies(prod, node) if kept is not None else None
+                first = by_name.get(how) if how not in (None, "weight") else None
+                jf = first.all_input_nodes.index(prod) if first is not None and prod in first.all_input_nodes else None
+                tv = vals[idx] if idx < len(vals) else vals[0]
+                if jf is not None and first.name in priced and leader[first.name] != lu:
+                    # another saver of an activation: against what its first saver reads
+                    fopt, ff, lf = priced[first.name], follow[first.name], leader[first.name]
+                    kkey = ("between", id(fopt), id(opt), jf, j, ff.tobytes(), fu.tobytes(), tuple(tv.shape), tv.dtype)
+                    if kkey not in kept_memo:
+                        kept_memo[kkey] = kept.between(prod, idx, [_in_pl(fopt.strategies[u], jf) for u in ff],
+                                                       [_in_pl(opt.strategies[u], j) for u in fu], tv)
+                    k = kept_memo[kkey]
+                    if k is not None:
+                        kept_acc[(lf, lu)] = kept_acc[(lf, lu)] + k if (lf, lu) in kept_acc else k.copy()
+                elif how is not None and (how == "weight" or jf is None):
+                    kkey = (ekey, prod.op == "placeholder")
+                    if kkey not in kept_memo:
+                        kept_memo[kkey] = kept.matrix(prod, idx, [_out_pl(popt, s, idx) for s in fs],
+                                                      [_in_pl(opt.strategies[u], j) for u in fu], tv)
+                    k = kept_memo[kkey]
+                    if k is not None:
+                        kept_acc[key] = kept_acc[key] + k if key in kept_acc else k.copy()
+                        kept_by[(node.name, j)] = k
+    pricer.kept, pricer.kept_by = kept_acc, kept_by
     return acc, inner, pricer
 
 
@@ -1084,7 +1277,7 @@ def assemble(gp, cfg: Config, priced, order, leader, follow, micro=None, gather_
     gm = gp.captured.gm
     itemsizes = gp.output_itemsizes(cfg.dtype) if cfg.dtype == "bf16-mixed" else None
     acc, inner, pricer = edges(gm, priced, leader, follow, cfg.mesh, micro, params=gp.captured.params, cfg=cfg,
-                               itemsizes=itemsizes, gather_scale=gather_scale)
+                               itemsizes=itemsizes, gather_scale=gather_scale, gp=gp)
     tp_axes = tuple(a for a in tp_axes_of(cfg.family, cfg.mesh.ndim) if cfg.mesh.shape[a] > 1)
     if tp_axes:
         _forbid_weight_reshards(gm, gp, priced, leader, follow, acc, inner, tp_axes)
@@ -1093,11 +1286,14 @@ def assemble(gp, cfg: Config, priced, order, leader, follow, micro=None, gather_
     # from full-batch op figures, and stage modules run their edges whole.
     from autopar.planner.overlap import add_overlap
 
-    sites = add_overlap(gm, gp, priced, leader, follow, acc, inner, cfg, cfg.chunks) if micro is None else []
+    sites = (add_overlap(gm, gp, priced, leader, follow, acc, inner, cfg, cfg.chunks, kept=pricer.kept)
+             if micro is None else [])
     siblings = _siblings(gm, gp, priced, pricer.fanout, {n for s in sites for n in (s.node, s.other)})
-    for group in siblings:  # one shared copy: each sibling's edge carries 1/k of it
-        for c, _, ls, m in group:
+    for group in siblings:  # one shared copy: each sibling's edge carries 1/k of it (seconds and bytes)
+        for c, j, ls, m in group:
             acc[(ls, c)] = acc[(ls, c)] - m * (1.0 - 1.0 / len(group))
+            if (c, j) in pricer.kept_by:
+                pricer.kept[(ls, c)] = pricer.kept[(ls, c)] - pricer.kept_by[(c, j)] * (1.0 - 1.0 / len(group))
     extra = sink_costs(gm, priced, leader, follow, pricer)
     groups = _group_vectors(priced, leader, follow, inner, extra)
     nodes = []
@@ -1108,7 +1304,11 @@ def assemble(gp, cfg: Config, priced, order, leader, follow, micro=None, gather_
         labels = tuple(s.name for s in priced[lead].strategies)
         nodes.append(solver.Node(id=lead, labels=labels, time=g["time"], comm=g["comm"], mem=g["mem"],
                                  act=g["act"], work=g["work"], recompute=g["recompute"]))
-    edge_list = tuple(solver.Edge(src=s, dst=d, cost=m) for (s, d), m in acc.items())
+    edge_list = tuple(solver.Edge(src=s, dst=d, cost=m, mem=_nonneg(pricer.kept.get((s, d))))
+                      for (s, d), m in acc.items())
+    # bytes between two savers of one activation that no resharding edge joins: a zero-cost edge
+    edge_list += tuple(solver.Edge(src=s, dst=d, cost=np.zeros_like(m), mem=_nonneg(m))
+                       for (s, d), m in pricer.kept.items() if (s, d) not in acc)
     segs = _segments(gm, gp, priced, leader, follow, cfg.mesh.shape) if cfg.checkpoint else ()
     ties = _ties(gm, gp, priced, leader) + tuple(tuple(c for c, *_ in g) for g in siblings)
     problem = solver.Problem(nodes=tuple(nodes), edges=edge_list, ties=ties,
@@ -1118,6 +1318,11 @@ def assemble(gp, cfg: Config, priced, order, leader, follow, micro=None, gather_
     shared = {(c, j): len(g) for g in siblings for c, j, *_ in g}
     return Built(problem=problem, priced=priced, leader=leader, follow=follow, order=order,
                  step_edges={} if micro is None else micro.step, overlap=sites, siblings=shared)
+
+
+def _nonneg(m: np.ndarray | None) -> np.ndarray | None:
+    """Kept bytes with the rounding of the sibling shares taken off (never below zero)."""
+    return None if m is None else np.maximum(m, 0.0)
 
 
 def choices(built: Built, solution) -> dict[str, int]:

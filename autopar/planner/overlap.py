@@ -47,8 +47,9 @@ neighbour keeps k = 1 (no chain forms) is priced as chained: the model errs by a
 message per chain. Chained edge entries are clipped at zero.
 
 Why no new ILP variables: offering ``(s, k)`` for every k as separate options of ``v`` changes
-only ``v``'s time and the chunked edge's matrix (memory is the same: chunks save the same
-activations, and the transient can only shrink, which we do not count). Since the chunked edge is
+only ``v``'s time, the chunked edge's matrix and the bytes that edge keeps (each chunk's output
+stays with its graph beside the concatenated one: ``_chunk_bytes``, in ``solver.Edge.mem``; k is
+read back by time, so the bytes follow the same pair). Since the chunked edge is
 fixed by ``s``, the part of the objective that depends on k is a function of ``s``, k and the
 choice ``x`` of the node at the other end of that edge only, so the best k for each pair ``(s, x)``
 is ``argmin_k T(s, k, x)`` whatever the rest of the plan is, and the ILP with k-options has the
@@ -315,10 +316,11 @@ def _site_tables(v, x, xi, other, role, opt, oopt, prof, cfg, pricer, chained=No
     return D[ri, ci], K[ri, ci]
 
 
-def add_overlap(gm, gp, priced, leader, follow, acc, inner, cfg, chunks=CHUNKS) -> list[Site]:
+def add_overlap(gm, gp, priced, leader, follow, acc, inner, cfg, chunks=CHUNKS, kept=None) -> list[Site]:
     """Fold the chunking discount ``D`` (module docstring) into the edge matrices ``acc`` (keyed
     (producer leader, consumer leader)) and the in-group edge costs ``inner``, in place; return the
-    sites whose k :func:`chunk_counts` reads back."""
+    sites whose k :func:`chunk_counts` reads back. ``kept`` (the same keys): each pair of choices
+    that chunks adds the bytes the chunks keep (:func:`_chunk_bytes`) to the chunked edge."""
     if not any(k > 1 for k in chunks):
         return []
     pricer = _Pricer(cfg, chunks)
@@ -349,6 +351,9 @@ def add_overlap(gm, gp, priced, leader, follow, acc, inner, cfg, chunks=CHUNKS) 
             if (K == 1).all():
                 continue
             _fold(D, v.name, other.name, role == "output", leader, follow, acc, inner)
+            if kept is not None:
+                _fold_kept(_chunk_bytes(v, opt, K, gp, cfg), v.name, other.name, role == "output", leader, follow,
+                           kept)
             sites.append(Site(node=v.name, other=other.name, node_is_src=role == "output", k=K))
     return sites
 
@@ -407,6 +412,33 @@ def _fold(D, node, other, node_is_src, leader, follow, acc, inner):
         acc[(ls, ld)] = np.maximum(acc[(ls, ld)] + M, 0.0)
     else:
         acc[(ls, ld)] = M.copy()
+
+
+def _chunk_bytes(v, opt, K: np.ndarray, gp, cfg) -> np.ndarray:
+    """(v's strategies, the other end's) bytes a chunked ``v`` keeps beyond what it saves
+    unchunked: each chunk's output stays with its graph beside the concatenated output (the
+    replay: ``autopar.planner.peak._chunked``), one output's local bytes where k > 1."""
+    from autopar.planner.build import _local_bytes
+
+    t = tensor_vals(v)[0]
+    size = (gp.output_itemsizes(cfg.dtype).get(v.name) or [0])[0] if cfg.dtype == "bf16-mixed" else 0
+    ratio = size / t.element_size() if size else 1.0
+    out = np.array([_local_bytes(t, st.outputs[0] if st.outputs else None, cfg.mesh.shape) * ratio
+                    for st in opt.strategies])
+    return np.where(K > 1, out[:, None], 0.0)
+
+
+def _fold_kept(B, node, other, node_is_src, leader, follow, kept) -> None:
+    """:func:`_fold` for bytes kept: onto the chunked edge of ``kept``; an edge inside one group
+    (both ends pick together) has no place there and is left out."""
+    if not B.any():
+        return
+    src, dst = (node, other) if node_is_src else (other, node)
+    M = B if node_is_src else B.T
+    M = M[follow[src]][:, follow[dst]]
+    ls, ld = leader[src], leader[dst]
+    if ls != ld:
+        kept[(ls, ld)] = kept[(ls, ld)] + M if (ls, ld) in kept else M.copy()
 
 
 def chunk_counts(sites: list[Site], pick: dict[str, int]) -> dict[str, int]:

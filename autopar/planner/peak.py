@@ -118,7 +118,11 @@ def _scaled_node(ctx: _Ctx, n):
     storages = {}
     for k, b in n.storages.items():
         if k[0] == n.name and 0 <= k[1] < len(vals):
-            storages[k] = _local(vals[k[1]], ctx.out_pl(n.name, k[1]), ctx.shape)
+            # the storage's own bytes (under bf16-mixed: as autocast made it, not the traced
+            # fp32 value's) at the output placement's share
+            t = vals[k[1]]
+            glob = _nbytes(t.shape, t)
+            storages[k] = _local(t, ctx.out_pl(n.name, k[1]), ctx.shape) * b // glob if glob else b
         else:
             storages[k] = int(b * f)
     out_glob = sum(_nbytes(t.shape, t) for t in vals)
@@ -171,7 +175,8 @@ def _chunked(ctx: _Ctx, n, k: int, recomputed: bool):
     act = loc[ins.index(node.args[pos])]
     extra = 2 * (sum(loc) - act) + act
     vals = tensor_vals(node)
-    out = sum(_local(t, ctx.out_pl(n.name, i), ctx.shape) for i, t in enumerate(vals))
+    # the outputs' bytes as the step makes them (``_scaled_node``: this rank's, in the step's dtype)
+    out = sum(n.storages.get((n.name, i), _local(t, ctx.out_pl(n.name, i), ctx.shape)) for i, t in enumerate(vals))
     if recomputed:
         return dataclasses.replace(n, bwd_alloc=n.bwd_alloc + out + extra, bwd_max_op=n.bwd_max_op + out + extra)
     key = (n.name, len(vals))  # past the node's own outputs
@@ -254,6 +259,7 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
     from profiler.memory import StepNode
 
     by_name = {n.name: n for n in steps}
+    fsize = {k: v for n in steps for k, v in n.float_size.items()}  # a view's storage is its base's
     into: dict[str, list] = {}  # consumer -> its moving forward edges
     for e in lowered.edges:
         if e.src != e.dst and e.consumer in ctx.strategy_of:
@@ -268,7 +274,7 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
             t = tensor_vals(a)[e.out_index]
             prod = by_name.get(a.name)
             src_keys = prod.out_keys if prod is not None else [(a.name, 0)]
-            nbytes = _local(t, e.dst, ctx.shape)
+            nbytes = _local(t, e.dst, ctx.shape) * _itemsize(fsize, prod, e.out_index, t) // t.element_size()
             name = made.get(e.copy)
             if name is None:
                 name = made[e.copy] = f"{a.name}->{n.name}"
@@ -295,7 +301,7 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
                     copy.users.append(n.name)
                 if prod is not None:
                     prod.users = [u for u in prod.users if u != n.name]
-            gathered = nbytes > _local(t, e.src, ctx.shape)
+            gathered = _local(t, e.dst, ctx.shape) > _local(t, e.src, ctx.shape)
             if ctx.raf and gathered and e.param and a.name in placeholders and n.name not in ctx.recomputed and \
                     any(k in src_keys for k in n.saved):  # an op that keeps nothing of it needs no gather again
                 n.saved = [k for k in n.saved if k not in src_keys]  # the shard is resident anyway
@@ -325,6 +331,15 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
         n.bwd_alloc += ahead
         n.bwd_max_op += ahead
     return out
+
+
+def _itemsize(fsize: dict, prod, idx: int, t: torch.Tensor) -> int:
+    """Bytes per element of ``prod``'s (a step node's) ``idx``-th output as the step makes it
+    (under bf16-mixed: 2 where autocast runs the op in bf16; a view's, its base storage's);
+    the traced value's without a step. ``fsize``: every step's ``float_size``."""
+    if prod is None or idx >= len(prod.out_keys):
+        return t.element_size()
+    return fsize.get(prod.out_keys[idx]) or t.element_size()
 
 
 def _out_index(producer, consumer) -> int:
@@ -411,7 +426,7 @@ def rank_peak(gp, strategy_of: dict, mesh, *, recompute=frozenset(), optimizer: 
 
     ctx = _Ctx(gp, strategy_of, mesh, zero, dtype, reshard_after_forward, recompute)
     precision = "bf16-mixed" if dtype == "bf16-mixed" else "fp32"
-    base = gp._step_nodes(precision)  # the measured graph's step nodes (fp32 run or mixed replay)
+    base = gp.step_nodes(precision)  # the measured graph's step nodes (fp32 run or mixed replay)
     chunks = chunks or {}
     lowered = lower_choice(ctx, recompute, chunks, bucket_bytes=bucket_bytes)
     steps = _insert_copies(ctx, [_chunked(ctx, _scaled_node(ctx, n), chunks.get(n.name, 1), n.name in recompute)

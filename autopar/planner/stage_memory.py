@@ -98,7 +98,7 @@ def pipeline_peaks(gp, strategy_of: dict, mesh, pipeline, *, recompute=frozenset
     ctx = _Ctx(gp, strategy_of, mesh, zero, dtype)
     m, cap = int(pipeline.microbatches), gp.captured
     scaled = depends_on_inputs(cap.gm, set(cap.user_inputs))
-    base = gp._step_nodes("bf16-mixed" if dtype == "bf16-mixed" else "fp32")
+    base = gp.step_nodes("bf16-mixed" if dtype == "bf16-mixed" else "fp32")
     chunks, rec = chunks or {}, set(recompute)
     plan_stage = {n: k for k, st in enumerate(pipeline.stages) for n in st}
     lowered = lower_choice(ctx, recompute, chunks, stages=plan_stage, bucket_bytes=bucket_bytes)

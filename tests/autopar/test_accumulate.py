@@ -78,7 +78,9 @@ def test_the_free_search_accumulates_where_nothing_else_fits():
     from autopar.plan import InfeasibleBudget
 
     whole = _plan({"dp": 8})
-    budget = 0.45 * whole.peak_bytes
+    # (at 0.45 a single-stage plan that recomputes now fits: the memory row holds what the
+    # lowered program keeps, so the search finds it without accumulating)
+    budget = 0.4 * whole.peak_bytes
     with pytest.raises(InfeasibleBudget):
         _plan({"dp": 8, "zero": 2}, memory_budget=budget)
     with warnings.catch_warnings():

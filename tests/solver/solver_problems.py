@@ -122,10 +122,25 @@ def _dup(edge: Edge, nid: str) -> np.ndarray:
     return cost
 
 
+def _kept(draw, edges: list[Edge]) -> list[Edge]:
+    """Some edges given kept bytes (``Edge.mem``: the consumer's resharded copy), whole MiB, zero
+    on some entries (no copy where the placements agree)."""
+    out = []
+    for e in edges:
+        if draw(st.booleans()):
+            mem = _vec(draw, e.cost.size, 12, MiB).reshape(e.cost.shape) * (e.cost > 0.5)
+            e = Edge(src=e.src, dst=e.dst, cost=e.cost, mem=mem)
+        out.append(e)
+    return out
+
+
 @st.composite
-def problems(draw):
-    """(problem without budget, budget fraction): the test sets the budget from brute force."""
+def problems(draw, kept: bool = False):
+    """(problem without budget, budget fraction): the test sets the budget from brute force.
+    ``kept``: some edges keep bytes (``Edge.mem``)."""
     nodes, edges, ties, segs = draw(st.one_of(layered(), dag()))
+    if kept:
+        edges = _kept(draw, edges)
     frac = draw(st.sampled_from([-0.3, 0.0, 0.15, 0.3, 0.5, 0.75, 1.0, 1.3]))
     return Problem(nodes=tuple(nodes), edges=tuple(edges), ties=ties, segments=tuple(segs), name="hyp"), frac
 

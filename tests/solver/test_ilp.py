@@ -69,6 +69,46 @@ def test_ilp_matches_brute_force(case):
     _check_solution(problem, sol)
 
 
+@SETTINGS
+@given(problems(kept=True))
+def test_ilp_prices_kept_copies_like_brute_force(case):
+    """Edges whose consumer keeps a copy (``Edge.mem``, dropped when a checkpointed segment holds
+    the consumer): the ILP's memory row, its reductions and checkpoint counts price them exactly."""
+    problem, frac = case
+    assume(_small(problem) and any(e.mem is not None for e in problem.edges))
+    budget = None if frac > 1.2 else _budget(problem, frac)
+    problem = with_budget(problem, budget)
+    try:
+        ref = solver.brute_force(problem)
+    except Infeasible as want:
+        with pytest.raises(Infeasible) as got:
+            solver.solve(problem)
+        assert got.value.min_budget == pytest.approx(want.min_budget, rel=1e-9)
+        return
+    sol = solver.solve(problem)
+    assert sol.status == "optimal" and sol.gap <= 1e-9
+    assert sol.objective == pytest.approx(ref.objective, rel=1e-6, abs=1e-9)
+    _check_solution(problem, sol)
+
+
+def test_a_kept_copy_counts_unless_its_consumer_is_recomputed():
+    """One edge's copy (3 MiB when the placements differ): counted in the peak, gone when the
+    consumer's segment is checkpointed, and the budget then forces matching placements or recompute."""
+    a = Node(id="a", labels=("x", "y"), time=np.array([1.0, 1.0]), act=np.array([MiB, MiB]))
+    b = Node(id="b", labels=("x", "y"), time=np.array([0.5, 2.0]), act=np.array([MiB, MiB]),
+             recompute=np.array([0.1, 0.1]))
+    e = Edge(src="a", dst="b", cost=np.array([[0.0, 0.2], [0.2, 0.0]]),
+             mem=np.array([[0.0, 3 * MiB], [3 * MiB, 0.0]]))
+    p = Problem(nodes=(a, b), edges=(e,), segments=(Segment(id="B", nodes=("b",)),))
+    assert solver.evaluate(p, {"a": 1, "b": 0}).peak_bytes == 5 * MiB
+    assert solver.evaluate(p, {"a": 1, "b": 0}, ("B",)).peak_bytes == 5 * MiB  # recomputed: transient
+    assert solver.evaluate(p, {"a": 0, "b": 0}).peak_bytes == 2 * MiB
+    free = solver.solve(p)
+    assert free.choice == {"a": 0, "b": 0} and free.peak_bytes == 2 * MiB
+    tight = solver.solve(with_budget(p, 2.5 * MiB))
+    assert tight.peak_bytes <= 2.5 * MiB and tight.choice == {"a": 0, "b": 0}
+
+
 @settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_same_problem_same_solution(case):
