@@ -295,8 +295,18 @@ class SavedSplit:
 
 
 def saved_split(gm, gp, cfg: Config) -> dict[str, SavedSplit]:
-    """:class:`SavedSplit` of every node that saves something, in ``cfg``'s precision."""
-    steps = gp.step_nodes("bf16-mixed" if cfg.dtype == "bf16-mixed" else "fp32")
+    """:class:`SavedSplit` of every node that saves something, in ``cfg``'s precision (kept
+    with the graph: one planning builds many problems of one graph)."""
+    prec = "bf16-mixed" if cfg.dtype == "bf16-mixed" else "fp32"
+    memo = gm.meta.setdefault("autopar_saved_split", {})
+    if (id(gp), prec) not in memo:
+        memo.clear()
+        memo[(id(gp), prec)] = _saved_split(gm, gp, prec)
+    return memo[(id(gp), prec)]
+
+
+def _saved_split(gm, gp, prec: str) -> dict[str, SavedSplit]:
+    steps = gp.step_nodes(prec)
     size = {k: b for st in steps for k, b in st.storages.items()}
     outs = {st.name: st.out_keys for st in steps}
     inputs = set(gp.captured.user_inputs)
@@ -905,16 +915,20 @@ class _Kept:
     segment holding the consumer keeps none of it (the solver drops the bytes)."""
 
     def __init__(self, gm, gp, cfg: Config):
-        steps = gp.step_nodes("bf16-mixed" if cfg.dtype == "bf16-mixed" else "fp32")
-        self.saved = {st.name: set(st.saved) for st in steps}
-        self.outs = {st.name: st.out_keys for st in steps}
-        self.itemsize = {k: v for st in steps for k, v in st.float_size.items()}
-        self.first: dict = {}
-        for st in steps:
-            for k in st.saved:
-                self.first.setdefault(k, st.name)
-        inputs = set(gp.captured.user_inputs)
-        self.resident = {n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name not in inputs}
+        prec = "bf16-mixed" if cfg.dtype == "bf16-mixed" else "fp32"
+        memo = gm.meta.setdefault("autopar_kept_steps", {})  # the step's facts, once per graph
+        if (id(gp), prec) not in memo:
+            steps = gp.step_nodes(prec)
+            first: dict = {}
+            for st in steps:
+                for k in st.saved:
+                    first.setdefault(k, st.name)
+            inputs = set(gp.captured.user_inputs)
+            memo.clear()
+            memo[(id(gp), prec)] = ({st.name: set(st.saved) for st in steps}, {st.name: st.out_keys for st in steps},
+                                    {k: v for st in steps for k, v in st.float_size.items()}, first,
+                                    {n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name not in inputs})
+        self.saved, self.outs, self.itemsize, self.first, self.resident = memo[(id(gp), prec)]
         self.raf = bool(cfg.reshard_after_forward)
         self.shape = cfg.mesh.shape
 
@@ -936,42 +950,30 @@ class _Kept:
         """(first saver's choices, consumer's choices) bytes the consumer keeps of ``prod``'s
         ``idx``-th output ``t`` that the first saver's ``act`` does not hold: where the two read
         it at different placements, the consumer's own (its copy, or the original)."""
-        ratio = self._ratio(prod, idx, t)
-        first = [pl.fmt(x) if x is not None else None for x in ins_first]
-        mine = [pl.fmt(x) if x is not None else None for x in ins]
-        m = np.zeros((len(ins_first), len(ins)))
-        for b, (x, xs) in enumerate(zip(ins, mine)):
-            if xs is None:
-                continue
-            size = _local_bytes(t, x, self.shape) * ratio
-            for a, fs in enumerate(first):
-                if fs is not None and fs != xs:
-                    m[a, b] = size
-        return m if m.any() else None
-
-    def _ratio(self, prod, idx: int, t) -> float:
-        keys = self.outs.get(prod.name)
-        return (self.itemsize.get(keys[idx]) or t.element_size()) / t.element_size() if keys and idx < len(
-            keys) else 1.0
+        return self._differ(prod, idx, ins_first, ins, t, freed=False)
 
     def matrix(self, prod, idx: int, outs: list, ins: list, t) -> np.ndarray | None:
         """(producer choices, consumer choices) bytes a consumer for which :meth:`applies` keeps
-        of ``prod``'s ``idx``-th output ``t`` (the traced value; its bytes per element as the step
-        makes it, as the replay sizes it); None if none."""
-        ratio = self._ratio(prod, idx, t)
-        src = [pl.fmt(o) if o is not None else None for o in outs]
-        dst = [pl.fmt(x) if x is not None else None for x in ins]
-        m = np.zeros((len(outs), len(ins)))
-        for b, (x, xs) in enumerate(zip(ins, dst)):
-            if xs is None:
+        of ``prod``'s ``idx``-th output ``t``: its copy, where it reads another placement than
+        the producer's (none for a weight freed after the forward)."""
+        return self._differ(prod, idx, outs, ins, t, freed=self.raf and prod.op == "placeholder")
+
+    def _differ(self, prod, idx: int, rows: list, cols: list, t, freed: bool) -> np.ndarray | None:
+        """(rows, cols) bytes of ``t`` at each column's placement where it differs from the row's
+        (the traced value, in the bytes per element the step makes it, as the replay sizes it);
+        ``freed``: not where that is a gather (gathered again in backward instead). None if none."""
+        keys = self.outs.get(prod.name)
+        ratio = (self.itemsize.get(keys[idx]) or t.element_size()) / t.element_size() if keys and idx < len(
+            keys) else 1.0
+        rs = [pl.fmt(x) if x is not None else None for x in rows]
+        m = np.zeros((len(rows), len(cols)))
+        for b, x in enumerate(cols):
+            if x is None:
                 continue
-            size = _local_bytes(t, x, self.shape) * ratio
-            for a, (o, os_) in enumerate(zip(outs, src)):
-                if os_ is None or os_ == xs:
-                    continue
-                if self.raf and prod.op == "placeholder" and size > _local_bytes(t, o, self.shape) * ratio:
-                    continue  # freed after the forward, gathered again in backward
-                m[a, b] = size
+            xs, size = pl.fmt(x), _local_bytes(t, x, self.shape) * ratio
+            for a, (o, os_) in enumerate(zip(rows, rs)):
+                if os_ is not None and os_ != xs and not (freed and size > _local_bytes(t, o, self.shape) * ratio):
+                    m[a, b] = size
         return m if m.any() else None
 
 
