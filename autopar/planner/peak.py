@@ -269,7 +269,18 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
     unit_bytes: dict[int, dict[int, int]] = {}  # unit -> copy -> gathered bytes
     out = []
     for n in steps:
-        for e in sorted(into.get(n.name, ()), key=lambda e: e.index) if n.name in ctx.nodes else ():
+        moving = sorted(into.get(n.name, ()), key=lambda e: e.index) if n.name in ctx.nodes else ()
+        # What the node saved before its copies, and the storages it still reads as they are (an
+        # input without a copy): several inputs may be views of one storage (q, k and v of one
+        # projection); each copied one saves its own copy, a direct one keeps the storage.
+        saved_before, direct = list(n.saved), set()
+        if moving:
+            copied = {e.index for e in moving}
+            for j, a in enumerate(ctx.nodes[n.name].all_input_nodes):
+                if j not in copied:
+                    pa = by_name.get(a.name)
+                    direct.update(pa.out_keys if pa is not None else [(a.name, 0)])
+        for e in moving:
             a = ctx.nodes[e.producer]
             t = tensor_vals(a)[e.out_index]
             prod = by_name.get(a.name)
@@ -320,8 +331,10 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
                     n.storages = {**n.storages, rows: nbytes // zigzag_ranks(ctx.strategy_of[n.name], ctx.shape)}
                     if t.is_floating_point():
                         n.float_size = {**n.float_size, rows: t.element_size()}
-            else:
-                n.saved = [(name, 0) if k in src_keys else k for k in n.saved]
+            elif any(k in saved_before for k in src_keys):
+                n.saved = [k for k in n.saved if k not in src_keys or k in direct]
+                if (name, 0) not in n.saved:
+                    n.saved.append((name, 0))
             n.inputs = [name if x == a.name else x for x in n.inputs]
         out.append(n)
     # Reshard after forward with backward prefetch (autopar.runtime.reshard.Gathered): while a
