@@ -110,8 +110,12 @@ class Pool:
         self.procs = []
         self._key = 0
         self.logs = []
+        self.generation = 0
+        """How many times the workers were started: a case that ran again on a fresh pool
+        (:meth:`run`) sees per-process counters start from zero."""
 
     def start(self, timeout: float = 300.0) -> "Pool":
+        self.generation += 1
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.world)]
