@@ -8,7 +8,9 @@ from .brute import brute_force
 from .evaluate import Evaluation, evaluate, memory_terms
 from .ilp import ilp_size, solve
 from .model import Edge, Infeasible, Node, Problem, Segment, Solution, SolverError, SolverWarning, fmt_bytes
+from .restrict import merge, restrict
 from . import pipeline
 
 __all__ = ["Node", "Edge", "Segment", "Problem", "Solution", "Infeasible", "SolverError", "SolverWarning", "solve", "ilp_size",
-           "brute_force", "evaluate", "Evaluation", "memory_terms", "fmt_bytes", "pipeline"]
+           "brute_force", "evaluate", "Evaluation", "memory_terms", "fmt_bytes", "pipeline",
+           "restrict", "merge"]

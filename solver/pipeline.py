@@ -32,7 +32,7 @@ import numpy as np
 
 from .model import Infeasible, fmt_bytes
 
-__all__ = ["SCHEDULES", "StagePartition", "ScheduleCost", "in_flight", "schedule_cost", "partition",
+__all__ = ["SCHEDULES", "StagePartition", "ScheduleCost", "in_flight", "schedule_cost", "partition", "price_cut",
            "brute_force_partition"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -180,6 +180,27 @@ def partition(layer_times: Sequence[float], layer_mem: Sequence[float] | None, n
         raise Infeasible(f"no {p}-stage partition fits memory_budget={fmt_bytes(budget)}; the smallest "
                          f"feasible budget is {fmt_bytes(least)} ({least:.0f} bytes, {dominant[0]}); raise "
                          f"the budget or use more stages", min_budget=least, dominant=dominant)
+    costs = [_stage_cost(pre, cuts[j], cuts[j + 1], j, flight, n) for j in range(p)]
+    return StagePartition(bounds=tuple((cuts[j], cuts[j + 1]) for j in range(p)),
+                          stage_times=tuple(c[0] for c in costs), stage_mem=tuple(c[1] for c in costs),
+                          max_time=max(c[0] for c in costs))
+
+
+def price_cut(layer_times: Sequence[float], layer_mem: Sequence[float] | None, bounds, *,
+              layer_act: Sequence[float] | None = None, in_flight: Sequence[float] | None = None,
+              send_times: Sequence[float] | None = None) -> StagePartition:
+    """The stages of a given cut ``bounds`` ((lo, hi) per stage, contiguous from 0 to L) priced
+    as :func:`partition` prices its own: a cut kept while the layers' figures change."""
+    lt, lm, la, ls = _arrays(layer_times, layer_mem, layer_act, send_times)
+    n, p = lt.size, len(bounds)
+    cuts = [int(lo) for lo, _ in bounds] + [int(bounds[-1][1])] if p else []
+    if not p or cuts[0] != 0 or cuts[-1] != n or any(b[1] != c for b, c in zip(bounds, cuts[1:])) \
+            or any(hi <= lo for lo, hi in bounds):
+        raise ValueError(f"bounds {tuple(bounds)} are not contiguous, non-empty stages covering the {n} layers")
+    flight = np.ones(p) if in_flight is None else np.asarray(in_flight, dtype=np.float64)
+    if flight.shape != (p,):
+        raise ValueError(f"in_flight has {flight.size} entries but there are {p} stages")
+    pre = [np.concatenate([[0.0], np.cumsum(a)]) for a in (lt, lm, la, ls)]
     costs = [_stage_cost(pre, cuts[j], cuts[j + 1], j, flight, n) for j in range(p)]
     return StagePartition(bounds=tuple((cuts[j], cuts[j + 1]) for j in range(p)),
                           stage_times=tuple(c[0] for c in costs), stage_mem=tuple(c[1] for c in costs),

@@ -25,6 +25,7 @@ time falls while the bubble shrinks faster than the floors add up, then rises.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import numpy as np
@@ -257,12 +258,22 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
                     own = _per_stage_recompute(gp, c_cfg, built, sol, units, axis, dict(found, m=m))
                     if own is not None:
                         found, sol = own
+                    if found is not None:
+                        found = dict(found, own_rows=True, bound=bound)
         if found is None:
             continue
         found = dict(found, built=built, sol=sol, sub_cfg=sub_cfg, cfg=c_cfg)
         if ci not in best or (found["step"], found["peak"]) < (best[ci]["step"], best[ci]["peak"]):
             best[ci] = found
         top = min(top, found["step"])
+    # Each device shards for its own flight too (one ILP per device, a few rounds): for each
+    # candidate's best plan that had to recompute, is within OWN_ROWS_REACH of the best plan found
+    # and whose bound (every device at its fastest) could beat it.
+    for ci, f in best.items():
+        if f.get("own_rows") and f["bound"] < top and f["step"] <= OWN_ROWS_REACH * top:
+            own = _per_stage_sharding(gp, f["cfg"], f["built"], f["sol"], units, candidates[ci][1], f)
+            if own is not None:
+                best[ci] = dict(f, **own[0], sol=own[1], built=own[2], own_sharding=True)
     _STREAMS.clear()  # (what the cuts of this search were priced at: not needed once it ends)
     out = []
     for ci, (mesh, axis) in enumerate(candidates):
@@ -271,11 +282,12 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
             if skipped:
                 out[-1].options["pipeline_search"] = (f"stopped after {SEARCH_SECONDS:.0f} s with {skipped} "
                                                       f"(candidate, micro-batch count) pairs not checked")
+        elif ci in tried:  # some micro-batch counts were priced: the budget ruled them out
+            why = f" (and {errors[ci]})" if ci in errors else ""
+            out.append(InfeasibleBudget(f"no pipeline over axis {axis} of {tuple(mesh.shape)} fits the memory "
+                                        f"budget of {human_bytes(cfg.memory_budget, digits=2)} per device{why}"))
         elif ci in errors:
             out.append(errors[ci])
-        elif ci in tried:
-            out.append(InfeasibleBudget(f"no pipeline over axis {axis} of {tuple(mesh.shape)} fits the memory "
-                                        f"budget of {human_bytes(cfg.memory_budget, digits=2)} per device"))
         # else pruned: each of its bounds is no faster than a plan found elsewhere
     return out
 
@@ -329,6 +341,8 @@ def _finish(gp, cfg: Config, units, axis: int, best: dict):
     if best.get("regather"):
         bd["recompute_regather"] = float(best["regather"])
     plan.options["stage_times"] = [float(x) * m for x in best["dev_times"]]
+    if best.get("own_sharding"):  # each device's layers solved under its own memory row
+        plan.options["stage_sharding"] = "per device"
     plan.options["stage_memory"] = best["split"]
     # The memory split is what one device holds: the busiest pipeline rank at its peak (to_plan
     # summed the resident bytes of every stage, which no device holds).
@@ -343,6 +357,16 @@ def _finish(gp, cfg: Config, units, axis: int, best: dict):
 #: busiest stage and the replay decides, so a row that admits a plan whose replay is over the
 #: budget is tightened by the excess.
 _STAGE_ROUNDS = 4
+
+
+#: Per-device rows (:func:`_per_stage_sharding`) refine a candidate's plan at most this many
+#: times slower than the best plan found: they made plans 7-13% faster where measured
+#: (docs/benchmarks.md), and a 76B model's two-stage candidates spend about 20 s in them.
+OWN_ROWS_REACH = 1.2
+
+#: Rounds of per-device rows :func:`_per_stage_sharding` tries (each: one ILP per device still
+#: searching, one replay of every rank).
+_OWN_ROUNDS = 6
 
 
 def _stage_problem(problem, p: int, flight: int, budget: float):
@@ -436,6 +460,94 @@ def _per_stage_recompute(gp, cfg: Config, built, sol, units, axis: int, found: d
     return None
 
 
+def _per_stage_sharding(gp, cfg: Config, built, sol, units, axis: int, found: dict):
+    """The found plan's devices each choose their own layers' sharding and recompute under their
+    own memory row: one ILP per device of the pipeline axis over the nodes of its stages (every
+    other node held at ``sol``'s strategy: ``solver.restrict``), its saved bytes times the
+    micro-batches that device keeps in flight under the found schedule, its resident bytes its
+    own. The 1F1B first stage, holding the most, may shard more or recompute; the last, holding
+    one, keeps what the shared row (sized for the first) made it give up. Repeated layers stay
+    tied within a device, not across devices. Every rank is replayed: a device over the budget
+    has its own row tightened below its answer by its excess, and one whose row cannot go that
+    low keeps the found plan's answer. The result is priced (:func:`_best_schedule`, the found
+    schedule) on the found cut and on the cut its new layer figures choose. (found, solution,
+    built with the per-device ties) when it fits and is faster, else None."""
+    p, m, v, bounds = cfg.mesh.shape[axis], found["m"], found["v"], found["bounds"]
+    flight = solver.pipeline.in_flight(found["sched"], p, m, v)
+    unit_of = {n: k for k, u in enumerate(units) for n in u}
+    devs = []
+    for d in range(p):
+        ks = {k for c in range(d, p * v, p) for k in range(*bounds[c])}
+        devs.append({node.id for node in built.problem.nodes if unit_of[node.id] in ks})
+    segs_of = [{g.id for g in built.problem.segments if all(x in free for x in g.nodes)} for free in devs]
+    ties = tuple(t for free in devs for t in (tuple(x for x in g if x in free) for g in built.problem.ties)
+                 if len(t) > 1)
+    own = dataclasses.replace(built, problem=dataclasses.replace(built.problem, ties=ties))
+    sched_cfg = dataclasses.replace(cfg, schedule_choices=(found["sched"],),
+                                    virtual_choices=(v,) if found["sched"] == "interleaved-1f1b" else cfg.virtual_choices)
+    # A device's row is a linear bound of its replayed peak (it adds every gradient to every
+    # saved activation of every micro-batch in flight, and ranks choices by that), so each
+    # device's row is searched by its replay: first no row (its fastest answer), then bisection
+    # between the row of the found plan's answer (which fits) and the lowest row whose answer
+    # was over the budget. Each device keeps the answer of the highest row that fit.
+    ckpt = set(sol.checkpointed)
+    keep = [(sol.choice, tuple(g for g in ckpt if g in segs_of[d])) for d in range(p)]  # fits
+    lo, hi = [], [None] * p
+    for d in range(p):  # what the row counts for the found plan's answer
+        part = solver.restrict(built.problem, devs[d], sol.choice, act_scale=flight[d])
+        lo.append(solver.evaluate(part, {n.id: sol.choice[n.id] if n.id in devs[d] else 0 for n in part.nodes},
+                                  keep[d][1]).peak_bytes)
+    rows: list[float | None] = [None] * p
+    free_cfg = dataclasses.replace(cfg, memory_budget=None)
+    for _ in range(_OWN_ROUNDS):
+        pending = [d for d in range(p) if rows[d] is not False]
+        if not pending:
+            break
+        answers = {}
+        for d in pending:
+            part = solver.restrict(built.problem, devs[d], sol.choice, act_scale=flight[d], memory_budget=rows[d])
+            try:
+                got = solver.solve(part)
+            except solver.Infeasible:  # (the found answer is within any row tried: numerics)
+                rows[d] = False
+                continue
+            answers[d] = (got.choice, tuple(got.checkpointed), got.peak_bytes)
+        trial = _merged(built, own, sol, devs, [answers.get(d, keep[d]) for d in range(p)])
+        split = found["split"] if trial is None else \
+            _replayed_peak(gp, free_cfg, own, trial, units, bounds, found["sched"], m, v, axis)[1]
+        for d, (choice, segs, count) in answers.items():
+            if split[d]["params"] + split[d]["activations"] <= cfg.memory_budget:
+                keep[d] = (choice, segs)
+                if rows[d] is None:  # its fastest answer fits
+                    rows[d] = False
+                    continue
+                lo[d] = rows[d]
+            else:
+                hi[d] = count if rows[d] is None else rows[d]
+            rows[d] = False if hi[d] - lo[d] < 0.002 * cfg.memory_budget else (lo[d] + hi[d]) / 2
+    trial = _merged(built, own, sol, devs, keep)
+    if trial is None:
+        return None
+    # The cut kept, and the cut the new per-layer figures would choose: the faster that fits.
+    kept = _best_schedule(gp, sched_cfg, own, trial, units, axis, m, cut=bounds)
+    moved = _best_schedule(gp, sched_cfg, own, trial, units, axis, m)
+    best = min((f for f in (kept, moved) if f is not None), key=lambda f: (f["step"], f["peak"]), default=None)
+    return (best, trial, own) if best is not None and best["step"] < found["step"] else None
+
+
+def _merged(built, own, sol, devs, answers):
+    """The solution with each device's nodes at its answer ((choice, checkpointed segments) per
+    device), priced on ``own``'s problem (ties per device); None when it is ``sol`` itself."""
+    choice = solver.merge(built.problem, [(free, a[0]) for free, a in zip(devs, answers)], sol.choice)
+    chosen = {g for a in answers for g in a[1]}
+    segs = tuple(g.id for g in built.problem.segments if g.id in chosen)
+    if choice == sol.choice and set(segs) == set(sol.checkpointed):
+        return None
+    ev = solver.evaluate(own.problem, choice, segs)
+    return dataclasses.replace(sol, choice=choice, checkpointed=segs, objective=ev.objective, split=ev.split,
+                               peak_bytes=ev.peak_bytes)
+
+
 def _unit_figures(built, sol, units, m: int):
     """Per layer (unit), arrays over units: seconds of one micro-batch (its groups' own time and
     the resharding into them), seconds once per step (gradient sums), resident bytes, saved
@@ -480,9 +592,11 @@ def _unit_figures(built, sol, units, m: int):
     return t, once, mem, act, out_bytes
 
 
-def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int, peaks: list | None = None) -> dict | None:
+def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int, peaks: list | None = None,
+                   cut: tuple | None = None) -> dict | None:
     """The fastest schedule (and virtual stage count) for ``m`` micro-batches within the budget;
-    ``peaks`` collects the replayed peaks of the candidates that did not fit."""
+    ``peaks`` collects the replayed peaks of the candidates that did not fit. ``cut``: the
+    stages' layer bounds to keep (the schedules with that many stages), else partitioned here."""
     t, once, mem, act, sent = _unit_figures(built, sol, units, m)
     send = np.array([2 * collective_time("send", b, cfg.mesh, (axis,)) for b in sent])
     p = cfg.mesh.shape[axis]
@@ -495,9 +609,14 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int, peaks:
         for v in vs:
             flight = solver.pipeline.in_flight(sched, p, m, v)
             part = None
+            if cut is not None:
+                if len(cut) != p * v:
+                    continue
+                part = solver.pipeline.price_cut(t, mem, cut, layer_act=act, send_times=send,
+                                                 in_flight=list(flight) if v == 1 else None)
             # The partition's linear memory figure can exceed the per-rank replay (which decides
             # below): without a partition under the budget, the fastest one is replayed.
-            for budget in dict.fromkeys((cfg.memory_budget if v == 1 else None, None)):
+            for budget in dict.fromkeys((cfg.memory_budget if v == 1 else None, None)) if part is None else ():
                 try:
                     part = solver.pipeline.partition(t, mem, p * v, memory_budget=budget, layer_act=act,
                                                      in_flight=list(flight) if v == 1 else None, send_times=send)

@@ -167,6 +167,48 @@ def test_each_stage_recomputes_for_its_own_micro_batches_in_flight(monkeypatch):
     assert own.peak_bytes <= budget and own.pipeline.schedule == "1f1b" and len(counts) == 4
     assert counts[0] == max(counts) > counts[-1], counts
     monkeypatch.setattr(pp, "_per_stage_recompute", lambda *a, **k: None)
+    monkeypatch.setattr(pp, "_per_stage_sharding", lambda *a, **k: None)
     shared = plan(memory_budget=budget)
     assert shared.peak_bytes <= budget
     assert own.step_time < shared.step_time, (own.step_time, shared.step_time, counts, recomputed(shared))
+
+
+def test_each_device_shards_for_its_own_micro_batches_in_flight(monkeypatch):
+    """A 4-stage 1F1B pipeline on (4, 2) A100s whose budget binds: each device's own ILP
+    (``pipeline._per_stage_sharding``) gives a plan that fits, is faster than the plan whose
+    stages share one sharding (each still recomputing for its own flight), and shards twin layers
+    of the first stage (four micro-batches in flight) and the last (one) differently."""
+    import re
+    import warnings
+
+    import autopar
+    import sys
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
+    import cases
+
+    ex = cases.example("llama", batch=16, layers=8)
+    mesh = Mesh((4, 2), cluster="a100")
+
+    def plan(**kw):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return autopar.plan(ex.model, mesh, ex.args, example_kwargs=ex.kwargs, loss_fn=ex.loss_fn,
+                                target=ex.target, layout={"pp": 4, "schedule": "1f1b"}, **kw)
+
+    budget = 0.91 * plan().peak_bytes
+    own = plan(memory_budget=budget)
+    assert own.peak_bytes <= budget and own.pipeline.schedule == "1f1b"
+    assert own.options["stage_sharding"] == "per device"
+
+    def layout_of(stage):  # twin layers' weights by their name without the layer number
+        return {re.sub(r"layers_\d+", "layers_K", n): own.nodes[n].strategy for n in stage
+                if n in own.nodes and "layers_" in n and n.endswith("_weight")}
+
+    first, last = layout_of(own.pipeline.stages[0]), layout_of(own.pipeline.stages[-1])
+    assert any(first[k] != last[k] for k in first.keys() & last.keys()), (first, last)
+    monkeypatch.setattr(pp, "_per_stage_sharding", lambda *a, **k: None)
+    shared = plan(memory_budget=budget)
+    assert shared.peak_bytes <= budget
+    assert own.step_time < shared.step_time, (own.step_time, shared.step_time)
