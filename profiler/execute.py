@@ -79,6 +79,9 @@ class NodeRun:
     """The node created autograd nodes: it has a backward."""
     copied_from: str | None = None
     """The layer-0 twin whose record this is a copy of; None when measured."""
+    param_copies: dict[Key, str] = dataclasses.field(default_factory=dict)
+    """Mixed precision: storages among ``storages`` that are a parameter's 16-bit copy (made
+    once per step, by its first reader) -> that parameter's placeholder name."""
 
 
 def _sid(t: torch.Tensor) -> int:
@@ -182,6 +185,7 @@ class Runner:
         self.env: dict[str, Any] = {}
         self.fresh: dict[str, Any] = {}
         self.key_of: dict[int, Key] = {}  # storage id -> key
+        self.param_ids: dict[int, str] = {}  # id of a placeholder's tensor -> its name
         self.keepalive: list[Any] = []  # storage ids must not be reused while we hold them
         self.claimed: set = set()  # autograd nodes already attributed
         self.fwd: NodeRun | None = None  # forward node being run
@@ -286,7 +290,13 @@ class Runner:
         if self.autocast is not None:
             if self.autocast.skip(target):
                 return None
+            made = len(self.autocast.weight_cache)
             args, kwargs = self.autocast.cast(target, args, kwargs)
+            if self.fwd is not None and len(self.autocast.weight_cache) > made:
+                for pid, copy in list(self.autocast.weight_cache.items())[made:]:
+                    key, name = self.key_of.get(_sid(copy)), self.param_ids.get(pid)
+                    if key is not None and key[0] == self.fwd_name and name is not None:
+                        self.fwd.param_copies[key] = name
         if target is wrap_with_set_grad_enabled:  # (enabled, subgraph, *operands)
             with torch.set_grad_enabled(args[0]):
                 return self._run_subgraph(args[1], args[2:])
@@ -337,6 +347,7 @@ class Runner:
                     t.requires_grad_(True)
                 self.key_of[_sid(t)] = (node.name, 0)
                 self.keepalive.append(t)
+                self.param_ids[id(t)] = node.name
                 val = t
             self.env[node.name] = val
         return self.env[node.name]
@@ -459,7 +470,8 @@ class Runner:
             rec = dataclasses.replace(
                 ref, out_keys=[rename(k) for k in ref.out_keys], saved=[rename(k) for k in ref.saved],
                 storages={rename(k): v for k, v in ref.storages.items()}, copied_from=twin_name,
-                float_size={rename(k): v for k, v in ref.float_size.items()})
+                float_size={rename(k): v for k, v in ref.float_size.items()},
+                param_copies={rename(k): rename((p, 0))[0] for k, p in ref.param_copies.items()})
         except _NoMap:
             return False
         self.records[node.name] = rec

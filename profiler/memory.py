@@ -84,6 +84,9 @@ class StepNode:
     """Element size of those outputs (4 for fp32)."""
     is_alias: bool
     """The node creates no storage (a view, or an in-place op)."""
+    param_copies: dict = dataclasses.field(default_factory=dict)
+    """Mixed precision: storage key -> name of the parameter it is the 16-bit copy of (autocast's
+    weight cache: its size is the parameter's, whatever the batch)."""
     grad_in_flight: bool = False
     """Its backward hands the gradient it receives to a collective left in flight (a ZeRO-3
     weight's reduce-scatter, started asynchronously): that gradient stays alive until the next

@@ -382,5 +382,6 @@ def _step_nodes(graph: torch.fx.Graph, records: dict[str, NodeRun]) -> list[Step
             inputs=list(dict.fromkeys(a.name for a in node.all_input_nodes)),
             users=[u.name for u in node.users],
             grad_bytes=sum(nbytes for nbytes, _ in grad_outs),
-            grad_float_size=grad_outs[0][1] if grad_outs else 4, is_alias=not rec.storages))
+            grad_float_size=grad_outs[0][1] if grad_outs else 4, is_alias=not rec.storages,
+            param_copies=dict(rec.param_copies)))
     return steps

@@ -322,6 +322,10 @@ def _saved_split(gm, gp, prec: str) -> dict[str, SavedSplit]:
         for j, a in enumerate(node.all_input_nodes):
             for idx, k in enumerate(outs.get(a.name) or [(a.name, 0)]):
                 where.setdefault(k, ("in", j, idx))
+        pos = {a.name: j for j, a in enumerate(node.all_input_nodes)}
+        for k, param in st.param_copies.items():  # a parameter's 16-bit copy: sized as the op reads it
+            if param in pos:
+                where[k] = ("in", pos[param], 0)
         for i, k in enumerate(st.out_keys):
             where.setdefault(k, ("out", i, 0))
         internal, ins, outv = 0.0, [], []

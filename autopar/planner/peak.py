@@ -116,8 +116,16 @@ def _scaled_node(ctx: _Ctx, n):
     f = ctx.frac(n.name)
     vals = tensor_vals(ctx.nodes[n.name]) if n.name in ctx.nodes else []
     storages = {}
+    reads = {a.name: j for j, a in enumerate(ctx.nodes[n.name].all_input_nodes)} if n.name in ctx.nodes else {}
     for k, b in n.storages.items():
-        if k[0] == n.name and 0 <= k[1] < len(vals):
+        if k in n.param_copies and n.param_copies[k] in reads:
+            # a parameter's 16-bit copy (autocast's weight cache): the parameter as the op reads
+            # it, at the copy's bytes per element
+            j = reads[n.param_copies[k]]
+            t = tensor_vals(ctx.nodes[n.name].all_input_nodes[j])[0]
+            glob = _nbytes(t.shape, t)
+            storages[k] = _local(t, ctx.in_pl(n.name, j), ctx.shape) * b // glob if glob else b
+        elif k[0] == n.name and 0 <= k[1] < len(vals):
             # the storage's own bytes (under bf16-mixed: as autocast made it, not the traced
             # fp32 value's) at the output placement's share
             t = vals[k[1]]

@@ -19,8 +19,10 @@ from autopar.planner.peak import (_buckets, _chunked, _Ctx, _insert_copies, _loc
 
 
 def _micro(n, m: int):
-    """Step node ``n`` at ``1 / m`` of the batch (an op on activations: its bytes scale)."""
-    return dataclasses.replace(n, storages={k: b // m for k, b in n.storages.items()}, fwd_alloc=n.fwd_alloc // m,
+    """Step node ``n`` at ``1 / m`` of the batch (an op on activations: its bytes scale; a
+    parameter's 16-bit copy does not)."""
+    return dataclasses.replace(n, storages={k: b if k in n.param_copies else b // m for k, b in n.storages.items()},
+                               fwd_alloc=n.fwd_alloc // m,
                                bwd_alloc=n.bwd_alloc // m, fwd_max_op=n.fwd_max_op // m,
                                bwd_max_op=n.bwd_max_op // m, grad_bytes=n.grad_bytes // m)
 
@@ -37,6 +39,7 @@ def _renamed(nodes: list, i: int, fixed) -> list:
     return [dataclasses.replace(n, name=r(n.name), storages={rk(k): b for k, b in n.storages.items()},
                                 float_size={rk(k): v for k, v in n.float_size.items()},
                                 out_keys=[rk(k) for k in n.out_keys], saved=[rk(k) for k in n.saved],
+                                param_copies={rk(k): v for k, v in n.param_copies.items()},
                                 inputs=[r(a) for a in n.inputs], users=[r(u) for u in n.users]) for n in nodes]
 
 

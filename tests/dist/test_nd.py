@@ -70,6 +70,12 @@ CASES = {
     "gpt2 pp4 per-stage sharding": ("gpt2@layers=8,batch=16", (4, 2), None,
                                     {"pp": 4, "schedule": "1f1b", "budget_share": 0.93, "cluster": "a100",
                                      "precision": "fp32"}),
+    # bf16-mixed in 1F1B stages (against one device's autocast loop at test_mixed.py's 1e-2):
+    # each micro-batch in flight keeps its own 16-bit copies of the stage's weights (autocast's
+    # weight cache lives for one stage forward), at the parameter's size whatever the batch.
+    "llama pp4 x dp2 bf16-mixed": ("llama@layers=8,batch=16", (4, 2), ("pp", "dp"),
+                                   {"pp": 4, "dp": 2, "schedule": "1f1b", "cluster": "a100",
+                                    "precision": "bf16-mixed"}),
     # ... in pipeline stages of micro-batches: each stage prefetches its own layers' gathers
     # (its first layer's at its own start) and reduce-scatters asynchronously, per micro-batch.
     "llama pp2 x fsdp2 x tp2": ("llama", (2, 2, 2), ("pp", "dp", "tp"), {"pp": 2, "dp": 2, "tp": 2, "zero": 3}),

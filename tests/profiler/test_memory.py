@@ -70,6 +70,14 @@ def test_mixed_precision_replays_autocast(zoo_profile):
     copies = {k: b for k, b in addmm.storages.items() if k[1] < 0}
     assert sorted(copies.values()) == [192 * 2, 2 * 16 * 64 * 2, 64 * 192 * 2]
     assert [b for k, b in copies.items() if k in addmm.saved] == [2 * 16 * 64 * 2, 64 * 192 * 2]
+    # the parameters' copies (autocast's weight cache: the bias's and the weight's, not the
+    # activation's) say whose they are, in every layer (a twin's record names its own weights)
+    weights = {b: p for k, p in addmm.param_copies.items() for b in [addmm.storages[k]]}
+    assert weights == {192 * 2: "p_model_transformer_h_0_attn_c_attn_bias",
+                       64 * 192 * 2: "p_model_transformer_h_0_attn_c_attn_weight"}, addmm.param_copies
+    twin = next(s for s in steps.values() if "p_model_transformer_h_1_attn_c_attn_weight" in s.param_copies.values())
+    assert all(k in twin.storages for k in twin.param_copies)
+    assert not any(s.param_copies for s in prof._step_nodes("fp32"))
 
 
 def test_big_model_peak_is_activation_bound():
