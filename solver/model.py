@@ -28,7 +28,11 @@ def fmt_bytes(n: float) -> str:
 
 def _vector(owner: str, name: str, value, size: int) -> np.ndarray:
     """A read-only float64 copy of ``value`` with shape (size,), finite and >= 0."""
-    arr = np.zeros(size) if value is None else np.array(value, dtype=np.float64).reshape(-1)
+    if isinstance(value, np.ndarray) and value.dtype == np.float64 and not value.flags.writeable \
+            and value.base is None and value.shape == (size,):
+        arr = value  # another record's array (read-only, owns its data): shared, checked below
+    else:
+        arr = np.zeros(size) if value is None else np.array(value, dtype=np.float64).reshape(-1)
     if arr.shape != (size,):
         raise ValueError(f"{owner}: {name} has {arr.size} entries but there are {size} strategies; "
                          f"give one value per strategy label")
@@ -36,7 +40,8 @@ def _vector(owner: str, name: str, value, size: int) -> np.ndarray:
     if size and not (arr.min() >= 0 and math.isfinite(arr.max())):
         raise ValueError(f"{owner}: {name} must be finite and >= 0, got {arr.tolist()}; "
                          f"drop a strategy instead of giving it an infinite cost")
-    arr.setflags(write=False)
+    if arr is not value:
+        arr.setflags(write=False)
     return arr
 
 

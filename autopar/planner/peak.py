@@ -116,7 +116,8 @@ def _scaled_node(ctx: _Ctx, n):
     f = ctx.frac(n.name)
     vals = tensor_vals(ctx.nodes[n.name]) if n.name in ctx.nodes else []
     storages = {}
-    reads = {a.name: j for j, a in enumerate(ctx.nodes[n.name].all_input_nodes)} if n.name in ctx.nodes else {}
+    reads = {a.name: j for j, a in enumerate(ctx.nodes[n.name].all_input_nodes)} \
+        if n.param_copies and n.name in ctx.nodes else {}
     for k, b in n.storages.items():
         if k in n.param_copies and n.param_copies[k] in reads:
             # a parameter's 16-bit copy (autocast's weight cache): the parameter as the op reads

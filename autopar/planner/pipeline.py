@@ -362,7 +362,7 @@ _STAGE_ROUNDS = 4
 #: Per-device rows (:func:`_per_stage_sharding`) refine a candidate's plan at most this many
 #: times slower than the best plan found: they made plans 7-13% faster where measured
 #: (docs/benchmarks.md), and a 76B model's two-stage candidates spend about 20 s in them.
-OWN_ROWS_REACH = 1.2
+OWN_ROWS_REACH = 1.15
 
 #: Rounds of per-device rows :func:`_per_stage_sharding` tries (each: one ILP per device still
 #: searching, one replay of every rank).
