@@ -1,6 +1,7 @@
 """Plans on 3-axis meshes, on logical meshes over the job's, and with ZeRO-1/2 train on 8 real gloo
 processes with the numbers of one device: three AdamW steps give the same losses, first-step
-gradients and final parameters (fp32, 1e-5, as ``test_train.py``), and every rank's measured peak
+gradients and final parameters (fp32, 1e-5, as ``test_train.py``; a bf16-mixed case against one
+device's autocast loop at ``test_mixed.py``'s 1e-2), and every rank's measured peak
 is within 10% of the plan's prediction for that rank (a pipeline rank: its stage's replay).
 
 The plans are the planner's (``autopar.plan(..., layout=...)``): pp x dp x tp on a mesh named
