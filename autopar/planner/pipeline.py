@@ -84,7 +84,7 @@ def pipeline_candidates(gp, cfg: Config, *, required: bool = False, axes=None, b
     """Plans (or the errors that stopped them) for every pipeline axis (or those of ``axes``), best
     count and schedule per axis (see :func:`search`; ``beat`` as there)."""
     axes = list(range(cfg.mesh.ndim)) if axes is None else list(axes)
-    out = search(gp, cfg, [(cfg.mesh, a) for a in axes], beat=beat)
+    out = search(gp, cfg, [(cfg.mesh, a) for a in axes], beat=beat, refine=False)
     if required and not any(not isinstance(c, Exception) for c in out):
         why = "; ".join(str(c) for c in out if isinstance(c, Exception))
         raise ValueError("no pipeline plan is possible: the mesh has no axis of size >= 2 that the model's "
@@ -126,7 +126,7 @@ def factored_candidates(gp, cfg: Config, beat: float | None = None) -> list:
     if units is None:
         return []
     # Two counts per factoring (p and 2p micro-batches): there are many factorings.
-    out = search(gp, cfg, factorings(cfg.mesh, len(units)), beat=beat, per_stage=(1, 2))
+    out = search(gp, cfg, factorings(cfg.mesh, len(units)), beat=beat, per_stage=(1, 2), refine=False)
     for c in out:
         if not isinstance(c, Exception):
             c.options["physical_mesh"] = list(cfg.mesh.shape)
@@ -160,7 +160,8 @@ def _stage_units(gp):
     return None if units is None else _placeholders_to_first_user(gp, units)
 
 
-def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_stage=(1, 2, 4, 8)) -> list:
+def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_stage=(1, 2, 4, 8),
+           refine: bool = True) -> list:
     """The best pipelined plan of each ``(mesh, axis)`` candidate worth finishing, and the errors
     of those that have none: a best-first search over (candidate, micro-batch count).
 
@@ -176,7 +177,9 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
     Without a budget, step 2 is step 1's answer. ``beat``: the step time of a plan found
     elsewhere (the flat plan), which prunes like a pipeline found here; with it, each step stops
     after ``SEARCH_SECONDS`` (the plan says how many pairs were left). ``per_stage``: micro-batch
-    counts tried, as multiples of the stage count. The result has one plan
+    counts tried, as multiples of the stage count. ``refine``: each device's own rows
+    (:func:`_per_stage_sharding`) run here, against the best plan of this search; else they are
+    left to :func:`refine`, against the best plan of every search. The result has one plan
     per candidate that got one (its best count and schedule), in candidate order."""
     from autopar.plan import InfeasibleBudget
     from autopar.planner.cache import build_cached
@@ -266,14 +269,9 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
         if ci not in best or (found["step"], found["peak"]) < (best[ci]["step"], best[ci]["peak"]):
             best[ci] = found
         top = min(top, found["step"])
-    # Each device shards for its own flight too (one ILP per device, a few rounds): for each
-    # candidate's best plan that had to recompute, is within OWN_ROWS_REACH of the best plan found
-    # and whose bound (every device at its fastest) could beat it.
-    for ci, f in best.items():
-        if f.get("own_rows") and f["bound"] < top and f["step"] <= OWN_ROWS_REACH * top:
-            own = _per_stage_sharding(gp, f["cfg"], f["built"], f["sol"], units, candidates[ci][1], f)
-            if own is not None:
-                best[ci] = dict(f, **own[0], sol=own[1], built=own[2], own_sharding=True)
+    if refine:
+        for ci, f in best.items():
+            best[ci] = _refined(gp, units, candidates[ci][1], f, top)
     _STREAMS.clear()  # (what the cuts of this search were priced at: not needed once it ends)
     out = []
     for ci, (mesh, axis) in enumerate(candidates):
@@ -282,6 +280,8 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
             if skipped:
                 out[-1].options["pipeline_search"] = (f"stopped after {SEARCH_SECONDS:.0f} s with {skipped} "
                                                       f"(candidate, micro-batch count) pairs not checked")
+            if not refine and best[ci].get("own_rows"):  # for refine(): what the refinement needs
+                out[-1]._own_rows = (gp, units, axis, best[ci], skipped)
         elif ci in tried:  # some micro-batch counts were priced: the budget ruled them out
             why = f" (and {errors[ci]})" if ci in errors else ""
             out.append(InfeasibleBudget(f"no pipeline over axis {axis} of {tuple(mesh.shape)} fits the memory "
@@ -289,6 +289,40 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
         elif ci in errors:
             out.append(errors[ci])
         # else pruned: each of its bounds is no faster than a plan found elsewhere
+    return out
+
+
+def _refined(gp, units, axis: int, f: dict, top: float) -> dict:
+    """``f`` with each device's layers sharded and recomputed under its own row
+    (:func:`_per_stage_sharding`) where that is faster, for a plan that had to recompute, within
+    OWN_ROWS_REACH of the best plan ``top`` and whose bound (every device at its fastest) could
+    beat it; else ``f``."""
+    if f.get("own_rows") and f["bound"] < top and f["step"] <= OWN_ROWS_REACH * top:
+        own = _per_stage_sharding(gp, f["cfg"], f["built"], f["sol"], units, axis, f)
+        if own is not None:
+            return dict(f, **own[0], sol=own[1], built=own[2], own_sharding=True)
+    return f
+
+
+def refine(plans: list, beat: float | None = None) -> list:
+    """The plans of searches run with ``refine=False``, each refined by :func:`_refined` against
+    the best step of all of them (the flat plan's included) and ``beat`` (a plan found
+    elsewhere), in their order."""
+    top = min([p.step_time for p in plans if not isinstance(p, Exception)] + ([beat] if beat is not None else []),
+              default=None)
+    out = []
+    for p in plans:
+        state = getattr(p, "_own_rows", None)
+        if state is not None:
+            gp, units, axis, f, skipped = state
+            g = _refined(gp, units, axis, f, top)
+            if g is not f:
+                q = _finish(gp, g["cfg"], units, axis, g)
+                q.options.update({k: v for k, v in p.options.items() if k == "pipeline_search"})
+                p = q
+            else:
+                del p._own_rows
+        out.append(p)
     return out
 
 

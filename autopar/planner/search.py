@@ -39,6 +39,10 @@ def search_candidates(gp, cfg: Config, force, pipeline, every: bool, named_pp: l
         best = min([c.step_time for c in found + pipes if not isinstance(c, Exception)]
                    + ([beat] if beat is not None else []), default=None)
         pipes += factored_candidates(gp, cfg, beat=best)
+    if pipes:  # each pipeline device's own rows, for the pipelines near the best plan of all
+        from autopar.planner.pipeline import refine
+
+        return refine(found + pipes, beat)
     return found + pipes
 
 
