@@ -394,8 +394,8 @@ _STAGE_ROUNDS = 4
 
 
 #: Per-device rows (:func:`_per_stage_sharding`) refine a candidate's plan at most this many
-#: times slower than the best plan found: they made plans 7-13% faster where measured
-#: (docs/benchmarks.md), and a 76B model's two-stage candidates spend about 20 s in them.
+#: times slower than the best plan of every candidate: they made plans 5-12% faster where
+#: measured (docs/benchmarks.md), and cost 15 s on a 76B model's two-stage candidate.
 OWN_ROWS_REACH = 1.15
 
 #: Rounds of per-device rows :func:`_per_stage_sharding` tries (each: one ILP per device still
