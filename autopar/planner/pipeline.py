@@ -25,7 +25,6 @@ time falls while the bubble shrinks faster than the floors add up, then rises.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import numpy as np
@@ -281,7 +280,7 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
                 out[-1].options["pipeline_search"] = (f"stopped after {SEARCH_SECONDS:.0f} s with {skipped} "
                                                       f"(candidate, micro-batch count) pairs not checked")
             if not refine and best[ci].get("own_rows"):  # for refine(): what the refinement needs
-                out[-1]._own_rows = (gp, units, axis, best[ci], skipped)
+                out[-1]._own_rows = (gp, units, axis, best[ci])
         elif ci in tried:  # some micro-batch counts were priced: the budget ruled them out
             why = f" (and {errors[ci]})" if ci in errors else ""
             out.append(InfeasibleBudget(f"no pipeline over axis {axis} of {tuple(mesh.shape)} fits the memory "
@@ -314,15 +313,16 @@ def refine(plans: list, beat: float | None = None) -> list:
     for p in plans:
         state = getattr(p, "_own_rows", None)
         if state is not None:
-            gp, units, axis, f, skipped = state
+            gp, units, axis, f = state
             g = _refined(gp, units, axis, f, top)
-            if g is not f:
+            del p._own_rows
+            if g is not f:  # finished again, with what the search wrote beside (physical_mesh, ...)
                 q = _finish(gp, g["cfg"], units, axis, g)
-                q.options.update({k: v for k, v in p.options.items() if k == "pipeline_search"})
+                for k, v in p.options.items():
+                    q.options.setdefault(k, v)
                 p = q
-            else:
-                del p._own_rows
         out.append(p)
+    _STREAMS.clear()
     return out
 
 
@@ -501,9 +501,9 @@ def _per_stage_sharding(gp, cfg: Config, built, sol, units, axis: int, found: di
     micro-batches that device keeps in flight under the found schedule, its resident bytes its
     own. The 1F1B first stage, holding the most, may shard more or recompute; the last, holding
     one, keeps what the shared row (sized for the first) made it give up. Repeated layers stay
-    tied within a device, not across devices. Every rank is replayed: a device over the budget
-    has its own row tightened below its answer by its excess, and one whose row cannot go that
-    low keeps the found plan's answer. The result is priced (:func:`_best_schedule`, the found
+    tied within a device, not across devices. Each device's row is searched by the replay of
+    every rank (see the comment below); a device keeps the found plan's answer unless a faster
+    one fits. The result is priced (:func:`_best_schedule`, the found
     schedule) on the found cut and on the cut its new layer figures choose. (found, solution,
     built with the per-device ties) when it fits and is faster, else None."""
     p, m, v, bounds = cfg.mesh.shape[axis], found["m"], found["v"], found["bounds"]
