@@ -22,7 +22,7 @@ import dataclasses
 import numpy as np
 
 from .evaluate import check_checkpoints, evaluate
-from .model import Node, Problem
+from .model import Problem
 
 __all__ = ["incumbent"]
 
@@ -60,8 +60,7 @@ def _priced(problem: Problem, lam: float, ckpt: tuple[str, ...]) -> Problem:
     nodes = []
     for n in problem.nodes:
         extra = lam * n.mem + (n.recompute if n.id in covered else lam * n.act) + lam * keep.get(n.id, 0.0)
-        nodes.append(Node(id=n.id, labels=n.labels, time=n.time + extra, comm=n.comm, mem=n.mem, act=n.act,
-                          work=n.work, recompute=n.recompute))
+        nodes.append(n.derived(time=n.time + extra))  # (>= 0 and finite for a finite price)
     edges = tuple(dataclasses.replace(e, cost=e.cost + (0.0 if e.dst in covered else lam * e.mem), mem=None)
                   if e.mem is not None else e for e in problem.edges)
     return dataclasses.replace(problem, nodes=tuple(nodes), edges=edges, segments=(), memory_budget=None)

@@ -8,6 +8,7 @@ with ``fixed`` for the rest are a choice of the whole problem.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -29,6 +30,8 @@ def restrict(problem: Problem, free, fixed: dict[str, int], *, act_scale: float 
       (``Edge.mem`` into it) is its part's, not this one's. ``memory_budget`` is the row's.
 
     Raises ValueError naming a held node without a strategy in ``fixed`` or out of range."""
+    if not (act_scale >= 0 and math.isfinite(act_scale)):
+        raise ValueError(f"restrict: act_scale must be finite and >= 0 (micro-batches in flight), got {act_scale!r}")
     free = set(free)
     unknown = free - set(problem.node_index)
     if unknown:
@@ -64,7 +67,7 @@ def restrict(problem: Problem, free, fixed: dict[str, int], *, act_scale: float 
     nodes = []
     for n in problem.nodes:
         if n.id in free:
-            nodes.append(dataclasses.replace(n, act=n.act * act_scale))
+            nodes.append(n.derived(act=n.act * act_scale))
         elif n.id in touched:
             s = held(n.id)
             nodes.append(Node(id=n.id, labels=(n.labels[s],), time=np.zeros(1)))

@@ -43,7 +43,7 @@ def accumulate_candidates(gp, cfg: Config, beat: float | None = None) -> list:
     fits without recomputing (a count that fits only by recomputing may be slower than the next
     one: both are candidates); a count whose micro-batch some op cannot split ends the list
     (larger counts split less). ``beat``: the step of a plan found elsewhere; a count whose
-    plan without a memory row is already slower is not solved under the budget."""
+    plan without a memory row is already slower is left out."""
     from autopar.plan import Plan
     from autopar.planner.labels import axes_label, axis_roles
     from autopar.planner.micro import batch_size, smallest_micro_batch
@@ -71,8 +71,9 @@ def accumulate_candidates(gp, cfg: Config, beat: float | None = None) -> list:
 
 def solve_accumulated(gp, cfg: Config, m: int, beat: float | None = None):
     """The plan of ``cfg`` run as ``m`` accumulated micro-batches, or :class:`InfeasibleBudget`;
-    with ``beat``, None when its plan without a memory row is over the budget and already slower
-    than ``beat`` (recomputing to fit only adds seconds)."""
+    with ``beat`` and a budget, None when its plan without a memory row is already slower than
+    ``beat`` (not replayed: fitting or not, it cannot win, and recomputing to fit only adds
+    seconds)."""
     from autopar.planner.budget import checkpoint_every, size_text
     from autopar.planner.cache import build_cached
     from autopar.planner.readback import layer_members, to_plan
@@ -96,11 +97,15 @@ def solve_accumulated(gp, cfg: Config, m: int, beat: float | None = None):
     for n in built.order:
         members.setdefault(built.leader[n], []).append(n)
 
-    def priced(sol):
-        """(step seconds, gradient sums, peak bytes, recompute map) of a solution."""
+    def priced(sol, slower_than: float | None = None):
+        """(solution, step seconds, gradient sums, peak bytes) of a solution; the peak is None
+        (not replayed) when the step is slower than ``slower_than``."""
         if cfg.checkpoint_every:
             sol = checkpoint_every(built.problem, sol)
         t, once, _, _, _ = _unit_figures(built, sol, units, m)
+        step = m * float(t.sum()) + float(once.sum())
+        if slower_than is not None and step > slower_than:
+            return sol, step, float(once.sum()), None
         pick = choices(built, sol)
         recompute: dict[str, str] = {}
         for sid in sol.checkpointed:
@@ -112,11 +117,12 @@ def solve_accumulated(gp, cfg: Config, m: int, beat: float | None = None):
                                Pipeline(axis=0, stages=[nodes], microbatches=m, schedule="1f1b"),
                                recompute=recompute, zero=zero_spec(cfg), optimizer=cfg.optimizer, dtype=cfg.dtype,
                                chunks=chunk_counts(built.overlap, pick))
-        return sol, m * float(t.sum()) + float(once.sum()), float(once.sum()), float(peaks[0].peak)
+        return sol, step, float(once.sum()), float(peaks[0].peak)
 
-    sol, step, sync, peak = priced(solver.solve(built.problem))
     budget = cfg.memory_budget
-    if beat is not None and budget is not None and peak > budget and step > beat * (1 + 1e-9):
+    slower = beat * (1 + 1e-9) if beat is not None and budget is not None else None
+    sol, step, sync, peak = priced(solver.solve(built.problem), slower)
+    if peak is None:
         return None
     # Over the budget: solve again under the micro-batch's memory row (one micro-batch's
     # activations live at a time: the flat row at 1/m of the batch), which may recompute layers,

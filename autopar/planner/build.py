@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any
 
 import numpy as np
@@ -641,6 +641,7 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
     # Signatures per graph: one planning prices a graph's nodes many times (the flat problem,
     # forced families, every pipeline candidate and micro-batch count).
     sigs = gm.meta.setdefault("autopar_signatures", {})
+    known = gm.meta.setdefault("autopar_strategies", {})  # (node, mesh shape) -> strategies_for's list
     for node in gm.graph.nodes:
         if node.op in ("output", "get_attr"):
             continue
@@ -649,7 +650,11 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
         kind = kinds.get(node.name)
         # The one strategy cache is strategies_for's, keyed by everything a rule reads (which input
         # node each argument is included: mul(y, y) has one input, mul(y, z) two).
-        strats = strategies_for(node, cfg.mesh.shape)
+        skey = (node.name, tuple(cfg.mesh.shape))
+        strats = known.get(skey)
+        if strats is None:
+            strats = known[skey] = tuple(strategies_for(node, cfg.mesh.shape))
+        strats = list(strats)
         try:
             sig = sigs.get((node.name, kind))
             if sig is None:
@@ -711,12 +716,23 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
         transient = float(transient_at.get(node.name, 0))
         pkey = None if key is None else (key, id(allowed[0]), len(allowed), _prof_key(prof), scale, saved, transient)
         opt = priced_memo.get(pkey) if pkey is not None else None
+        if opt is None and pkey is not None:
+            # The prices of another build of this planning with the same strategies, profile,
+            # share of the batch, mesh and precision (and for a parameter, optimizer and ZeRO)
+            shared = (key, tuple(map(id, allowed)), pkey[3:], cfg.mesh, cfg.dtype,
+                      (cfg.optimizer, cfg.zero, zero_axes(cfg)) if kind == "param" else None)
+            hit = _SHARED_PRICED.get(shared)
+            if hit is not None:
+                opt = priced_memo[pkey] = hit[0]
         if opt is None:
             prices = np.array([_price(node, s, prof, kind, cfg, scale, saved, transient) for s in allowed],
                               dtype=float).reshape(-1, 6)
             opt = PricedNode(node.name, allowed, *[prices[:, i].copy() for i in range(6)])
+            for arr in (opt.time, opt.comm, opt.mem, opt.act, opt.work, opt.recompute):
+                arr.setflags(write=False)
             if pkey is not None:
                 priced_memo[pkey] = opt
+                _remember(_SHARED_PRICED, shared, (opt, allowed))  # (the strategies kept: their ids key it)
         # Twins share one PricedNode (and so one strategy list): later passes memoise on its identity.
         priced[node.name] = opt
         order.append(node.name)
@@ -790,6 +806,38 @@ def _follow_map(popt: PricedNode, opt: PricedNode, fmap: np.ndarray, idx: int) -
 
 
 # ---------------------------------------------------------------------------------- 3. edges
+#: Resharding tables and matrices shared by every build on a mesh (a planning builds one sharding
+#: problem many times over: the flat problem, its ZeRO stages and prefetch variants, the pipeline
+#: candidates' sub-meshes at each micro-batch count), least recently used dropped past the size.
+_PAIR_TABLES: OrderedDict = OrderedDict()
+_SHARED_MATRICES: OrderedDict = OrderedDict()
+_SHARED_PRICED: OrderedDict = OrderedDict()  # (prices of a node's strategies, as priced_nodes keys them)
+SHARED_SIZE = 50_000
+
+
+def _remember(cache: OrderedDict, key, value) -> None:
+    cache[key] = value
+    if len(cache) > SHARED_SIZE:
+        cache.popitem(last=False)
+
+
+def _pair_table(mesh: Mesh, src: str, shape, itemsize) -> dict[str, float]:
+    """Seconds from placement ``src`` to every placement reachable on ``mesh`` (one shortest-path
+    search prices every destination at once), shared by every build on that mesh."""
+    key = (mesh, src, shape, itemsize)
+    table = _PAIR_TABLES.get(key)
+    if table is None:
+        try:
+            found = search_from(pl.parse(src), shape, itemsize, mesh)
+            table = {pl.fmt(state): float(v[0]) for state, v in found.items()}
+        except ValueError:
+            table = {}
+        _remember(_PAIR_TABLES, key, table)
+    else:
+        _PAIR_TABLES.move_to_end(key)
+    return table
+
+
 class _EdgePricer:
     """Resharding matrices. Placements are keyed by their printed form (hashing torch placement
     objects is slow); each distinct (output, input, gradient) triple is priced once per shape."""
@@ -828,12 +876,7 @@ class _EdgePricer:
         key = (src, shape, itemsize)
         table = self.pair.get(key)
         if table is None:
-            # One shortest-path search from src prices every destination at once.
-            try:
-                found = search_from(pl.parse(src), shape, itemsize, self.mesh)
-                table = {pl.fmt(state): float(v[0]) for state, v in found.items()}
-            except ValueError:
-                table = {}
+            table = _pair_table(self.mesh, src, shape, itemsize)
             self.pair[key] = table
         c = table.get(dst, FORBIDDEN)
         return c if math.isfinite(c) else FORBIDDEN
@@ -850,6 +893,14 @@ class _EdgePricer:
         i_keys = [(self.key(x), self.key(g) if diff else None) for x, g in zip(ins, grads)]
         key = (tuple(o_keys), tuple(i_keys), shape, itemsize, gsize, param_uses)
         m = self.cache.get(key)
+        # An edge depends on the mesh alone, a parameter's also on the ZeRO stage, the buckets and
+        # the gathers' exposed share: shared by every build that agrees on them.
+        shared = (self.mesh, key) if not param_uses else (self.mesh, key, self.zero, self.bucket_bytes,
+                                                          self.gather_scale)
+        if m is None and shared is not None:
+            m = _SHARED_MATRICES.get(shared)
+            if m is not None:
+                self.cache[key] = m
         if m is None:
             uo = list(dict.fromkeys(o_keys))
             ui = list(dict.fromkeys(i_keys))
@@ -866,7 +917,10 @@ class _EdgePricer:
             io = np.array([uo.index(k) for k in o_keys])
             ii = np.array([ui.index(k) for k in i_keys])
             m = small[io][:, ii]
+            m.setflags(write=False)
             self.cache[key] = m
+            if shared is not None:
+                _remember(_SHARED_MATRICES, shared, m)
         return m
 
     def param_grad(self, stored: str, grad: str, shape, itemsize, uses: int) -> float:

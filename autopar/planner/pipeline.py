@@ -79,11 +79,12 @@ def _placeholders_to_first_user(gp, units: list[list[str]]) -> list[list[str]]:
     return out
 
 
-def pipeline_candidates(gp, cfg: Config, *, required: bool = False, axes=None, beat: float | None = None) -> list:
+def pipeline_candidates(gp, cfg: Config, *, required: bool = False, axes=None, beat: float | None = None,
+                        then=None) -> list:
     """Plans (or the errors that stopped them) for every pipeline axis (or those of ``axes``), best
-    count and schedule per axis (see :func:`search`; ``beat`` as there)."""
+    count and schedule per axis (see :func:`search`; ``beat`` and ``then`` as there)."""
     axes = list(range(cfg.mesh.ndim)) if axes is None else list(axes)
-    out = search(gp, cfg, [(cfg.mesh, a) for a in axes], beat=beat, refine=False)
+    out = search(gp, cfg, [(cfg.mesh, a) for a in axes], beat=beat, refine=False, then=then)
     if required and not any(not isinstance(c, Exception) for c in out):
         why = "; ".join(str(c) for c in out if isinstance(c, Exception))
         raise ValueError("no pipeline plan is possible: the mesh has no axis of size >= 2 that the model's "
@@ -160,7 +161,7 @@ def _stage_units(gp):
 
 
 def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_stage=(1, 2, 4, 8),
-           refine: bool = True) -> list:
+           refine: bool = True, then=None) -> list:
     """The best pipelined plan of each ``(mesh, axis)`` candidate worth finishing, and the errors
     of those that have none: a best-first search over (candidate, micro-batch count).
 
@@ -178,7 +179,9 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
     after ``SEARCH_SECONDS`` (the plan says how many pairs were left). ``per_stage``: micro-batch
     counts tried, as multiples of the stage count. ``refine``: each device's own rows
     (:func:`_per_stage_sharding`) run here, against the best plan of this search; else they are
-    left to :func:`refine`, against the best plan of every search. The result has one plan
+    left to :func:`refine`, against the best plan of every search. ``then``: called between the
+    steps with the least bound of step 1 (infinity when there is none); a step time it returns
+    (of a plan found elsewhere meanwhile) prunes as ``beat`` does. The result has one plan
     per candidate that got one (its best count and schedule), in candidate order."""
     from autopar.plan import InfeasibleBudget
     from autopar.planner.cache import build_cached
@@ -237,8 +240,13 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
             entries.append((_estimate(bound, cfg.memory_budget), bound["step"], ci, m, c_cfg, built, sol,
                             sub_cfg, bound))
     entries.sort(key=lambda e: (e[0], e[1], e[2], e[3]))
+    if then is not None:
+        got = then(min((e[1] for e in entries), default=float("inf")))
+        if got is not None:
+            beat = got if beat is None else min(beat, got)
     best: dict[int, dict] = {}
     tried: set[int] = set()
+    slower: set[int] = set()  # candidates whose schedules were cut off as no faster than the best
     top = float("inf") if beat is None else float(beat)
     deadline = time.perf_counter() + SEARCH_SECONDS
     skipped = unbounded
@@ -253,9 +261,19 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
         if cfg.memory_budget is None:
             found = free
         else:
-            found = _best_schedule(gp, c_cfg, built, sol, units, axis, m)
-            if found is None and cfg.checkpoint and not cfg.checkpoint_every and built.problem.segments:
-                found, sol = _recompute_to_fit(gp, c_cfg, built, units, axis, m)
+            # A schedule no faster than the best plan so far is not replayed: it cannot win. Nor
+            # can this sharding once it recomputes (slower still), unless each device's own rows
+            # take it back under the best (they gain up to OWN_ROWS_REACH).
+            seen, slow = [], []
+            found = _best_schedule(gp, c_cfg, built, sol, units, axis, m, peaks=seen, limit=top, slower=slow)
+            if found is None and slow and not seen:
+                slower.add(ci)
+            elif found is None and cfg.checkpoint and not cfg.checkpoint_every and built.problem.segments:
+                slow = []
+                found, sol = _recompute_to_fit(gp, c_cfg, built, units, axis, m, limit=OWN_ROWS_REACH * top,
+                                               slower=slow)
+                if found is None and slow:
+                    slower.add(ci)
                 if found is not None:  # each stage recomputes for its own micro-batches in flight
                     own = _per_stage_recompute(gp, c_cfg, built, sol, units, axis, dict(found, m=m))
                     if own is not None:
@@ -281,13 +299,13 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
                                                       f"(candidate, micro-batch count) pairs not checked")
             if not refine and best[ci].get("own_rows"):  # for refine(): what the refinement needs
                 out[-1]._own_rows = (gp, units, axis, best[ci])
-        elif ci in tried:  # some micro-batch counts were priced: the budget ruled them out
+        elif ci in tried and ci not in slower:  # some counts were priced: the budget ruled them out
             why = f" (and {errors[ci]})" if ci in errors else ""
             out.append(InfeasibleBudget(f"no pipeline over axis {axis} of {tuple(mesh.shape)} fits the memory "
                                         f"budget of {human_bytes(cfg.memory_budget, digits=2)} per device{why}"))
-        elif ci in errors:
+        elif ci in errors and ci not in slower:
             out.append(errors[ci])
-        # else pruned: each of its bounds is no faster than a plan found elsewhere
+        # else pruned: each of its bounds (or schedules) is no faster than a plan found elsewhere
     return out
 
 
@@ -409,17 +427,20 @@ def _stage_problem(problem, p: int, flight: int, budget: float):
     activations (and checkpoint inputs), so the row over all layers is ``resident + flight *
     activations <= p * budget``. The ILP then chooses which layers to recompute (and shards more
     where that is cheaper) exactly as for a flat plan."""
-    nodes = tuple(dataclasses.replace(n, act=n.act * flight) for n in problem.nodes)
+    nodes = tuple(n.derived(act=n.act * flight) for n in problem.nodes)
     segs = tuple(dataclasses.replace(g, keep_bytes=tuple(b * flight for b in g.keep_bytes)) for g in problem.segments)
     return dataclasses.replace(problem, nodes=nodes, segments=segs, memory_budget=p * budget)
 
 
-def _recompute_to_fit(gp, cfg: Config, built, units, axis: int, m: int):
+def _recompute_to_fit(gp, cfg: Config, built, units, axis: int, m: int, limit: float | None = None,
+                      slower: list | None = None):
     """(found, solution) of the fastest schedule for ``m`` micro-batches once the stages recompute
     what they must to fit the budget, or (None, None). The stage row counts the 1F1B first stage
     (``min(p, m)`` micro-batches in flight: the most of any 1F1B stage); every schedule is then
     priced and replayed with that solution's recompute. A row whose plan replays over the budget
-    is scaled by budget / replayed peak (a little under) for the next round."""
+    is scaled by budget / replayed peak (a little under) for the next round. ``limit`` and
+    ``slower`` as for :func:`_best_schedule`: a round whose every schedule is no faster than
+    ``limit`` ends the search (a tighter row only recomputes more)."""
     p = cfg.mesh.shape[axis]
     flight = max(solver.pipeline.in_flight("1f1b", p, m, 1))
     share = 1.0
@@ -429,10 +450,10 @@ def _recompute_to_fit(gp, cfg: Config, built, units, axis: int, m: int):
         except solver.Infeasible:
             return None, None
         seen: list[float] = []
-        found = _best_schedule(gp, cfg, built, sol, units, axis, m, peaks=seen)
+        found = _best_schedule(gp, cfg, built, sol, units, axis, m, peaks=seen, limit=limit, slower=slower)
         if found is not None:
             return found, sol
-        if not seen:
+        if not seen:  # no partition, or every schedule no faster than ``limit``
             return None, None
         share *= 0.97 * cfg.memory_budget / min(seen)
     return None, None
@@ -627,10 +648,12 @@ def _unit_figures(built, sol, units, m: int):
 
 
 def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int, peaks: list | None = None,
-                   cut: tuple | None = None) -> dict | None:
+                   cut: tuple | None = None, limit: float | None = None, slower: list | None = None) -> dict | None:
     """The fastest schedule (and virtual stage count) for ``m`` micro-batches within the budget;
     ``peaks`` collects the replayed peaks of the candidates that did not fit. ``cut``: the
-    stages' layer bounds to keep (the schedules with that many stages), else partitioned here."""
+    stages' layer bounds to keep (the schedules with that many stages), else partitioned here.
+    ``limit``: candidates whose step is no faster are not replayed (None is returned when no
+    faster one fits), their steps collected in ``slower``."""
     t, once, mem, act, sent = _unit_figures(built, sol, units, m)
     send = np.array([2 * collective_time("send", b, cfg.mesh, (axis,)) for b in sent])
     p = cfg.mesh.shape[axis]
@@ -694,6 +717,10 @@ def _best_schedule(gp, cfg: Config, built, sol, units, axis: int, m: int, peaks:
     # seconds for a 70B model on 16 stages), so they run fastest candidate first and stop at the
     # first that fits: that one is the fastest within the budget.
     for f in found:
+        if limit is not None and f["step"] >= limit:
+            if slower is not None:
+                slower.append(f["step"])
+            return None
         f["peak"], f["split"] = _replayed_peak(gp, cfg, built, sol, units, f["bounds"], f["sched"], m, f["v"], axis)
         if f["peak"] <= cfg.memory_budget:
             return f

@@ -305,3 +305,57 @@ def test_free_search_is_no_slower_than_the_textbook_layouts_over_the_whole_mesh(
     for layout in ({"dp": 64, "zero": 0}, {"dp": 64, "zero": 3}, {"dp": 64, "dp_shard": 8}):
         lay = _plan(gp, phys, layout=layout, **kw)
         assert free.step_time <= lay.step_time * (1 + 1e-3), (layout, free.step_time, lay.step_time)
+
+
+# ---------------------------------------------------------------------- pruning
+def _count_replays(monkeypatch):
+    seen = {"replays": 0}
+    orig = PP._replayed_peak
+
+    def counted(*a, **k):
+        seen["replays"] += 1
+        return orig(*a, **k)
+
+    monkeypatch.setattr(PP, "_replayed_peak", counted)
+    return seen
+
+
+def test_the_flat_plan_first_prunes_pipelines_bounded_above_it(monkeypatch):
+    """When the flat problem's optimum without the budget is below every whole-axis pipeline's
+    bound, the flat plans come first and no pipeline is replayed against the budget; the plan is
+    the one the old order (pipelines first) finds."""
+    from autopar.planner import search as S
+
+    gp = _gp("gpt2", batch=16)
+    mesh = Mesh((2, 4), cluster="a100")
+    budget = 0.5 * _plan(gp, mesh).peak_bytes
+    seen = _count_replays(monkeypatch)
+    first = _plan(gp, mesh, memory_budget=budget)
+    assert first.pipeline is None and seen["replays"] == 0
+    monkeypatch.setattr(S, "_flat_bound", lambda gp, cfg: math.inf)  # the pipelines first
+    old = _plan(gp, mesh, memory_budget=budget)
+    assert seen["replays"] > 0
+    assert first.step_time == old.step_time and first.options["family"] == old.options["family"]
+
+
+def test_schedules_no_faster_than_the_limit_are_not_replayed(monkeypatch):
+    import dataclasses
+
+    import solver
+    from autopar.planner import build_cached
+
+    gp = _gp("gpt2", batch=16)
+    mesh = Mesh((2, 4), cluster="a100")
+    units = PP._stage_units(gp)
+    cfg = _cfg(mesh, 1e12)  # a budget everything fits
+    _, sub = PP._sub_mesh(mesh, 0)
+    built = build_cached(gp, dataclasses.replace(cfg, mesh=sub, memory_budget=None, micro_batches=4))
+    sol = solver.solve(built.problem)
+    seen = _count_replays(monkeypatch)
+    fits = PP._best_schedule(gp, cfg, built, sol, units, 0, 4)
+    assert fits is not None and seen["replays"] == 1
+    slower: list = []
+    assert PP._best_schedule(gp, cfg, built, sol, units, 0, 4, limit=fits["step"], slower=slower) is None
+    assert slower and min(slower) >= fits["step"] and seen["replays"] == 1
+    again = PP._best_schedule(gp, cfg, built, sol, units, 0, 4, limit=fits["step"] * 1.01)
+    assert again["step"] == fits["step"] and seen["replays"] == 2

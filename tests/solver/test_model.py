@@ -48,3 +48,17 @@ def test_arrays_are_read_only_copies():
 
 def test_fmt_bytes():
     assert solver.fmt_bytes(4.4e9) == "4.10 GiB" and solver.fmt_bytes(512) == "512 B"
+
+
+def test_a_derived_node_is_the_node_with_its_new_arrays_read_only():
+    node = _n("a", mem=[1.0, 2.0], act=[3.0, 4.0])
+    act = node.act * 3
+    out = node.derived(act=act, time=node.time + np.array([0.5, 0.0]))
+    assert out.act.tolist() == [9.0, 12.0] and out.time.tolist() == [1.5, 1.0]
+    assert out.mem is node.mem and out.labels == node.labels and out.id == "a"
+    assert not out.act.flags.writeable and not out.time.flags.writeable
+    act[0] = 0.0  # the caller's array is not the node's
+    assert out.act[0] == 9.0 and node.act.tolist() == [3.0, 4.0]
+    # a problem of derived nodes is the problem of the same nodes built and checked
+    built = Node(id="a", labels=node.labels, time=[1.5, 1.0], mem=[1.0, 2.0], act=[9.0, 12.0])
+    assert Problem(nodes=(out,)).digest == Problem(nodes=(built,)).digest

@@ -107,6 +107,8 @@ def test_bad_parts_are_named():
         solver.restrict(problem, {"y"}, {})
     with pytest.raises(ValueError, match="out of range"):
         solver.restrict(problem, {"y"}, {"x": 2})
+    with pytest.raises(ValueError, match="act_scale must be finite and >= 0"):
+        solver.restrict(problem, {"y"}, {"x": 0}, act_scale=-1.0)
 
 
 def test_a_kept_cut_is_priced_as_the_partition_prices_its_own():
