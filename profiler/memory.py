@@ -93,6 +93,20 @@ class StepNode:
     such node's backward (one in flight) or the end of backward."""
 
 
+def step_replace(n: StepNode, **changes) -> StepNode:
+    """``dataclasses.replace(n, **changes)`` without running ``__init__`` again (the replays copy
+    every step node once per micro-batch and rank: hundreds of thousands in a large planning).
+    The fields not changed are shared, as ``replace`` shares them."""
+    out = object.__new__(StepNode)
+    d = out.__dict__
+    d.update(n.__dict__)
+    for k, v in changes.items():
+        if k not in d:
+            raise TypeError(f"StepNode has no field {k!r}")
+        d[k] = v
+    return out
+
+
 @dataclasses.dataclass(kw_only=True)
 class Placeholder:
     """A parameter, buffer or user input."""

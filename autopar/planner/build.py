@@ -812,6 +812,7 @@ def _follow_map(popt: PricedNode, opt: PricedNode, fmap: np.ndarray, idx: int) -
 _PAIR_TABLES: OrderedDict = OrderedDict()
 _SHARED_MATRICES: OrderedDict = OrderedDict()
 _SHARED_PRICED: OrderedDict = OrderedDict()  # (prices of a node's strategies, as priced_nodes keys them)
+_SHARED_EDGES: OrderedDict = OrderedDict()  # (an edge's matrix between two priced nodes, as edges keys it)
 SHARED_SIZE = 50_000
 
 
@@ -1083,11 +1084,26 @@ def edges(gm, priced, leader, follow, mesh: Mesh, micro: "Micro | None" = None, 
                     t.element_size(), getattr(t, "_bwd", None), micro and micro.kind(prod.name), n_uses)
             m = edge_memo.get(ekey)
             if m is None:
-                outs = [_out_pl(popt, s, idx) for s in fs]           # per leader(prod) choice
-                ins = [_in_pl(opt.strategies[u], j) for u in fu]     # per leader(node) choice
-                grads = [_in_grad(opt.strategies[u], j) for u in fu]
-                m = edge_memo[ekey] = (pricer.matrix(outs, ins, grads, t, n_uses) if micro is None
-                                       else micro.matrix(pricer, prod.name, outs, ins, grads, t, n_uses))
+                # Another build of this planning priced it: the same priced nodes (shared by
+                # ``priced_nodes``), mesh and micro-batches (a parameter's edge: also the same
+                # ZeRO stage, buckets and exposed gathers).
+                skey = (ekey, mesh, micro.m if micro else 0) + ((pricer.zero, pricer.bucket_bytes, gather_scale)
+                                                                if n_uses else ())
+                hit = _SHARED_EDGES.get(skey)
+                if hit is not None:
+                    m, once = hit[0], hit[1]
+                    if once is not None:
+                        micro.remember_once(m, once)
+                else:
+                    outs = [_out_pl(popt, s, idx) for s in fs]           # per leader(prod) choice
+                    ins = [_in_pl(opt.strategies[u], j) for u in fu]     # per leader(node) choice
+                    grads = [_in_grad(opt.strategies[u], j) for u in fu]
+                    m = (pricer.matrix(outs, ins, grads, t, n_uses) if micro is None
+                         else micro.matrix(pricer, prod.name, outs, ins, grads, t, n_uses))
+                    m.setflags(write=False)
+                    # (the priced nodes kept with it: their ids key it)
+                    _remember(_SHARED_EDGES, skey, (m, micro.once_of(m) if micro else None, popt, opt))
+                edge_memo[ekey] = m
             if micro is None and n_uses == 0 and lu == node.name and ls != lu:
                 pricer.fanout[(prod.name, idx)].append((node.name, j, ls, m))
             if micro is not None:

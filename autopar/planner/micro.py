@@ -160,6 +160,16 @@ class Micro:
         self._keep.append(out)
         return out
 
+    def once_of(self, m: np.ndarray) -> np.ndarray | None:
+        """The once-per-step part of edge matrix ``m`` (None when it has none)."""
+        return self._once.get(id(m))
+
+    def remember_once(self, m: np.ndarray, once: np.ndarray) -> None:
+        """Record ``once`` as edge matrix ``m``'s once-per-step part (a matrix another build
+        priced: ``build.edges``)."""
+        self._once[id(m)] = once
+        self._keep.append(m)
+
     def note(self, src: str, dst: str, m: np.ndarray) -> None:
         """Record the once-per-step part of edge matrix ``m`` between leaders ``src`` and ``dst``."""
         once = self._once.get(id(m))

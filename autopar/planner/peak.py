@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import OrderedDict
 
 import torch
 from torch.distributed.tensor import Partial, Replicate
@@ -41,6 +42,7 @@ from autopar import placement as pl
 from autopar.lowering import GRAD_BUCKET_BYTES
 from autopar.lowering.graph import tensor_vals
 from autopar.strategies.attention import zigzag_ranks
+from profiler.memory import step_replace
 
 
 def _nbytes(shape, t: torch.Tensor) -> int:
@@ -111,8 +113,26 @@ def _sends_rows(node, strategy_name: str) -> bool:
     return r is not None and (node.name in r.dispatch or node.name in r.combine)
 
 
+#: ``_scaled_node``'s answers by (step node, strategy, mesh shape, flash kernel): the replays of
+#: one planning scale the same nodes under the same strategies for every cut, schedule and
+#: micro-batch count. (The step node and the strategy are kept with the answer: their ids key it.)
+_SCALED: OrderedDict = OrderedDict()
+_SCALED_SIZE = 50_000
+
+
 def _scaled_node(ctx: _Ctx, n):
-    """``n`` (a ``profiler.memory.StepNode``) with this rank's sizes."""
+    """``n`` (a ``profiler.memory.StepNode``) with this rank's sizes: a copy of its own (the
+    replays reassign a node's fields, never change them in place)."""
+    key = (id(n), id(ctx.strategy_of.get(n.name)), ctx.shape, ctx.flash, id(ctx.nodes.get(n.name)))
+    hit = _SCALED.get(key)
+    if hit is None:
+        hit = _SCALED[key] = (n, ctx.strategy_of.get(n.name), ctx.nodes.get(n.name), _scale_node(ctx, n))
+        if len(_SCALED) > _SCALED_SIZE:
+            _SCALED.popitem(last=False)
+    return step_replace(hit[3])
+
+
+def _scale_node(ctx: _Ctx, n):
     f = ctx.frac(n.name)
     vals = tensor_vals(ctx.nodes[n.name]) if n.name in ctx.nodes else []
     storages = {}
@@ -148,7 +168,7 @@ def _scaled_node(ctx: _Ctx, n):
         keys = tensor_vals(ctx.nodes[n.name].all_input_nodes[1])[0].shape[-2]
         storages[key] = int(rows * keys * vals[0].element_size())
         saved.append(key)
-        n = dataclasses.replace(n, float_size={**n.float_size, key: vals[0].element_size()})
+        n = step_replace(n, float_size={**n.float_size, key: vals[0].element_size()})
     # A routing region's all-to-all (autopar.strategies.routed): the rows in the sender's order
     # and as received live beside the reordered output, forward and backward.
     extra = 2 * out_loc if s is not None and _sends_rows(ctx.nodes.get(n.name), s.name) else 0
@@ -158,8 +178,8 @@ def _scaled_node(ctx: _Ctx, n):
         key = (n.name, len(vals) + 1)
         storages[key] = _local(vals[0], s.outputs[0], ctx.shape) // zigzag_ranks(s, ctx.shape)
         saved = [key if k == (n.name, 0) else k for k in saved]
-        n = dataclasses.replace(n, float_size={**n.float_size, key: vals[0].element_size()})
-    return dataclasses.replace(n, storages=storages, fwd_alloc=int(n.fwd_alloc * f) + extra,
+        n = step_replace(n, float_size={**n.float_size, key: vals[0].element_size()})
+    return step_replace(n, storages=storages, fwd_alloc=int(n.fwd_alloc * f) + extra,
                                bwd_alloc=int(n.bwd_alloc * f) + extra, fwd_max_op=int(n.fwd_max_op * f) + extra,
                                bwd_max_op=int(n.bwd_max_op * f) + extra,
                                grad_bytes=int(n.grad_bytes * of), inputs=list(n.inputs), users=list(n.users),
@@ -187,10 +207,10 @@ def _chunked(ctx: _Ctx, n, k: int, recomputed: bool):
     # the outputs' bytes as the step makes them (``_scaled_node``: this rank's, in the step's dtype)
     out = sum(n.storages.get((n.name, i), _local(t, ctx.out_pl(n.name, i), ctx.shape)) for i, t in enumerate(vals))
     if recomputed:
-        return dataclasses.replace(n, bwd_alloc=n.bwd_alloc + out + extra, bwd_max_op=n.bwd_max_op + out + extra)
+        return step_replace(n, bwd_alloc=n.bwd_alloc + out + extra, bwd_max_op=n.bwd_max_op + out + extra)
     key = (n.name, len(vals))  # past the node's own outputs
     fsize = {key: vals[0].element_size()} if vals and vals[0].is_floating_point() else {}
-    return dataclasses.replace(n, storages={**n.storages, key: out}, float_size={**n.float_size, **fsize},
+    return step_replace(n, storages={**n.storages, key: out}, float_size={**n.float_size, **fsize},
                                saved=[*n.saved, key], fwd_alloc=n.fwd_alloc + out, bwd_alloc=n.bwd_alloc + extra,
                                bwd_max_op=n.bwd_max_op + extra)
 

@@ -16,12 +16,13 @@ from autopar.lowering import GRAD_BUCKET_BYTES
 from autopar.lowering.graph import tensor_vals
 from autopar.planner.peak import (_buckets, _chunked, _Ctx, _insert_copies, _local, _placeholders, _regions,
                                   _scaled_node, lower_choice)
+from profiler.memory import step_replace
 
 
 def _micro(n, m: int):
     """Step node ``n`` at ``1 / m`` of the batch (an op on activations: its bytes scale; a
     parameter's 16-bit copy does not)."""
-    return dataclasses.replace(n, storages={k: b if k in n.param_copies else b // m for k, b in n.storages.items()},
+    return step_replace(n, storages={k: b if k in n.param_copies else b // m for k, b in n.storages.items()},
                                fwd_alloc=n.fwd_alloc // m,
                                bwd_alloc=n.bwd_alloc // m, fwd_max_op=n.fwd_max_op // m,
                                bwd_max_op=n.bwd_max_op // m, grad_bytes=n.grad_bytes // m)
@@ -36,7 +37,7 @@ def _renamed(nodes: list, i: int, fixed) -> list:
     def rk(k):
         return (r(k[0]), k[1])
 
-    return [dataclasses.replace(n, name=r(n.name), storages={rk(k): b for k, b in n.storages.items()},
+    return [step_replace(n, name=r(n.name), storages={rk(k): b for k, b in n.storages.items()},
                                 float_size={rk(k): v for k, v in n.float_size.items()},
                                 out_keys=[rk(k) for k in n.out_keys], saved=[rk(k) for k in n.saved],
                                 param_copies={rk(k): v for k, v in n.param_copies.items()},
@@ -195,7 +196,7 @@ def _rank_replay(world, local: list[int], schedule: str, p: int, optimizer: str,
             ph[f"grad:{v}"] = Placeholder(nbytes=m * _value_bytes(world, v), float_size=0, kind="input")
     if sent and mine:  # the schedule keeps what it sent until that micro-batch's backward
         keep = [k for v in sent for k in by_name[v].out_keys]
-        mine = [dataclasses.replace(mine[0], saved=list(mine[0].saved) + keep)] + mine[1:]
+        mine = [step_replace(mine[0], saved=list(mine[0].saved) + keep)] + mine[1:]
     regions = [r for r in world["regions"] if r[0] in names]
     early = {at: xs for at, xs in world["early"].items() if at in names}
     state = ReplayState(static=static_bytes(ph, size, optimizer))

@@ -20,16 +20,18 @@ def gp():
 
 
 def _cold():
-    for cache in (B._PAIR_TABLES, B._SHARED_MATRICES, B._SHARED_PRICED):
+    for cache in (B._PAIR_TABLES, B._SHARED_MATRICES, B._SHARED_PRICED, B._SHARED_EDGES):
         cache.clear()
 
 
-def _digest(gp, cfg, gather_scale=None):
+def _digest(gp, cfg, gather_scale=None, cold=False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if gather_scale is None:
             return B.build(gp, cfg).problem.digest
         built = B.build(gp, cfg)
+        if cold:  # (the build priced its edges with every gather exposed)
+            _cold()
         return B.assemble(gp, cfg, built.priced, built.order, built.leader, built.follow,
                           gather_scale=gather_scale).problem.digest
 
@@ -38,6 +40,7 @@ CONFIGS = [
     ("zero 2", dict(zero=2), None),
     ("zero 1 bf16", dict(zero=1, dtype="bf16-mixed"), None),
     ("4 micro-batches", dict(micro_batches=4), None),
+    ("2 micro-batches", dict(micro_batches=2), None),
     ("4 micro-batches zero 2", dict(micro_batches=4, zero=2), None),
     ("other mesh", dict(mesh=Mesh((4, 2), cluster="a100")), None),
     ("gathers half exposed", dict(), 0.5),
@@ -51,7 +54,58 @@ def test_a_build_after_others_is_the_build_alone(gp, name, change, scale):
     for _, other, s in CONFIGS:  # every other build first: the shared caches warm
         _digest(gp, dataclasses.replace(base, **other), s)
     warm = _digest(gp, dataclasses.replace(base, **change), scale)
+    assert B._SHARED_PRICED and B._SHARED_MATRICES and B._SHARED_EDGES and B._PAIR_TABLES  # (in use)
     _cold()
-    alone = _digest(gp, dataclasses.replace(base, **change), scale)
+    alone = _digest(gp, dataclasses.replace(base, **change), scale, cold=True)
     assert warm == alone
-    assert B._SHARED_PRICED and B._SHARED_MATRICES and B._PAIR_TABLES  # (the caches were used)
+
+
+def test_a_replay_after_others_is_the_replay_alone(gp):
+    """The memory replays share each step node scaled under its strategy
+    (``autopar.planner.peak._SCALED``): a replay after others (other cuts, schedules, counts) is
+    the replay alone, for a sharding that reshards (copies) and recomputes."""
+    import solver
+    from autopar.planner import peak
+    from autopar.planner import pipeline as PP
+
+    mesh = Mesh((2, 4), cluster="a100")
+    cfg = Config(mesh=mesh, dtype="bf16-mixed", checkpoint=True, family="roles:tp")  # (copies between ops)
+    units = PP._stage_units(gp)
+    _, sub = PP._sub_mesh(mesh, 0)
+    runs = [(4, "1f1b", ((0, 1), (1, 2))), (2, "gpipe", ((0, 1), (1, 2))), (4, "1f1b", ((0, 2), (2, 2)))]
+
+    def replay(m, sched, bounds):
+        built = B.build(gp, dataclasses.replace(cfg, mesh=sub, micro_batches=m))
+        sol = solver.solve(built.problem)
+        sol = dataclasses.replace(sol, checkpointed=tuple(g.id for g in built.problem.segments[:1]))
+        return PP._replayed_peak(gp, cfg, built, sol, units, bounds, sched, m, 1, 0)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        alone = []
+        for run in runs:
+            peak._SCALED.clear()
+            alone.append(replay(*run))
+        warm = [replay(*run) for run in runs + runs[::-1]]
+    assert peak._SCALED
+    assert warm == alone + alone[::-1]
+
+
+def test_a_flat_replay_that_regathers_is_the_same_twice(gp):
+    """Reshard after forward changes the scaled step nodes' backward bytes in place during a
+    replay (``peak._insert_copies``): each replay works on copies of the shared nodes."""
+    import solver
+    from autopar.planner import peak
+    from autopar.planner.build import choices
+
+    mesh = Mesh((2, 4), cluster="a100")
+    cfg = Config(mesh=mesh, dtype="bf16-mixed", family="roles:fsdp,fsdp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = B.build(gp, cfg)
+        pick = choices(built, solver.solve(built.problem))
+        strategy_of = {n: built.priced[n].strategies[pick[n]] for n in built.order}
+        peak._SCALED.clear()
+        runs = [peak.rank_peak(gp, strategy_of, mesh, dtype="bf16-mixed", reshard_after_forward=raf).peak
+                for raf in (True, True, False, True)]
+    assert runs[0] == runs[1] == runs[3] and runs[2] > runs[0]  # (regathering in backward saves memory)
