@@ -14,7 +14,7 @@ from functools import cached_property
 
 import numpy as np
 
-__all__ = ["Node", "Edge", "Segment", "Problem", "Solution", "Infeasible", "SolverError", "SolverWarning",
+__all__ = ["Node", "nodes_of", "Edge", "Segment", "Problem", "Solution", "Infeasible", "SolverError", "SolverWarning",
            "fmt_bytes"]
 
 
@@ -24,6 +24,14 @@ def fmt_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def _put(h, parts) -> None:
+    """Each part into hash ``h``, length first (an array by its bytes, anything else by repr)."""
+    for part in parts:
+        data = part.tobytes() if isinstance(part, np.ndarray) else repr(part).encode()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
 
 
 def _vector(owner: str, name: str, value, size: int) -> np.ndarray:
@@ -87,6 +95,13 @@ class Node:
         """S, the number of strategies."""
         return len(self.labels)
 
+    @cached_property
+    def digest_bytes(self) -> bytes:
+        """A hash of the node (id, labels, every array), part of ``Problem.digest``."""
+        h = hashlib.blake2b(digest_size=20)
+        _put(h, (self.id, self.labels, self.time, self.comm, self.mem, self.act, self.work, self.recompute))
+        return h.digest()
+
     def derived(self, **arrays) -> "Node":
         """This node with some of its cost arrays replaced, unchecked: for the solver's own
         transformations (a memory price added, saved bytes scaled), whose arrays are built from
@@ -95,12 +110,52 @@ class Node:
         The new arrays are made read-only."""
         out = object.__new__(Node)
         out.__dict__.update(self.__dict__)
+        out.__dict__.pop("digest_bytes", None)  # (of this node's arrays)
         for name, arr in arrays.items():
             if arr.base is not None or arr.flags.writeable:
                 arr = np.array(arr, dtype=np.float64)
                 arr.setflags(write=False)
             out.__dict__[name] = arr
         return out
+
+
+_NODE_ARRAYS = ("time", "comm", "mem", "act", "work", "recompute")
+
+
+def nodes_of(ids, labels, **arrays) -> list[Node]:
+    """``Node(id=ids[i], labels=labels[i], time=arrays["time"][i], ...)`` for every i, the
+    arrays checked together (a planner builds thousands of nodes per problem, dozens of problems
+    per planning); where the check fails, each node is built on its own, so the error names it.
+    Every array of ``arrays`` (one list per field of ``Node``, all six given) is taken as it is:
+    owned by the node from then on, made read-only."""
+    n = len(ids)
+    if any(len(v) != n for v in arrays.values()) or len(labels) != n or set(arrays) != set(_NODE_ARRAYS):
+        raise ValueError(f"nodes_of: give one labels tuple and one array of each of {_NODE_ARRAYS} per id")
+    ok = True
+    for i in range(n):
+        size = len(labels[i])
+        if not size or any(not isinstance(v[i], np.ndarray) or v[i].dtype != np.float64 or v[i].shape != (size,)
+                           for v in arrays.values()):
+            ok = False
+            break
+    if ok and n:
+        flat = {k: np.concatenate(v) for k, v in arrays.items()}
+        ok = all(a.size == 0 or (a.min() >= 0 and math.isfinite(a.max())) for a in flat.values()) and \
+            not (flat["comm"] > flat["time"] * (1 + 1e-9) + 1e-15).any()
+        ok = ok and all(isinstance(nid, str) and nid for nid in ids) and \
+            all(type(x) is str for lab in labels for x in lab)
+    if not ok:  # each node checked on its own: the one at fault is named
+        return [Node(id=ids[i], labels=labels[i], **{k: v[i] for k, v in arrays.items()}) for i in range(n)]
+    out = []
+    for i in range(n):
+        node = object.__new__(Node)
+        d = node.__dict__
+        d["id"], d["labels"] = ids[i], tuple(labels[i])
+        for k, v in arrays.items():
+            v[i].setflags(write=False)
+            d[k] = v[i]
+        out.append(node)
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,13 +303,10 @@ class Problem:
         h = hashlib.blake2b(digest_size=20)
 
         def put(*parts) -> None:
-            for part in parts:
-                data = part.tobytes() if isinstance(part, np.ndarray) else repr(part).encode()
-                h.update(len(data).to_bytes(8, "little"))
-                h.update(data)
+            _put(h, parts)
 
-        for n in self.nodes:
-            put(n.id, n.labels, n.time, n.comm, n.mem, n.act, n.work, n.recompute)
+        for n in self.nodes:  # (each node's own hash: one node is in many problems of a planning)
+            h.update(n.digest_bytes)
         for e in self.edges:
             put(e.src, e.dst, e.cost.shape, e.cost)
             if e.mem is not None:

@@ -2,15 +2,29 @@
 from __future__ import annotations
 
 import operator
+import weakref
 
 import torch
+
+
+_VALS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""node -> (its ``meta["val"]``, the tensors among it): planning reads them millions of times, and
+``isinstance`` on a fake tensor is slow."""
 
 
 def tensor_vals(node) -> list[torch.Tensor]:
     """The tensors among a node's ``meta["val"]`` (one per tensor output, in order)."""
     v = node.meta.get("val")
+    hit = _VALS.get(node)
+    if hit is not None and hit[0] is v:
+        return list(hit[1])
     flat = v if isinstance(v, (list, tuple)) else [v]
-    return [t for t in flat if isinstance(t, torch.Tensor)]
+    out = [t for t in flat if isinstance(t, torch.Tensor)]
+    try:
+        _VALS[node] = (v, tuple(out))
+    except TypeError:  # (not weakly referable: no memo)
+        pass
+    return out
 
 
 def is_getitem(node) -> bool:

@@ -782,7 +782,11 @@ def merge_followers(gm, priced: dict[str, PricedNode], enabled: bool):
         key = (id(popt), id(opt), idx, fmap.tobytes())
         mapped = memo.get(key)
         if mapped is None:
-            mapped = memo[key] = _follow_map(popt, opt, fmap, idx)
+            hit = _SHARED_FOLLOW.get(key)  # (another build's, of the same priced nodes)
+            if hit is None:
+                hit = (_follow_map(popt, opt, fmap, idx), popt, opt)  # (the nodes kept: their ids key it)
+                _remember(_SHARED_FOLLOW, key, hit)
+            mapped = memo[key] = hit[0]
         if mapped is not None:
             leader[name], follow[name] = lead, mapped
     return leader, follow
@@ -813,6 +817,8 @@ _PAIR_TABLES: OrderedDict = OrderedDict()
 _SHARED_MATRICES: OrderedDict = OrderedDict()
 _SHARED_PRICED: OrderedDict = OrderedDict()  # (prices of a node's strategies, as priced_nodes keys them)
 _SHARED_EDGES: OrderedDict = OrderedDict()  # (an edge's matrix between two priced nodes, as edges keys it)
+_PLACEMENT_TEXT: dict[int, tuple] = {}  # id(placements) -> (printed form, placements)
+_SHARED_FOLLOW: OrderedDict = OrderedDict()  # (a follower's strategy map, as merge_followers keys it)
 SHARED_SIZE = 50_000
 
 
@@ -858,18 +864,16 @@ class _EdgePricer:
         """(src leader, dst leader) -> bytes the consumers keep (``_Kept``), filled by ``edges``."""
         self.kept_by: dict[tuple[str, int], np.ndarray] = {}
         self.pair: dict[Any, float] = {}
-        self.text: dict[int, str | None] = {}
 
     def key(self, pls) -> str | None:
         if pls is None:
             return None
-        k = self.text.get(id(pls))
-        if k is None:
-            k = pl.fmt(pls)
-            self.text[id(pls)] = k
-            self._keep = getattr(self, "_keep", [])
-            self._keep.append(pls)  # keep ids stable while cached
-        return k
+        hit = _PLACEMENT_TEXT.get(id(pls))
+        if hit is None:
+            if len(_PLACEMENT_TEXT) > SHARED_SIZE:
+                _PLACEMENT_TEXT.clear()
+            hit = _PLACEMENT_TEXT[id(pls)] = (pl.fmt(pls), pls)  # (the placements kept: their id keys it)
+        return hit[0]
 
     def one(self, src: str | None, dst: str | None, shape, itemsize) -> float:
         if src is None or dst is None or src == dst:
@@ -1372,14 +1376,10 @@ def assemble(gp, cfg: Config, priced, order, leader, follow, micro=None, gather_
                 pricer.kept[(ls, c)] = pricer.kept[(ls, c)] - pricer.kept_by[(c, j)] * (1.0 - 1.0 / len(group))
     extra = sink_costs(gm, priced, leader, follow, pricer)
     groups = _group_vectors(priced, leader, follow, inner, extra)
-    nodes = []
-    for lead in order:
-        if leader[lead] != lead:
-            continue
-        g = groups[lead]
-        labels = tuple(s.name for s in priced[lead].strategies)
-        nodes.append(solver.Node(id=lead, labels=labels, time=g["time"], comm=g["comm"], mem=g["mem"],
-                                 act=g["act"], work=g["work"], recompute=g["recompute"]))
+    leads = [lead for lead in order if leader[lead] == lead]
+    fields = ("time", "comm", "mem", "act", "work", "recompute")
+    nodes = solver.nodes_of(leads, [tuple(s.name for s in priced[lead].strategies) for lead in leads],
+                            **{k: [np.asarray(groups[lead][k], dtype=np.float64) for lead in leads] for k in fields})
     edge_list = tuple(solver.Edge(src=s, dst=d, cost=m, mem=_nonneg(pricer.kept.get((s, d))))
                       for (s, d), m in acc.items())
     # bytes between two savers of one activation that no resharding edge joins: a zero-cost edge

@@ -78,6 +78,10 @@ class _Scaled:
         return self._grad
 
 
+_FITS: dict = {}
+"""(strategy, ...) -> whether its placements divide at a micro-batch size (``Micro._fits``)."""
+
+
 class Micro:
     """What runs per micro-batch and what once per step (see the module docstring)."""
 
@@ -96,7 +100,6 @@ class Micro:
         self.step: dict[tuple[str, str], np.ndarray] = {}
         self._once: dict[int, np.ndarray] = {}   # id(edge matrix) -> its once-per-step part
         self._keep: list = []                    # keeps those ids alive
-        self._ok: dict[tuple, bool] = {}
 
     # ------------------------------------------------------------------ ops
     def scale(self, name: str) -> float:
@@ -121,16 +124,19 @@ class Micro:
         return keep
 
     def _fits(self, s, ins, outs, flags) -> bool:
-        key = (id(s), flags)
-        ok = self._ok.get(key)
-        if ok is None:
+        # (shared by the builds of a planning: the strategy kept, its id keys it; the shapes read
+        # are its node's, which the strategy cache keys it by)
+        key = (id(s), flags, self.m, self.batch, self.mesh_shape)
+        hit = _FITS.get(key)
+        if hit is None:
             ok = all(pl.fits(self.shape(t.shape), p, self.mesh_shape) for t, p in zip(outs, s.outputs))
             ok = ok and all(p is None or not f or not hasattr(t, "shape") or
                             pl.fits(self.shape(t.shape), p, self.mesh_shape)
                             for (f, t), p in zip(ins, s.inputs))
-            self._ok[key] = ok
-            self._keep.append(s)
-        return ok
+            if len(_FITS) > 200_000:
+                _FITS.clear()
+            hit = _FITS[key] = (ok, s)
+        return hit[0]
 
     # ------------------------------------------------------------------ edges
     def kind(self, name: str) -> str:

@@ -62,3 +62,30 @@ def test_a_derived_node_is_the_node_with_its_new_arrays_read_only():
     # a problem of derived nodes is the problem of the same nodes built and checked
     built = Node(id="a", labels=node.labels, time=[1.5, 1.0], mem=[1.0, 2.0], act=[9.0, 12.0])
     assert Problem(nodes=(out,)).digest == Problem(nodes=(built,)).digest
+
+
+def test_nodes_of_are_the_nodes_built_one_by_one_and_name_a_bad_one():
+    rng = np.random.default_rng(0)
+    ids, labels = ["a", "b", "c"], [("x", "y"), ("x",), ("p", "q", "r")]
+    fields = ("time", "comm", "mem", "act", "work", "recompute")
+
+    def arrays():
+        out = {k: [rng.random(len(lab)) for lab in labels] for k in fields}
+        out["comm"] = [t * 0.5 for t in out["time"]]
+        return out
+
+    got = arrays()
+    want = [Node(id=i, labels=lab, **{k: got[k][j] for k in fields}) for j, (i, lab) in enumerate(zip(ids, labels))]
+    nodes = solver.nodes_of(ids, labels, **got)
+    assert [n.digest_bytes for n in nodes] == [n.digest_bytes for n in want]
+    assert all(not getattr(n, k).flags.writeable for n in nodes for k in fields)
+    bad = arrays()
+    bad["act"][1] = np.array([np.nan])
+    with pytest.raises(ValueError, match="node 'b': act must be finite"):
+        solver.nodes_of(ids, labels, **bad)
+    bad = arrays()
+    bad["comm"][2] = bad["time"][2] * 2
+    with pytest.raises(ValueError, match="node 'c': comm"):
+        solver.nodes_of(ids, labels, **bad)
+    with pytest.raises(ValueError, match="one labels tuple"):
+        solver.nodes_of(ids, labels[:2], **arrays())
