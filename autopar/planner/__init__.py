@@ -99,6 +99,9 @@ def plan_profile(gp, mesh, *, options: PlanOptions | None = None, **kwargs) -> P
     t_start = time.perf_counter()
     opts = PlanOptions.make("plan_profile", options, **kwargs)
     mesh = _as_mesh(mesh)
+    from autopar.planner.cache import for_profile
+
+    for_profile(gp)  # (the caches shared by the builds of one planning: this profile's only)
     force, pipeline, budget = opts.force, opts.pipeline, opts.memory_budget
     every = opts.checkpoint == "all"  # checkpoint every layer (a family's checkpointed variant)
     cfg = Config(mesh=mesh, optimizer=opts.optimizer, dtype=_precision.resolve(opts.precision, None, mesh.cluster),

@@ -52,3 +52,34 @@ def _hashable(value):
     if isinstance(value, (list, tuple)):
         return tuple(_hashable(v) for v in value)
     return value
+
+
+_PROFILE: list = [None]  # a weak reference to the profile the shared caches below hold entries of
+
+
+def for_profile(gp) -> None:
+    """Called as a planning starts: where the profile is not the last one planned, empty the
+    caches the builds and replays of one planning share (``build``'s resharding tables, edge
+    matrices, node prices, follower maps, placement texts; ``micro``'s divisibility; ``peak``'s
+    scaled step nodes): they hold one model's entries at a time (a re-plan of the same profile
+    keeps them). A process that plans many models kept every model's, and planned the last one
+    1.6x slower (benchmarks/published_configs.py's scale row after the other rows)."""
+    import weakref
+
+    last = _PROFILE[0]
+    if last is not None and last() is gp:
+        return
+    clear_shared()
+    try:
+        _PROFILE[0] = weakref.ref(gp)
+    except TypeError:
+        _PROFILE[0] = None
+
+
+def clear_shared() -> None:
+    """Empty the caches :func:`for_profile` names."""
+    from autopar.planner import build as B, micro, peak
+
+    for c in (B._PAIR_TABLES, B._SHARED_MATRICES, B._SHARED_PRICED, B._SHARED_EDGES, B._PLACEMENT_TEXT,
+              B._SHARED_FOLLOW, micro._FITS, peak._SCALED):
+        c.clear()

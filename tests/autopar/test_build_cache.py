@@ -109,3 +109,19 @@ def test_a_flat_replay_that_regathers_is_the_same_twice(gp):
         runs = [peak.rank_peak(gp, strategy_of, mesh, dtype="bf16-mixed", reshard_after_forward=raf).peak
                 for raf in (True, True, False, True)]
     assert runs[0] == runs[1] == runs[3] and runs[2] > runs[0]  # (regathering in backward saves memory)
+
+
+def test_the_shared_caches_hold_one_profile_at_a_time(gp):
+    from autopar.planner import peak
+    from autopar.planner.cache import for_profile
+
+    for_profile(gp)
+    _digest(gp, Config(mesh=Mesh((2, 4), cluster="a100"), micro_batches=2))
+    sizes = [len(c) for c in (B._SHARED_PRICED, B._SHARED_EDGES, B._PAIR_TABLES)]
+    assert all(sizes)
+    for_profile(gp)  # a re-plan of the same profile keeps them
+    assert [len(c) for c in (B._SHARED_PRICED, B._SHARED_EDGES, B._PAIR_TABLES)] == sizes
+    ex = zoo.build("gpt2", batch=8, layers=1)
+    other = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
+    for_profile(other)  # another model's planning starts with none of them
+    assert not any(len(c) for c in (B._SHARED_PRICED, B._SHARED_EDGES, B._PAIR_TABLES, peak._SCALED))
