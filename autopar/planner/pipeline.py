@@ -266,9 +266,10 @@ def search(gp, cfg: Config, candidates: list, beat: float | None = None, per_sta
             # take it back under the best (they gain up to OWN_ROWS_REACH).
             seen, slow = [], []
             found = _best_schedule(gp, c_cfg, built, sol, units, axis, m, peaks=seen, limit=top, slower=slow)
-            if found is None and slow and not seen:
+            if found is None and slow:  # (not replayed: not shown to be over the budget)
                 slower.add(ci)
-            elif found is None and cfg.checkpoint and not cfg.checkpoint_every and built.problem.segments:
+            if found is None and (seen or not slow) and cfg.checkpoint and not cfg.checkpoint_every and \
+                    built.problem.segments:
                 slow = []
                 found, sol = _recompute_to_fit(gp, c_cfg, built, units, axis, m, limit=OWN_ROWS_REACH * top,
                                                slower=slow)
