@@ -648,8 +648,10 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
         if node.op == "placeholder" and not node.users:
             continue  # e.g. the unused twin of a tied weight: the graph reads it through its alias
         kind = kinds.get(node.name)
-        # The one strategy cache is strategies_for's, keyed by everything a rule reads (which input
-        # node each argument is included: mul(y, y) has one input, mul(y, z) two).
+        # strategies_for caches strategies by everything a rule reads (which input node each
+        # argument is included: mul(y, y) has one input, mul(y, z) two); computing that key costs
+        # more than the builds of one planning can afford per node, so this graph remembers each
+        # node's answer per mesh shape (``known``).
         skey = (node.name, tuple(cfg.mesh.shape))
         strats = known.get(skey)
         if strats is None:
