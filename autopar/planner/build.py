@@ -403,7 +403,11 @@ def _signature(node, kind) -> tuple:
             return tuple((k, sig(v)) for k, v in sorted(a.items()))
         return repr(a)
     outs = tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensor_vals(node))
-    return (node.op, str(node.target), kind, sig(node.args), sig(node.kwargs), outs, len(node.users) > 0)
+    # A placeholder's target is its name: twin weights of repeated layers differ only there, and
+    # their strategies and prices do not (what a name changes, a pin or an expert split, changes
+    # the allowed list, which the price memo keys by).
+    target = "" if node.op == "placeholder" else str(node.target)
+    return (node.op, target, kind, sig(node.args), sig(node.kwargs), outs, len(node.users) > 0)
 
 
 _VIEWS = {"t", "transpose", "permute", "view", "reshape", "_unsafe_view", "expand", "unsqueeze", "squeeze",
@@ -716,12 +720,12 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
         prof = gp.nodes.get(node.name)
         saved = split_at.get(node.name) or (saved_at.get(node.name) if saved_at is not None else None)
         transient = float(transient_at.get(node.name, 0))
-        pkey = None if key is None else (key, id(allowed[0]), len(allowed), _prof_key(prof), scale, saved, transient)
+        pkey = None if key is None else (key, tuple(map(id, allowed)), _prof_key(prof), scale, saved, transient)
         opt = priced_memo.get(pkey) if pkey is not None else None
         if opt is None and pkey is not None:
             # The prices of another build of this planning with the same strategies, profile,
             # share of the batch, mesh and precision (and for a parameter, optimizer and ZeRO)
-            shared = (key, tuple(map(id, allowed)), pkey[3:], cfg.mesh, cfg.dtype,
+            shared = (key, pkey[1], pkey[2:], cfg.mesh, cfg.dtype,
                       (cfg.optimizer, cfg.zero, zero_axes(cfg)) if kind == "param" else None)
             hit = _SHARED_PRICED.get(shared)
             if hit is not None:

@@ -125,3 +125,25 @@ def test_the_shared_caches_hold_one_profile_at_a_time(gp):
     other = profiler.profile(ex.model, ex.args, ex.kwargs, loss_fn=ex.loss_fn, target=ex.target)
     for_profile(other)  # another model's planning starts with none of them
     assert not any(len(c) for c in (B._SHARED_PRICED, B._SHARED_EDGES, B._PAIR_TABLES, peak._SCALED))
+
+
+def test_twin_weights_share_their_prices_and_a_pin_stays_on_its_own(gp):
+    # Repeated layers' weights differ only in their names: one price (and so one set of edge
+    # matrices) serves them all. A pin names one of them: that one alone is held to it.
+    mesh = Mesh((2, 4), cluster="a100")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = B.build(gp, Config(mesh=mesh))
+    names = gp.captured.params
+    ph = {fqn: n for n, fqn in names.items()}
+    w0, w1 = ph["transformer.h.0.mlp.c_fc.weight"], ph["transformer.h.1.mlp.c_fc.weight"]
+    assert built.priced[w0] is built.priced[w1]
+    assert len(built.priced[w0].strategies) > 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pinned = B.build(gp, Config(mesh=mesh, pin={"transformer.h.0.mlp.c_fc.weight": "S(0)R",
+                                                    "transformer.h.1.mlp.c_fc.weight": "RS(1)"}))
+    outs = {n: {B.pl.fmt(s.outputs[0]) for s in pinned.priced[n].strategies} for n in (w0, w1)}
+    assert outs == {w0: {"S(0)R"}, w1: {"RS(1)"}}
+    other = ph["transformer.h.1.attn.c_proj.weight"]  # unpinned: its whole list
+    assert len(pinned.priced[other].strategies) == len(built.priced[other].strategies)
