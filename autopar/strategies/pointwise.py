@@ -58,7 +58,10 @@ NONLINEAR = (
     aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar, aten.maximum.default,
     aten.minimum.default, aten.isnan.default, aten.isinf.default, aten.nan_to_num.default,
     aten.rsub.Scalar, aten.rsub.Tensor, aten.add.Scalar, aten.sub.Scalar,
+    # a number in one branch (T5's relative-position buckets): counted once per rank, not linear
+    aten.where.ScalarOther, aten.where.ScalarSelf,
     aten.div.Tensor_mode, aten.remainder.Scalar, aten.fmod.Scalar, aten.copy_.default, aten.fill_.Scalar,
+    aten.fill_.Tensor,
 )
 
 
