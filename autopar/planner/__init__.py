@@ -96,8 +96,17 @@ def checked_plan(gp, mesh, model, loss_fn=None, *, options: PlanOptions) -> Plan
 def plan_profile(gp, mesh, *, options: PlanOptions | None = None, **kwargs) -> Plan:
     """Plan from an existing ``profiler.GraphProfile`` (the planner's steps 2-5) under ``options``
     (:class:`autopar.PlanOptions`; keywords replace its fields)."""
+    from autopar.planner.cache import planning_gc
+
     t_start = time.perf_counter()
     opts = PlanOptions.make("plan_profile", options, **kwargs)
+    with planning_gc():  # (the collector eased while planning: cache.planning_gc)
+        best = _plan_profile(gp, mesh, opts)
+    best.timings["plan_seconds"] = time.perf_counter() - t_start  # every candidate, build + solve
+    return best
+
+
+def _plan_profile(gp, mesh, opts: PlanOptions) -> Plan:
     mesh = _as_mesh(mesh)
     from autopar.planner.cache import for_profile
 
@@ -113,7 +122,6 @@ def plan_profile(gp, mesh, *, options: PlanOptions | None = None, **kwargs) -> P
     if opts.layout is not None:
         best = plan_layout(gp, cfg, opts.layout)
         best.search = opts.to_dict()
-        best.timings["plan_seconds"] = time.perf_counter() - t_start
         return best
     named_pp = [a for a, name in enumerate(mesh.axis_names) if name == "pp" and mesh.shape[a] > 1]
     if named_pp and (not pipeline or force not in (None, "pp-tp")):
@@ -176,7 +184,6 @@ def plan_profile(gp, mesh, *, options: PlanOptions | None = None, **kwargs) -> P
     best = ok[0]
     best.alternatives = runner_ups(best, ok[1:])
     best.search = opts.to_dict()
-    best.timings["plan_seconds"] = time.perf_counter() - t_start  # every candidate, build + solve
     return best
 
 

@@ -28,6 +28,7 @@ codegen emits from, priced; the facts it reads there:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Sequence
 
@@ -63,6 +64,7 @@ class Collective:
 
 
 # ---------------------------------------------------------------------------------- gradients
+@functools.lru_cache(maxsize=1 << 16)  # (texts in, text out: every build prices the same pairs)
 def param_grad_target(stored: str, grad: str) -> str:
     """Placement (printed form) a parameter's gradient is brought to on the edge of one use,
     given the parameter's ``stored`` placement and the ``grad`` placement the use leaves: the
@@ -73,6 +75,7 @@ def param_grad_target(stored: str, grad: str) -> str:
     return pl.fmt(tuple(out))
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def bucket_axes(stored: str, grad: str) -> tuple[int, ...]:
     """Mesh axes on which the bucketed reduction sums this use's gradient."""
     t = param_grad_target(stored, grad)

@@ -147,3 +147,44 @@ def test_twin_weights_share_their_prices_and_a_pin_stays_on_its_own(gp):
     assert outs == {w0: {"S(0)R"}, w1: {"RS(1)"}}
     other = ph["transformer.h.1.attn.c_proj.weight"]  # unpinned: its whole list
     assert len(pinned.priced[other].strategies) == len(built.priced[other].strategies)
+
+
+def test_planning_eases_the_collector_and_puts_it_back(gp):
+    import gc
+
+    from autopar.plan import InfeasibleBudget
+    from autopar.planner import cache, plan_profile
+
+    old = gc.get_threshold()
+    seen = []
+    real = cache.planning_gc
+
+    def spy():
+        ctx = real()
+
+        class Spy:
+            def __enter__(self):
+                ctx.__enter__()
+                seen.append((gc.get_threshold()[0], gc.get_freeze_count() > 0))
+
+            def __exit__(self, *exc):
+                return ctx.__exit__(*exc)
+        return Spy()
+
+    cache.planning_gc = spy
+    try:
+        plan_profile(gp, Mesh((2, 2), cluster="a100"))
+        with pytest.raises(InfeasibleBudget):
+            plan_profile(gp, Mesh((2, 2), cluster="a100"), memory_budget=1024)
+    finally:
+        cache.planning_gc = real
+    assert seen == [(cache.PLANNING_GC_THRESHOLD, True)] * 2
+    assert gc.get_threshold() == old and gc.get_freeze_count() == 0  # (after an error too)
+    gc.freeze()  # a caller's own frozen objects stay frozen
+    try:
+        n = gc.get_freeze_count()
+        with cache.planning_gc():
+            pass
+        assert gc.get_freeze_count() == n
+    finally:
+        gc.unfreeze()
