@@ -834,6 +834,18 @@ def _remember(cache: OrderedDict, key, value) -> None:
         cache.popitem(last=False)
 
 
+def _text(pls) -> str:
+    """``pl.fmt(pls)``, remembered by the placements' identity (kept alive with it): the
+    resharding graphs' states and the strategies' placements are persistent tuples, printed
+    once each instead of once per table or matrix."""
+    hit = _PLACEMENT_TEXT.get(id(pls))
+    if hit is None:
+        if len(_PLACEMENT_TEXT) > SHARED_SIZE:
+            _PLACEMENT_TEXT.clear()
+        hit = _PLACEMENT_TEXT[id(pls)] = (pl.fmt(pls), pls)  # (the placements kept: their id keys it)
+    return hit[0]
+
+
 def _pair_table(mesh: Mesh, src: str, shape, itemsize) -> dict[str, float]:
     """Seconds from placement ``src`` to every placement reachable on ``mesh`` (one shortest-path
     search prices every destination at once), shared by every build on that mesh."""
@@ -842,7 +854,7 @@ def _pair_table(mesh: Mesh, src: str, shape, itemsize) -> dict[str, float]:
     if table is None:
         try:
             found = search_from(pl.parse(src), shape, itemsize, mesh)
-            table = {pl.fmt(state): float(v[0]) for state, v in found.items()}
+            table = {_text(state): float(v[0]) for state, v in found.items()}
         except ValueError:
             table = {}
         _remember(_PAIR_TABLES, key, table)
@@ -872,14 +884,7 @@ class _EdgePricer:
         self.pair: dict[Any, float] = {}
 
     def key(self, pls) -> str | None:
-        if pls is None:
-            return None
-        hit = _PLACEMENT_TEXT.get(id(pls))
-        if hit is None:
-            if len(_PLACEMENT_TEXT) > SHARED_SIZE:
-                _PLACEMENT_TEXT.clear()
-            hit = _PLACEMENT_TEXT[id(pls)] = (pl.fmt(pls), pls)  # (the placements kept: their id keys it)
-        return hit[0]
+        return None if pls is None else _text(pls)
 
     def one(self, src: str | None, dst: str | None, shape, itemsize) -> float:
         if src is None or dst is None or src == dst:
