@@ -24,6 +24,18 @@ break it, and neither is left silent:
   rebuilds the target from the user inputs, and ``ParallelModule`` checks every step that each
   micro-batch counts the same number of targets, and stops with a clear error otherwise.
 
+**Samples that meet** (:func:`couplings`). Micro-batches are exact only when every value the loss
+reads is computed sample by sample. The check follows the batch through the whole graph, reading
+each value's batch dims off the plan's capture and the micro-batch capture (the dims whose size
+differs, wherever transposes, views and matmuls moved them), and refuses by op and layer where
+samples meet: a reduction or matmul over the batch, a value with two batch dims (contrastive
+logits, every image against every text), a scan or softmax along the batch, samples taken by
+position, a batch-sized ``arange`` read as data (targets made from the batch size), a number that
+depends on the batch size. Routing stays exact: expert ids sorted and counted over the tokens
+decide where rows go, not what they compute. The planner runs the check on every micro-batched
+plan it returns (``autopar.planner.checked_plan``; the free search then plans without
+micro-batches), and the module on every micro-batched plan it builds.
+
 **Micro-batches of one sample** (:func:`one_sample_capture`). ``torch.export`` specialises dims
 of size 1 (a broadcast it can see through, a view it folds), so a capture at one sample is not the
 plan's graph. The micro-batch graph is instead the model's graph at two and three samples (two
@@ -161,7 +173,7 @@ _SCALAR_PASS = {"_to_copy", "to", "clone", "alias", "detach", "view", "reshape",
                 "_unsafe_view", "contiguous", "type_as", "neg"}
 
 
-def loss_reduction(captured, micro=None) -> str | None:
+def loss_reduction(captured, micro=None, *, head: set | None = None) -> str | None:
     """How the step's loss combines over the batch: ``"mean"`` (the mean of equal micro-batches'
     losses is the batch's), ``"sum"`` (their sum is), or None (neither is established: a product of
     batch means such as a load-balancing term, a reduction over something other than the batch).
@@ -178,7 +190,10 @@ def loss_reduction(captured, micro=None) -> str | None:
     Which tensors carry the batch in dim 0: with ``micro`` (the capture at ``batch / m``, which a
     micro-batched module builds), exactly those whose dim 0 differs between the two captures;
     without it, those whose dim 0 is a multiple of the batch (a guess that may also take an
-    expert count for one, and then answers None: the safe side)."""
+    expert count for one, and then answers None: the safe side).
+
+    ``head``, when given, receives the nodes of the loss's own reduction that the answer rests on
+    (the loss op or the mean/sum, and the scalings and sums above it)."""
     shrunk = None
     small_nodes = {n.name: n for n in micro.gm.graph.nodes} if micro is not None else {}
     if micro is not None:
@@ -254,6 +269,12 @@ def loss_reduction(captured, micro=None) -> str | None:
         return "mean" if abs(ratio - micro_ratio) <= 1e-9 * micro_ratio else None
 
     def kind(n, depth=0) -> str | None:
+        got = _kind(n, depth)
+        if got is not None and head is not None:
+            head.add(n)
+        return got
+
+    def _kind(n, depth=0) -> str | None:
         if not isinstance(n, fx.Node) or n.op != "call_function" or depth > 64:
             return None
         base = getattr(n.target, "__name__", str(n.target)).split(".")[0]
@@ -281,6 +302,292 @@ def loss_reduction(captured, micro=None) -> str | None:
         return None
 
     return kind(captured.loss_node)
+
+
+
+# ------------------------------------------------------------------ samples that meet (coupling)
+#: Ops whose integer arguments are sizes: they may differ between the captures (a view of the batch).
+_SHAPE_ARGS = {"view", "reshape", "_unsafe_view", "_reshape_alias", "expand", "new_zeros", "new_ones", "new_empty",
+               "new_full", "zeros", "ones", "empty", "full", "empty_strided", "unflatten", "repeat", "randn", "rand",
+               "randint", "normal", "as_strided", "view_as", "expand_as", "reshape_as", "split_with_sizes", "split",
+               "slice", "narrow", "arange", "sym_size", "alias", "_to_copy", "to", "permute", "transpose", "t",
+               "unsqueeze", "squeeze", "flatten", "clone", "contiguous", "detach", "select", "getitem", "chunk",
+               "unbind", "tensor_split"}
+#: Ops that make a tensor whose values are the same along every dim: a batch-sized one is the same
+#: tensor per micro-batch (zeros, a broadcast, random draws).
+_BROADCASTS = {"expand", "new_zeros", "new_ones", "new_empty", "new_full", "zeros", "ones", "empty", "full",
+               "empty_strided", "zeros_like", "ones_like", "empty_like", "full_like", "randn", "rand", "randint",
+               "randn_like", "rand_like", "randint_like", "normal", "bernoulli", "repeat", "view", "reshape",
+               "_unsafe_view", "unsqueeze", "alias", "_to_copy", "to", "clone", "contiguous", "detach",
+               "scalar_tensor", "lift_fresh_copy"}
+#: Ops that combine values along a dim and keep it (a scan, a normalisation along it, a reorder).
+_SCANS = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "softmax", "_softmax", "log_softmax",
+          "_log_softmax", "flip", "roll", "topk", "kthvalue", "median", "mode", "nanmedian"}
+#: Ops that count or order rows across the batch (routing: a histogram of expert ids, the order
+#: that groups rows by expert). What they give is a *route*: exact only as indices and offsets.
+_ROUTERS = {"histc", "bincount", "sort", "argsort", "unique_consecutive", "_unique2"}
+#: Ops that read or write rows at positions (index, offsets): the positions may be a route or the
+#: batch's own positions; on a batch dim nothing else.
+_INDEXING = {"index", "index_select", "gather", "index_add", "index_put", "index_put_", "_index_put_impl",
+             "index_copy", "scatter", "scatter_add", "scatter_reduce", "index_fill", "take_along_dim",
+             "_grouped_mm", "grouped_mm", "grouped_mm_fallback", "embedding"}
+#: Ops that read only the dtype and device of their tensor argument, not its values.
+_TEMPLATES = {"new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like",
+              "full_like", "randn_like", "rand_like", "randint_like", "_assert_tensor_metadata", "sym_size",
+              "sym_numel", "sym_stride"}
+_BATCH_NORM_NAMES = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                     "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training"}
+
+
+def _op(n: fx.Node) -> str:
+    if n.op != "call_function":
+        return ""
+    t = n.target
+    name = getattr(t, "__name__", str(t))
+    return name.split(".")[0]
+
+
+def _leaves(v) -> list:
+    return [t for t in pytree.tree_leaves(v)] if isinstance(v, (list, tuple)) else [v]
+
+
+class Coupling(ValueError):
+    """Micro-batches would not compute the batch's numbers: samples meet at ``node``."""
+
+    def __init__(self, message: str, node: str = "", layer: str = ""):
+        super().__init__(message)
+        self.node, self.layer = node, layer
+
+
+def couplings(captured, micro) -> list[tuple[fx.Node, str]]:
+    """Where samples of the batch meet in ``captured`` (the plan's capture), read against
+    ``micro`` (the same model captured at ``batch / m``, same nodes): each ``(node, why)`` whose
+    value reaches the loss, first first. Empty when every value the loss reads is computed sample
+    by sample, so that micro-batches compute the batch's numbers exactly (module docstring).
+
+    A value's *batch dims* are the dims whose size differs between the two captures (they scale
+    with the batch, wherever transposes, views and matmuls moved them). Samples meet where:
+
+    - an op reduces a batch dim away (a sum or matmul over samples, a mean over the batch) or
+      makes a value with two batch dims (every sample against every other: contrastive logits);
+    - an op scans, normalises or reorders along a batch dim (cumsum, softmax, flip, top-k);
+    - an op selects samples by position (``x[: B // 2]``, ``x[0]``, a split of the batch, an index
+      that is not per sample);
+    - a tensor made in the graph has a batch dim and values that are not the same along it
+      (``torch.arange(batch)`` used as data, as targets);
+    - a number in an op's arguments depends on the batch size (``x / x.shape[0]`` in the model),
+      where it is not a size.
+
+    Two exceptions keep their documented meaning: batch norm in training (per-micro-batch
+    statistics, :func:`training_batch_norms`) and the loss's own reduction over the batch
+    (:func:`loss_reduction`). Routing stays exact: a histogram or sort of expert ids over the
+    tokens (a *route*) may decide where rows go (indices, group offsets) but not what a row
+    computes; ``arange(batch)`` may index the batch dim (each sample picks its own row)."""
+    small = {n.name: n for n in micro.gm.graph.nodes}
+    head: set = set()
+    if loss_reduction(captured, micro, head=head) is None:
+        return []  # no micro-batch form of the loss at all: refused by that check, by name
+    state: dict[str, tuple[str, str]] = {}  # name -> (tag, why); tag: "mixed", "route", "iota"
+    bdims: dict[str, list[set[int]]] = {}
+    found: list[tuple[fx.Node, str]] = []
+
+    def dims_of(n: fx.Node) -> list[set[int]]:
+        if n.name in bdims:
+            return bdims[n.name]
+        twin = small.get(n.name)
+        out = []
+        va, vb = _leaves(n.meta.get("val")), _leaves(twin.meta.get("val") if twin is not None else None)
+        for a, b in zip(va, vb + [None] * (len(va) - len(vb))):
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim():
+                out.append({d for d in range(a.dim()) if int(a.shape[d]) != int(b.shape[d])})
+            else:
+                out.append(set())
+        bdims[n.name] = out
+        return out
+
+    def batched(x) -> bool:
+        return isinstance(x, fx.Node) and any(dims_of(x))
+
+    def tag(x) -> str | None:
+        return state.get(x.name, (None, ""))[0] if isinstance(x, fx.Node) else None
+
+    def dim_arg(n, pos, name, default=None):
+        d = n.args[pos] if len(n.args) > pos else n.kwargs.get(name, default)
+        return d
+
+    def norm(d, nd):
+        return d % nd if isinstance(d, int) and nd else d
+
+    for n in captured.gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        base = _op(n)
+        ins = n.all_input_nodes
+        nd0 = n.args[0].meta["val"].dim() if ins and isinstance(n.args[0], fx.Node) and \
+            isinstance(n.args[0].meta.get("val"), torch.Tensor) else 0
+        b0 = dims_of(n.args[0])[0] if n.args and isinstance(n.args[0], fx.Node) and dims_of(n.args[0]) else set()
+        outd = dims_of(n)
+        mixed_in = next((x for x in ins if tag(x) == "mixed"), None)
+        why = None
+        new = None
+        if base in _BATCH_NORM_NAMES:
+            new = "mixed" if mixed_in is not None else None
+            if mixed_in is not None:
+                state[n.name] = state[mixed_in.name]
+            continue
+        if n in head:
+            continue
+        if mixed_in is not None:
+            state[n.name] = state[mixed_in.name]
+            continue
+        twin = small.get(n.name)
+        flat_a = pytree.tree_leaves((n.args, n.kwargs))
+        flat_b = pytree.tree_leaves((twin.args, twin.kwargs)) if twin is not None else flat_a
+        differs = [(a, b) for a, b in zip(flat_a, flat_b) if not isinstance(a, fx.Node) and a != b]
+        routes = [x for x in ins if tag(x) == "route"]
+        iotas = [x for x in ins if tag(x) == "iota"]
+        # 1. numbers that depend on the batch size
+        if differs and base not in _SHAPE_ARGS:
+            why = (f"has an argument that depends on the batch size ({differs[0][0]!r} for the batch, "
+                   f"{differs[0][1]!r} for a micro-batch)")
+        # 2. selecting samples by position
+        elif base in ("slice", "narrow") and b0:
+            d = norm(dim_arg(n, 1, "dim", 0), nd0)
+            if d in b0:
+                full_in, full_out = n.args[0].meta["val"].shape[d], n.meta["val"].shape[d]
+                if int(full_in) != int(full_out):
+                    why = "takes some of the samples by position (a slice of the batch)"
+        elif base == "select" and b0:
+            if norm(dim_arg(n, 1, "dim", 0), nd0) in b0:
+                why = "takes one sample by position"
+        elif base in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split") and b0:
+            d = norm(dim_arg(n, 2 if base != "unbind" else 1, "dim", 0), nd0)
+            if d in b0 and len(_leaves(n.meta.get("val"))) > 1:
+                why = "splits the batch into parts by position"
+        elif base in _SCANS and b0:
+            d = dim_arg(n, 2 if base == "topk" else 1, "dim", -1 if base not in ("flip", "roll") else None)
+            ds = d if isinstance(d, (list, tuple)) else ([d] if d is not None else list(range(nd0)))
+            if base == "roll" and len(n.args) > 2:
+                ds = n.args[2] if isinstance(n.args[2], (list, tuple)) else [n.args[2]]
+            if any(norm(x, nd0) in b0 for x in ds):
+                why = f"combines values along the batch dim ({base})"
+        if why is None and base in _TEMPLATES:
+            pass  # reads no values
+        elif why is None and base in _ROUTERS and any(batched(x) for x in ins):
+            new = "route"
+        elif why is None and base in _INDEXING:
+            why, new = _index_rule(n, base, dims_of, tag)
+        elif why is None and base == "arange" and any(outd):
+            new = "iota"
+        elif why is None:
+            if routes and any(batched(x) and tag(x) is None for x in ins):
+                why = f"uses an order or count over the whole batch ({routes[0].name}) as data"
+            elif iotas and base not in _BROADCASTS:
+                why = f"uses the positions of the samples in the batch ({iotas[0].name}, an arange over the batch) " \
+                      f"as data"
+            elif iotas:
+                new = "iota"
+            elif routes:
+                new = "route"
+            elif any(batched(x) for x in ins) and (lost := [v for d, v in zip(outd, _leaves(n.meta.get("val")))
+                                                          if not d and isinstance(v, torch.Tensor) and v.numel()]):
+                if all(not (v.is_floating_point() or v.is_complex()) for v in lost):
+                    new = "route"  # a count over the batch: exact as positions, not as data
+                else:
+                    why = "reduces over the samples of the batch"
+            elif any(len(d) > 1 for d in outd) and not any(len(d) > 1 for x in ins for d in dims_of(x)) \
+                    and any(batched(x) for x in ins):
+                why = "pairs every sample with every other (a value with two batch dims)"
+            elif any(outd) and not any(batched(x) for x in ins) and base not in _BROADCASTS:
+                why = f"makes a batch-sized tensor ({base}) whose values differ along the batch"
+        if why is not None:
+            found.append((n, why))
+            state[n.name] = ("mixed", why)
+        elif new is not None:
+            state[n.name] = (new, "")
+    # What reaches the loss: the inputs of the loss's own reduction.
+    bad = set()
+    for h in head:
+        for x in h.all_input_nodes:
+            if x not in head and tag(x) in ("mixed", "iota", "route"):
+                bad.add(x.name)
+    if not bad:
+        return []
+    # The couplings upstream of what reaches the loss.
+    up, stack = set(), [x for x in captured.gm.graph.nodes if x.name in bad]
+    while stack:
+        a = stack.pop()
+        if a.name in up:
+            continue
+        up.add(a.name)
+        stack.extend(a.all_input_nodes)
+    hits = [(n, why) for n, why in found if n.name in up]
+    if not hits:  # an arange or a route read as the loss's data
+        x = next(x for x in captured.gm.graph.nodes if x.name in bad)
+        hits = [(x, "is the positions of the samples (an arange over the batch) or an order or count over the "
+                    "batch, read by the loss as data")]
+    return hits
+
+
+def _index_rule(n, base, dims_of, tag):
+    """(why, tag) of an indexing op: on a batch dim the positions must be a route or the batch's own
+    positions; a route elsewhere picks what a row computes."""
+    def bd(x):
+        return dims_of(x)[0] if isinstance(x, fx.Node) and dims_of(x) else set()
+
+    data = n.args[0] if n.args else None
+    if base == "embedding":  # embedding(weight, indices): rows of a table by per-sample ids
+        return None, None
+    pairs = []  # (dim of data, index node)
+    if base in ("index", "index_put", "index_put_", "_index_put_impl"):
+        for d, i in enumerate(n.args[1] if len(n.args) > 1 else []):
+            if isinstance(i, fx.Node):
+                pairs.append((d, i))
+    elif base in ("_grouped_mm", "grouped_mm", "grouped_mm_fallback"):
+        offs = n.args[2] if len(n.args) > 2 else n.kwargs.get("offs")
+        if isinstance(offs, fx.Node) and tag(offs) == "iota":
+            return "uses the positions of the samples as group offsets", None
+        return None, None  # the offsets of the groups: a route (rows grouped by expert) or fixed
+    elif len(n.args) > 2 and isinstance(n.args[2], fx.Node):
+        nd = data.meta["val"].dim() if isinstance(data, fx.Node) else 1
+        pairs.append((n.args[1] % max(nd, 1) if isinstance(n.args[1], int) else n.args[1], n.args[2]))
+    db = bd(data)
+    for d, i in pairs:
+        t = tag(i)
+        if d in db:
+            if t not in ("route", "iota") and not (base in ("gather", "take_along_dim") and d in bd(i) and t is None
+                                                   and False):
+                return (f"reads or writes samples at positions that are not each sample's own (index {i.name} on "
+                        f"the batch dim)"), None
+        elif t == "route":
+            return f"picks what a row computes by an order or count over the whole batch ({i.name})", None
+        elif t == "iota":
+            return f"uses the positions of the samples ({i.name}) to index a dim that is not the batch's", None
+    used = {i for _, i in pairs}
+    if any(tag(x) in ("route", "iota") for x in n.all_input_nodes if x not in used):
+        return None, "route"  # positions written at positions: a permutation (its inverse), still a route
+    return None, None
+
+
+def micro_check(model: nn.Module, captured, microbatches: int, loss_fn=None):
+    """The capture of ``model`` at ``batch / microbatches`` (:func:`microbatch_capture`), once
+    :func:`couplings` proves that its micro-batches compute the batch's numbers; raises
+    :class:`Coupling` naming the op and the layer where samples meet otherwise."""
+    micro = microbatch_capture(model, captured, microbatches, loss_fn)
+    hits = couplings(captured, micro)
+    if hits:
+        from profiler.capture import module_path
+
+        n, why = hits[0]
+        layer = module_path(n) or "the model's top level"
+        more = "; also " + "; ".join(f"{x.name} ({_op(x)}) in {module_path(x) or 'the top level'}: {w}"
+                                     for x, w in hits[1:4]) if len(hits) > 1 else ""
+        raise Coupling(
+            f"this model cannot run as {microbatches} micro-batches: samples of the batch meet at {n.name} ({_op(n)}) "
+            f"in {layer}, which {why}{more}. Each micro-batch would see only its own samples, and the step would "
+            f"train on other numbers than the batch's. Plan without micro-batches (no 'pp' or 'microbatches' in the "
+            f"layout, pipeline=False), or make the loss per sample", node=n.name, layer=layer)
+    return micro
 
 
 def microbatch_capture(model: nn.Module, captured, microbatches: int, loss_fn=None):
@@ -430,5 +737,5 @@ def one_sample_capture(capture_at, planned):
     return two
 
 
-__all__ = ["training_batch_norms", "target_counter", "TargetCounter", "loss_reduction", "microbatch_capture",
+__all__ = ["couplings", "Coupling", "micro_check", "training_batch_norms", "target_counter", "TargetCounter", "loss_reduction", "microbatch_capture",
            "one_sample_capture"]

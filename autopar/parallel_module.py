@@ -78,7 +78,7 @@ class ParallelModule(nn.Module):
         pipelined = plan.pipeline is not None and len(plan.pipeline.stages) > 1
         accumulate = 1 if pipelined else int(getattr(plan, "accumulate", 1) or 1)
         if pipelined or accumulate > 1:
-            from autopar.microbatch import microbatch_capture
+            from autopar.microbatch import micro_check
 
             # The plan is for the global batch; stages (or accumulated micro-batches) run
             # micro-batches of the same graph.
@@ -86,7 +86,7 @@ class ParallelModule(nn.Module):
             from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 
             with maybe_disable_local_tensor_mode():  # capture the model itself (simulated ranks)
-                graph = microbatch_capture(model, captured, plan.pipeline.microbatches if pipelined else accumulate,
+                graph = micro_check(model, captured, plan.pipeline.microbatches if pipelined else accumulate,
                                            loss_fn if loss_fn is not None else getattr(captured, "loss_fn", None))
         else:
             graph = captured

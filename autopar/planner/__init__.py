@@ -71,25 +71,49 @@ def plan(model, mesh, example_inputs=(), *, options: PlanOptions | None = None, 
 
 
 def checked_plan(gp, mesh, model, loss_fn=None, *, options: PlanOptions) -> Plan:
-    """:func:`plan_profile`, and where its plan runs micro-batches of one sample (a pipeline's or
-    accumulated), the runtime's one-sample graph built once from ``model``
-    (``autopar.microbatch.one_sample_capture``); if the model refuses it (a float that depends on
-    the batch, a batch norm over a 1x1 map), the search runs again with micro-batches of at least 2
-    samples, and the plan says why (``options["one_sample_refused"]``). A layout that names such
-    micro-batches is kept as asked: the runtime refuses it by name."""
-    p = plan_profile(gp, mesh, options=options)
-    pipe = p.pipeline is not None and len(p.pipeline.stages) > 1
-    m = p.pipeline.microbatches if pipe else int(getattr(p, "accumulate", 1) or 1)
-    if m < 2 or p.options.get("microbatch_size") != 1 or options.layout is not None:
-        return p
-    from autopar.microbatch import microbatch_capture
+    """:func:`plan_profile`, and where its plan runs micro-batches (a pipeline's or accumulated),
+    the proof that they compute the batch's numbers, made on the runtime's own micro-batch capture
+    of ``model`` (:func:`autopar.microbatch.micro_check`):
 
-    try:
-        microbatch_capture(model, gp.captured, m, loss_fn)
-    except ValueError as err:
-        gp.one_sample_refused = str(err)
-        p = plan_profile(gp, mesh, options=options)
-        p.options["one_sample_refused"] = str(err)
+    - where samples of the batch meet (a contrastive loss, targets made from the batch size, a
+      slice of the batch), micro-batches are refused: a layout that names them raises
+      :class:`autopar.microbatch.Coupling` naming the op and the layer, and the free search runs
+      again without micro-batched candidates (``options["microbatches_refused"]`` says why);
+    - where micro-batches of one sample cannot run the model (a float that depends on the batch, a
+      batch norm over a 1x1 map), the search runs again with micro-batches of at least 2 samples
+      (``options["one_sample_refused"]``). A layout that names such micro-batches is kept as
+      asked: the runtime refuses it by name."""
+    from autopar.microbatch import Coupling, micro_check
+
+    p = plan_profile(gp, mesh, options=options)
+    for _ in range(3):
+        pipe = p.pipeline is not None and len(p.pipeline.stages) > 1
+        m = p.pipeline.microbatches if pipe else int(getattr(p, "accumulate", 1) or 1)
+        if m < 2:
+            return p
+        try:
+            micro_check(model, gp.captured, m, loss_fn)
+        except Coupling as err:
+            if options.layout is not None or getattr(gp, "microbatches_refused", None):
+                raise
+            gp.microbatches_refused = str(err)
+            try:
+                p = plan_profile(gp, mesh, options=options)
+            except InfeasibleBudget as inf:
+                raise InfeasibleBudget(f"{inf}. Micro-batches (a pipeline, gradient accumulation), which fit "
+                                       f"in less memory, are ruled out for this model: {err}") from None
+            p.options["microbatches_refused"] = str(err)
+            continue
+        except ValueError as err:
+            if options.layout is not None:
+                return p  # kept as asked: the runtime refuses it by name
+            if p.options.get("microbatch_size") != 1 or getattr(gp, "one_sample_refused", None):
+                raise
+            gp.one_sample_refused = str(err)
+            p = plan_profile(gp, mesh, options=options)
+            p.options["one_sample_refused"] = str(err)
+            continue
+        return p
     return p
 
 
@@ -133,7 +157,13 @@ def _plan_profile(gp, mesh, opts: PlanOptions) -> Plan:
     from autopar.microbatch import loss_reduction, training_batch_norms
 
     # Micro-batches (pipelines, accumulation) compute the batch's numbers (autopar.microbatch).
-    micro_ok = not training_batch_norms(gp.captured.gm) and loss_reduction(gp.captured) is not None
+    refused = getattr(gp, "microbatches_refused", None)  # samples meet (checked_plan)
+    micro_ok = not refused and not training_batch_norms(gp.captured.gm) and loss_reduction(gp.captured) is not None
+    if refused and (named_pp or pipeline is True):
+        raise ValueError(f"a pipeline was asked for (pipeline=True or a 'pp' axis of mesh {shape_text(mesh)}), but "
+                         f"a pipeline runs micro-batches and this model cannot: {refused}")
+    if refused:
+        pipeline = False
     if pipeline == "auto" and not named_pp and training_batch_norms(gp.captured.gm):
         # Micro-batches would normalise with their own statistics (autopar.microbatch): pipelines
         # only when asked for.

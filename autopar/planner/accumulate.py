@@ -90,7 +90,8 @@ def solve_accumulated(gp, cfg: Config, m: int, beat: float | None = None):
         raise ValueError(f"microbatches={m} does not cut the batch of {batch} into equal micro-batches")
     micro_cfg = dataclasses.replace(cfg, micro_batches=m, memory_budget=None)
     built = build_cached(gp, micro_cfg)  # a ValueError names an op no strategy of which divides
-    units = _stage_units(gp)
+    # Accumulation needs no repeated layers: a model without them is one unit (pipelines cut theirs).
+    units = _stage_units(gp) or [[n.name for n in gp.captured.gm.graph.nodes if n.op not in ("output", "get_attr")]]
     nodes = list(built.order)
     segs = {s.id: s for s in built.problem.segments}
     members: dict[str, list[str]] = {}  # leader -> the nodes it decides
