@@ -107,7 +107,10 @@ class WriteBack(nn.Module):
     def forward(self, stored, written, after=None):  # ``after``: orders the call after the writer
         from autopar.runtime.reshard import apply_steps
 
-        with torch.no_grad():
+        # A differentiable value written into a buffer made in the graph (a key built by copies
+        # into slices of ``new_empty``) keeps its gradient through the write-back, as eager
+        # autograd keeps it through the in-place copy; running statistics (no gradient) do not.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and written.requires_grad):
             stored.copy_(apply_steps(written, self.steps, self.ctx.device_mesh))
 
 

@@ -157,11 +157,41 @@ def requires_grad(node: fx.Node) -> bool:
 
 
 def _propagate_grad(graph: fx.Graph) -> dict:
+    """Forward propagation of ``requires_grad``, following in-place writes: a tensor made in the
+    graph (``new_empty``, ``zeros``) that an op writes a differentiable value into (``copy_`` into
+    a slice of it, ``index_put_``) takes part in autograd from then on, as eager autograd makes it
+    (DeepSeek-V3 builds its key so); repeated until no new buffer is written so."""
+    written: set = set()
+    for _ in range(8):
+        out = _propagate_once(graph, written)
+        more = set()
+        for n in graph.nodes:
+            writes = _declared_writes(n)
+            if not writes:
+                continue
+            srcs = [m for i, a in enumerate(n.args) if i not in writes
+                    for m in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(m, fx.Node)]
+            if not any(out.get(m, False) for m in srcs):
+                continue
+            for i in writes:
+                root = _view_root(n.args[i]) if i < len(n.args) else None
+                if root is not None and root.op == "call_function" and not out.get(root, False) and \
+                        differentiable(root.meta.get("val")):
+                    more.add(root)
+        if not more:
+            return out
+        written |= more
+    return out
+
+
+def _propagate_once(graph: fx.Graph, written: set) -> dict:
     out = {}
     for n in graph.nodes:
         v = n.meta.get("val")
         if n.op == "placeholder":
             out[n] = bool(getattr(v, "requires_grad", False))
+        elif n in written:
+            out[n] = True
         elif n.op != "call_function" or n.target in _NO_GRAD_OPS:
             out[n] = False
         elif n.target is operator.getitem:
@@ -173,6 +203,25 @@ def _propagate_grad(graph: fx.Graph) -> dict:
             floating = any(differentiable(t) for t in (v if isinstance(v, (list, tuple)) else [v]))
             out[n] = floating and any(out.get(m, False) for m in n.all_input_nodes)
     return out
+
+
+def _declared_writes(n: fx.Node) -> list[int]:
+    """Positions of the arguments ``n``'s op declares it writes into (``copy_``: [0])."""
+    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+    if schema is None:
+        return []
+    return [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _view_root(x) -> fx.Node | None:
+    """The tensor ``x`` is a view of, through view ops (slice, select, view, transpose...)."""
+    while isinstance(x, fx.Node) and x.op == "call_function":
+        schema = getattr(x.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None or not schema.arguments \
+                or schema.arguments[0].alias_info is None or schema.arguments[0].alias_info.is_write:
+            return x
+        x = x.args[0]
+    return x if isinstance(x, fx.Node) else None
 
 
 def derive_grads(info: "OpInfo", e: Entry) -> tuple[Placement | None, ...]:
