@@ -157,6 +157,7 @@ def compile(model, mesh=None, example_inputs=(), *, options: PlanOptions | None 
                 raise failure
             raise_failure(got)
         plan = Plan.from_json(got)
+    graph_hash = _one_graph(gp.captured, plan, graph_hash, device)
     plan.check_fits(graph_hash, amesh.to_dict())
     verify_same_plan(plan, device)  # first, so one rank's bad file cannot leave the others waiting
     from autopar.validate import validate_plan_for
@@ -168,6 +169,34 @@ def compile(model, mesh=None, example_inputs=(), *, options: PlanOptions | None 
     _log(f"plan ready in {time.perf_counter() - t0:.1f} s\n{plan.summary()}", quiet)
     # ParallelModule runs pipelined plans too (stages driven by torch.distributed.pipelining).
     return ParallelModule(model, gp.captured, plan, dm, debug=debug, backend=backend, loss_fn=loss_fn)
+
+
+def _one_graph(captured, plan: Plan, graph_hash: str, device) -> str:
+    """Every rank runs the graph the plan was made for. A rank whose capture hashes otherwise
+    (``torchrun`` gives each process its own ``PYTHONHASHSEED``, and a model that iterates a
+    ``set`` while building its graph is then traced in another op order) takes rank 0's op order
+    and node names (:func:`profiler.align.align`), where its graph computes the same thing node
+    for node. Returns this rank's graph hash after that; a rank whose model really differs keeps
+    its own, and the plan's check then says so. Collective: every rank calls it."""
+    from profiler.align import align, layout
+
+    differs = torch.tensor([int(graph_hash != plan.graph_hash)], device=device)
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+    if not int(differs.item()):
+        return graph_hash
+    text = _broadcast_text(json.dumps(layout(captured)) if dist.get_rank() == 0 else None, device)
+    if graph_hash != plan.graph_hash and dist.get_rank() != 0 and align(captured, json.loads(text)):
+        graph_hash = captured.graph_hash()
+    still = torch.tensor([int(graph_hash != plan.graph_hash)], device=device)
+    dist.all_reduce(still, op=dist.ReduceOp.MAX)  # every rank raises, none is left waiting
+    if int(still.item()):
+        raise PlanError(
+            f"plan was made for another model or input shapes (graph hash {plan.graph_hash[:12]}; this rank's "
+            f"({dist.get_rank()}) is {graph_hash[:12]}, and a rank's graph does not map node for node onto "
+            f"rank 0's or the plan's): build the same model with the same example inputs on every rank, or "
+            f"re-plan. A plan file made by another process, of a model whose op order depends on Python's hash "
+            f"seed, needs PYTHONHASHSEED fixed for both")
+    return graph_hash
 
 
 _FAIL = "\x00autopar-plan-failed: "

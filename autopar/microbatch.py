@@ -592,7 +592,13 @@ def micro_check(model: nn.Module, captured, microbatches: int, loss_fn=None):
 
 def microbatch_capture(model: nn.Module, captured, microbatches: int, loss_fn=None):
     """The capture of ``model`` at ``batch / microbatches`` (see module docstring)."""
-    from profiler.capture import capture
+    from profiler.align import follow
+    from profiler.capture import capture as _capture
+
+    def capture(*a, **k):  # in the op order and names of ``captured`` (profiler.align)
+        cap = _capture(*a, **k)
+        follow(cap, captured)
+        return cap
 
     (args, kwargs, target), _ = captured.ep.example_inputs
 

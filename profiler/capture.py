@@ -90,6 +90,9 @@ class Captured:
     causal: dict[str, str] = dataclasses.field(default_factory=dict)
     """Attention nodes whose provably causal mask was replaced by ``is_causal=True`` at capture
     (:mod:`profiler.causal`), with the proof's one-line reason."""
+    aligned: dict | None = None
+    """Set when the graph was rebuilt in another process's op order and names
+    (:func:`profiler.align.align`: each process's hash seed may order a model's ops differently)."""
 
     @property
     def graph(self) -> torch.fx.Graph:

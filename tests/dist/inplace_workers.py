@@ -90,3 +90,58 @@ def grads_case(name: str, layout: dict) -> dict:
         errs[k] = _rel(g, p.grad)
     return {"loss_err": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)), "grad_errs": errs,
             "missing": missing, "n_ref": sum(p.grad is not None for p in ref.parameters())}
+
+
+class SetOrdered(nn.Module):
+    """Tables built per kind in an order each process picks for itself (a ``set`` of strings under
+    each process's own ``PYTHONHASHSEED``, as transformers builds ModernBERT's rotary tables);
+    here the order is the rank's, so that the test does not depend on the seeds drawn."""
+
+    def __init__(self, order_seed: int, dim: int = 8):
+        super().__init__()
+        self.kinds = ["full", "sliding", "local", "global"]
+        self.order = self.kinds[order_seed % 4:] + self.kinds[:order_seed % 4]
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+
+    def forward(self, x):
+        tables = {}
+        for k in self.order:
+            tables[k] = torch.arange(x.shape[-1], dtype=x.dtype) * (len(k) + 1.0)
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+            for k in self.kinds:
+                x = x + 0.01 * tables[k]
+        return x
+
+
+def set_order_case(layout: dict, other_model_rank: int = -1) -> dict:
+    """Every rank builds :class:`SetOrdered` in its own op order and compiles it under ``layout``;
+    one step's loss and gradients against one device. ``other_model_rank``: that rank builds a
+    model that really differs (another width): every rank must get the error."""
+    import autopar
+    import torch.distributed as dist
+    from autopar.plan import PlanError
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = SetOrdered(order_seed=rank)
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    if rank == other_model_rank:
+        model.blocks[1] = nn.Linear(8, 8, bias=False)
+    ref = copy.deepcopy(SetOrdered(order_seed=0))
+    ref.load_state_dict(model.state_dict(), strict=False)
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = autopar.compile(model, mesh(), example_inputs=(x,), loss_fn=loss_fn, cache_dir=None, quiet=True,
+                                 layout=layout)
+    except PlanError as err:
+        return {"error": str(err)}
+    loss = pm.train_step(x)
+    grads = pm.full_grads()
+    ref_loss = loss_fn(ref(x))
+    ref_loss.backward()
+    return {"loss_err": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
+            "grad_err": max(_rel(grads[k], p.grad) for k, p in ref.named_parameters()),
+            "aligned": pm._captured.aligned is not None, "rank": rank}
