@@ -42,20 +42,27 @@ def _target(n: fx.Node) -> str:
     return f"{getattr(t, '__module__', '')}.{getattr(t, '__name__', str(t))}:{t}"
 
 
-def signatures(gm: fx.GraphModule, shapes: bool = True) -> dict[fx.Node, str]:
-    """Node -> a digest of what it computes, independent of the graph's order and names."""
+def signatures(gm: fx.GraphModule, shapes: bool = True, inner: bool = False) -> dict[fx.Node, str]:
+    """Node -> a digest of what it computes, independent of the graph's order and names (a
+    subgraph of a higher-order op, ``inner``, names its placeholders by position)."""
     sig: dict[fx.Node, str] = {}
+    position = 0
     for n in gm.graph.nodes:
         leaves, spec = pytree.tree_flatten((n.args, n.kwargs))
         parts = [n.op, _target(n) if n.op != "get_attr" else "", str(spec),
                  ",".join(sig[x] if isinstance(x, fx.Node) else _const(x) for x in leaves)]
         if shapes:
             parts.append(_val(n.meta.get("val")))
-        if n.op == "placeholder":
-            parts.append(n.name)  # parameters, buffers and inputs are named by the model
+        if n.op == "placeholder":  # parameters, buffers and inputs are named by the model
+            parts.append(str(position) if inner else n.name)
+            position += 1
         if n.op == "get_attr":
             sub = getattr(gm, n.target, None)
-            parts.append(sub.code if isinstance(sub, fx.GraphModule) else _const(sub))
+            if isinstance(sub, fx.GraphModule):
+                inside = signatures(sub, shapes, inner=True)
+                parts.append(inside[next(iter(reversed(sub.graph.nodes)))] if inside else "")
+            else:
+                parts.append(_const(sub))
         sig[n] = hashlib.sha1("\x1f".join(parts).encode()).hexdigest()
     return sig
 
@@ -64,7 +71,8 @@ def layout(captured, shapes: bool = True) -> list[list]:
     """The graph of ``captured`` as plain data: ``[name, signature, [input names]]`` per node,
     in graph order (JSON-ready)."""
     sig = signatures(captured.gm, shapes)
-    return [[n.name, sig[n], [x.name for x in pytree.tree_leaves((n.args, n.kwargs)) if isinstance(x, fx.Node)]]
+    return [[n.name, sig[n], [x.name for x in pytree.tree_leaves((n.args, n.kwargs)) if isinstance(x, fx.Node)],
+             n.target if n.op == "get_attr" else None]
             for n in captured.gm.graph.nodes]
 
 
@@ -85,14 +93,14 @@ def align(captured, reference: list[list], shapes: bool = True) -> bool:
     if len(reference) != len(nodes):
         return False
     match = []
-    for name, s, _ in reference:
+    for name, s, *_ in reference:
         if not pool.get(s):
             return False
         match.append(pool[s].pop(0))
     own = [n.name for n in nodes]
     if not _rebuild(captured, reference, match):
         return False
-    captured.aligned = {"reference": [[r[0], "", r[2]] for r in reference], "own": own,
+    captured.aligned = {"reference": [[r[0], "", r[2], r[3]] for r in reference], "own": own,
                         "from": [m.name for m in match]}
     return True
 
@@ -119,7 +127,8 @@ def _rebuild(captured, reference, match) -> bool:
     graph = fx.Graph()
     new: dict[str, fx.Node] = {}
     old_to_new: dict[str, str] = {}
-    for (name, _, ins), own in zip(reference, match):
+    subs: dict[str, object] = {}  # a higher-order op's subgraph under the reference's attribute name
+    for (name, _, ins, attr), own in zip(reference, match):
         leaves, spec = pytree.tree_flatten((own.args, own.kwargs))
         it = iter(ins)
         try:
@@ -129,6 +138,9 @@ def _rebuild(captured, reference, match) -> bool:
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         if own.op == "output":
             node = graph.output(args[0])
+        elif own.op == "get_attr":
+            subs[attr] = getattr(gm, own.target)
+            node = graph.create_node("get_attr", attr, args, kwargs, name=name, type_expr=own.type)
         else:
             node = graph.create_node(own.op, own.target, args, kwargs, name=name, type_expr=own.type)
         node.meta = dict(own.meta)
@@ -136,6 +148,11 @@ def _rebuild(captured, reference, match) -> bool:
             return False
         new[name] = node
         old_to_new[own.name] = node.name
+    for own in match:
+        if own.op == "get_attr" and hasattr(gm, own.target):
+            delattr(gm, own.target)
+    for attr, sub in subs.items():
+        setattr(gm, attr, sub)
     gm.graph = graph
     gm.recompile()
     captured.loss_node = new[old_to_new[captured.loss_node.name]]
