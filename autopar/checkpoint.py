@@ -21,11 +21,13 @@ Names: parameters are saved under their canonical fully qualified name (a tied w
 its first name, as ``named_parameters()`` lists it); non-persistent buffers are left out, as
 ``nn.Module.state_dict`` does.
 
-Optimizer state: per parameter, each state tensor shaped like the local shard (Adam's
-``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``) is saved as a DTensor with the
-parameter's placements; other tensors (Adam's 0-d ``step``) are the same on every rank and are
-saved once as plain tensors. Elementwise optimizers make this exact: the state of a shard is the
-shard of the single-device state.
+Optimizer state: the parameters are DTensors (``autopar.parallel_module``), and so is the state
+an optimizer keeps for them. Each state tensor placed like its parameter (Adam's
+``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``) is saved as that DTensor; other DTensor
+statistics (Adafactor's row and column factors) are saved whole and loaded replicated; plain
+tensors (Adam's 0-d ``step``) are the same on every rank and are saved once. Under a pipeline the
+parameters are local tensors and their state is wrapped as before: per parameter, each state
+tensor shaped like the local shard is saved as a DTensor with the parameter's placements.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from autopar import placement as pl
 
@@ -181,8 +183,8 @@ def full_state_dict(pm, *, rank0_only: bool = False, cpu: bool = True) -> dict[s
 
 # ---------------------------------------------------------------------- optimizer state
 def _param_names(pm) -> dict[int, str]:
-    """id(parameter) -> its canonical fqn."""
-    return {id(t): name for name, (kind, t, _, _) in entries(pm).items() if kind == "param"}
+    """id(parameter the user holds: a DTensor, or a pipeline's local tensor) -> its canonical fqn."""
+    return {id(pm.get_parameter(name)): name for name, (kind, _, _, _) in entries(pm).items() if kind == "param"}
 
 
 def _jsonable(v) -> bool:
@@ -222,7 +224,15 @@ def optimizer_state_dict(pm, optimizer: torch.optim.Optimizer) -> tuple[dict[str
                     layout[key] = {"kind": "value", "value": v}
                     continue
                 _, _, pls, shape = own[fqn]
-                if tuple(v.shape) == tuple(p.shape) and v.dim() > 0:
+                if isinstance(v, DTensor):  # the state of a DTensor parameter
+                    if tuple(v.shape) == tuple(p.shape) and v.dim() > 0 and tuple(v.placements) == tuple(p.placements):
+                        tensors[f"{fqn}.{key}"] = v
+                        layout[key] = {"kind": "sharded", "dtype": str(v.dtype).removeprefix("torch.")}
+                    else:  # other statistics (Adafactor's row and column factors): saved whole
+                        tensors[f"{fqn}.{key}"] = v.full_tensor()
+                        layout[key] = {"kind": "plain", "shape": list(v.shape),
+                                       "dtype": str(v.dtype).removeprefix("torch."), "dtensor": True}
+                elif tuple(v.shape) == tuple(p.shape) and v.dim() > 0:
                     tensors[f"{fqn}.{key}"] = as_dtensor(v, pls, shape, dm)
                     layout[key] = {"kind": "sharded", "dtype": str(v.dtype).removeprefix("torch.")}
                 else:
@@ -261,6 +271,8 @@ def _template(pm, optimizer, layout: dict) -> tuple[dict[str, torch.Tensor], dic
             if info["kind"] == "sharded":
                 t = torch.zeros_like(local, dtype=dtype)
                 tensors[f"{fqn}.{key}"] = as_dtensor(t, pls, shape, dm)
+                if isinstance(pm.get_parameter(fqn), DTensor):  # the state of a DTensor parameter
+                    t = tensors[f"{fqn}.{key}"]
             else:
                 t = torch.zeros(info["shape"], dtype=dtype, device=local.device)
                 tensors[f"{fqn}.{key}"] = t
@@ -400,9 +412,14 @@ def _check_tensors(saved: dict, own: dict, strict: bool) -> None:
 
 
 def _install(pm, optimizer, install: dict, groups: list[dict]) -> None:
-    by_name = {name: t for name, (kind, t, _, _) in entries(pm).items() if kind == "param"}
+    dm = _signature(pm).ctx.device_mesh
     for fqn, slots in install.items():
-        optimizer.state[by_name[fqn]] = dict(slots)
+        p = pm.get_parameter(fqn)
+        if isinstance(p, DTensor):  # a whole statistic of a DTensor parameter: replicated
+            slots = {k: DTensor.from_local(v, dm, [Replicate()] * dm.ndim, run_check=False)
+                     if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0 else v
+                     for k, v in slots.items()}
+        optimizer.state[p] = dict(slots)
     _load_groups(pm, optimizer, groups)
 
 

@@ -1,17 +1,30 @@
 """``ParallelModule``: the per-rank module that trains with the numbers of the original model.
 
 It holds only this rank's shards of the parameters and buffers, registered under the original
-fully qualified names (``named_parameters()`` reads like the original model; tied weights are one
-``Parameter`` under both names), and runs the per-rank graph from :func:`autopar.codegen.build`.
+fully qualified names, and runs the per-rank graph from :func:`autopar.codegen.build`.
 
     pm = ParallelModule(model, captured, plan, device_mesh)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)   # steps on local shards
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)   # any torch.optim optimizer
     loss = pm.train_step(tokens, labels=tokens)          # forward + backward, gradients reduced
+    torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0) # the global norm, as on one device
     opt.step(); opt.zero_grad()
 
-Elementwise optimizers commute with sharding, so stepping on shards gives the single-device
-result. Inputs: every rank passes the same global batch and the module keeps its slice per the
-plan's input placements; with ``inputs_sharded=True`` each rank passes its own slice already.
+**Parameters are DTensors** (FSDP2's and torchtitan's convention): each ``nn.Parameter`` is a
+``DTensor`` on the plan's ``DeviceMesh`` with the plan's stored placements (under ZeRO-1/2, the
+optimizer shard's: ``Shard(dim)`` on the data-parallel axes), so ``named_parameters()`` gives the
+original's global shapes, ``sum(p.numel())`` the model's count, and ``clip_grad_norm_``, any
+``torch.optim`` optimizer (Adafactor's row and column statistics included) and DCP compute on the
+whole tensors. The per-rank program reads each parameter's local tensor, which shares the
+DTensor's storage (no copy): an optimizer's in-place update is what the next step reads. After
+backward, each parameter's ``.grad`` is a DTensor over the reduced local gradient (same storage,
+placed like the parameter); a gradient the user clears (``zero_grad``) or edits in place is what
+the next step accumulates into. Tied weights are one ``Parameter`` under both names. Under a
+pipeline the parameters stay local tensors (a stage holds its own layers' shards only): use
+``pm.clip_grad_norm_``, which sums over the stages, and elementwise optimizers there
+(docs/limitations.md).
+
+Inputs: every rank passes the same global batch and the module keeps its slice per the plan's
+input placements; with ``inputs_sharded=True`` each rank passes its own slice already.
 """
 from __future__ import annotations
 
@@ -21,7 +34,8 @@ import math
 import torch
 import torch.nn as nn
 from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils import _pytree as pytree
 
 from autopar import placement as pl
@@ -43,6 +57,42 @@ def _as_rank_local(t: torch.Tensor) -> torch.Tensor:
 
 def _R(n):
     return (Replicate(),) * n
+
+
+_STEPPED: "weakref.WeakSet" = None  # ParallelModules whose ZeRO-1/2 shards an optimizer steps
+
+
+def _watch_optimizer_steps(pm) -> None:
+    """After any ``torch.optim`` optimizer's step over ``pm``'s parameters, ``pm`` gathers its
+    ZeRO-1/2 shards again before the next forward (``_zero_gather``)."""
+    global _STEPPED
+    import weakref
+
+    if _STEPPED is None:
+        _STEPPED = weakref.WeakSet()
+
+        def stepped(opt, args, kwargs):
+            for m in list(_STEPPED):
+                ids = m._param_ids
+                if any(id(p) in ids for g in opt.param_groups for p in g["params"]):
+                    object.__setattr__(m, "_zero_dirty", True)
+
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(stepped)
+    _STEPPED.add(pm)
+
+
+def _dtensor(local: torch.Tensor, placements, shape, device_mesh) -> DTensor:
+    """The DTensor whose local tensor is ``local`` itself (its storage shared, no copy), placed
+    ``placements`` on ``device_mesh`` with global ``shape`` (contiguous strides)."""
+    stride, acc = [], 1
+    for d in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(int(d), 1)
+    spec = DTensorSpec(device_mesh, tuple(placements),
+                       TensorMeta(torch.Size(shape), tuple(reversed(stride)), local.dtype))
+    return DTensor(local.detach(), spec, requires_grad=False)
 
 
 def _state_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
@@ -145,6 +195,7 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_bucket_bytes", bucket_bytes)
         # Pipelines and accumulation: gradients are reduced once, after the last micro-batch.
         self._grad_sync.enabled = not (pipelined or accumulate > 1)
+        self._register_params()
 
     def _setup_pipeline(self, gm, device_mesh, inputs_sharded):
         from autopar.runtime.pipeline import PipelineRunner, split_stages
@@ -288,8 +339,9 @@ class ParallelModule(nn.Module):
         if not self._zero_lay:
             return
         held = self._zero_held()
-        if {k: p._version for k, (_, p) in held.items()} == self._zero_seen:
+        if not self.__dict__.get("_zero_dirty") and self._zero_versions(held) == self._zero_seen:
             return
+        object.__setattr__(self, "_zero_dirty", False)
         from autopar.runtime.collectives import axes_group
 
         dm = self._sig.ctx.device_mesh
@@ -305,7 +357,7 @@ class ParallelModule(nn.Module):
                 if size >= self._bucket_bytes or m is members[-1]:
                     self._gather_bucket(cur, axes_group(dm, axes))
                     cur, size = [], 0
-        object.__setattr__(self, "_zero_seen", {k: p._version for k, (_, p) in held.items()})
+        object.__setattr__(self, "_zero_seen", self._zero_versions(held))
 
     def _zero_held(self) -> dict:
         """id -> (name, shard) of the ZeRO-split parameters this rank holds, in slot order."""
@@ -316,8 +368,14 @@ class ParallelModule(nn.Module):
                 held.setdefault(id(p), (s.name, p))
         return held
 
-    def _zero_versions(self) -> dict | None:
-        return {k: p._version for k, (_, p) in self._zero_held().items()} if self._zero_lay else None
+    def _zero_versions(self, held: dict | None = None) -> dict | None:
+        if not self._zero_lay:
+            return None
+        # An optimizer steps the DTensor parameter (its in-place ops count on the DTensor's own
+        # version counter, not its local tensor's); a load writes the local tensor: count both.
+        users = {id(local): p for p, local in self.__dict__.get("_dt_pairs", ())}
+        return {k: p._version + (users[k]._version if k in users else 0)
+                for k, (_, p) in (held if held is not None else self._zero_held()).items()}
 
     def _gather_bucket(self, members, group) -> None:
         import torch.distributed as dist
@@ -343,6 +401,9 @@ class ParallelModule(nn.Module):
         return apply_steps(t, steps, ctx.device_mesh).contiguous()
 
     def _set(self, fqn: str, value, buffer: bool = False):
+        if not buffer:  # the local tensors the program reads; registered by _register_params
+            self.__dict__.setdefault("_locals", {})[fqn] = value
+            return
         *path, leaf = fqn.split(".")
         mod = self
         for part in path:
@@ -359,6 +420,10 @@ class ParallelModule(nn.Module):
     _MISSING = object()
 
     def _get(self, fqn: str, default=_MISSING):
+        """The local tensor of parameter (or buffer) ``fqn``: what the per-rank program reads."""
+        local = self.__dict__.get("_locals", {}).get(fqn)
+        if local is not None:
+            return local
         *path, leaf = fqn.split(".")
         mod = self
         for part in path:
@@ -370,6 +435,105 @@ class ParallelModule(nn.Module):
         if default is ParallelModule._MISSING:
             return getattr(mod, leaf)
         return getattr(mod, leaf, default)
+
+    # ------------------------------------------------------------------ DTensor parameters
+    def _register_params(self) -> None:
+        """Register the parameters a user holds (module docstring): a DTensor ``nn.Parameter``
+        over each local tensor, placed as stored, under every name of the tensor; under a pipeline
+        the local tensors themselves."""
+        from torch.autograd import Variable  # noqa: F401  (the engine queues the publishing callback)
+
+        from autopar.lowering.graph import canonical_fqns
+
+        canon = canonical_fqns(self._captured)
+        slots = {}
+        for s in self._sig.slots:
+            if s.kind == "param":
+                slots.setdefault(canon.get(s.name, s.name), s)
+        dm = self._sig.ctx.device_mesh
+        wrapped: dict[int, nn.Parameter] = {}
+        pairs = []
+        for name, local in self.__dict__.get("_locals", {}).items():
+            p = wrapped.get(id(local))
+            if p is None:
+                s = slots.get(canon.get(name, name))
+                if self._pipe is None and s is not None:
+                    p = nn.Parameter(_dtensor(local, self.storage_placements(s), s.shape, dm),
+                                     requires_grad=local.requires_grad)
+                    pairs.append((p, local))
+                else:
+                    p = local if isinstance(local, nn.Parameter) else nn.Parameter(local, local.requires_grad)
+                wrapped[id(local)] = p
+            *path, leaf = name.split(".")
+            mod = self
+            for part in path:
+                if part not in mod._modules:
+                    if hasattr(type(mod), part) or part in mod.__dict__:
+                        raise ValueError(f"cannot register {name!r}: {part!r} clashes with a ParallelModule attribute")
+                    mod.add_module(part, nn.Module())
+                mod = mod._modules[part]
+            mod.register_parameter(leaf, p)
+        object.__setattr__(self, "_dt_pairs", pairs)
+        if self._zero_lay and pairs:
+            # A foreach optimizer's in-place ops on DTensors bump no version counter: an
+            # optimizer step over these parameters marks the shards changed instead.
+            object.__setattr__(self, "_param_ids", {id(p) for p, _ in pairs})
+            _watch_optimizer_steps(self)
+        object.__setattr__(self, "_publish_queued", False)
+        object.__setattr__(self, "_in_step", False)
+        # ``forward`` + the user's own ``loss.backward()``: publish the gradients when backward ends.
+        seen = set()
+        for s in self._sig.slots:
+            if s.kind != "param" or not pairs:
+                continue
+            t = self._compute(s.name)
+            if id(t) not in seen and t.requires_grad:
+                seen.add(id(t))
+                t.register_post_accumulate_grad_hook(self._on_local_grad)
+
+    def _local_parameters(self) -> list[torch.Tensor]:
+        """The local tensors behind :meth:`parameters`, once each (tied weights once)."""
+        return list({id(t): t for t in self.__dict__.get("_locals", {}).values()}.values())
+
+    def _on_local_grad(self, _t) -> None:
+        if self._in_step or self._publish_queued or not self._grad_sync.enabled:
+            return
+        object.__setattr__(self, "_publish_queued", True)
+        torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        object.__setattr__(self, "_publish_queued", False)
+        self._grad_sync.finish()
+        self._publish_grads()
+
+    @torch.no_grad()
+    def _adopt_grads(self) -> None:
+        """Before a step: each local tensor accumulates into what its DTensor's ``.grad`` holds
+        now (nothing after ``zero_grad()``; the same storage after an in-place edit), and takes
+        part in autograd as the DTensor does (``requires_grad_(False)`` freezes it)."""
+        for p, local in self._dt_pairs:
+            g = p.grad
+            if g is None:
+                local.grad = None
+            elif isinstance(g, DTensor):
+                if local.grad is not g._local_tensor:
+                    local.grad = g._local_tensor
+            else:
+                raise TypeError(f"a parameter's .grad was set to a {type(g).__name__}; the parameters of this module "
+                                f"are DTensors, and so must their gradients be (placed like the parameter)")
+            if local.requires_grad != p.requires_grad:
+                local.requires_grad_(p.requires_grad)
+
+    @torch.no_grad()
+    def _publish_grads(self) -> None:
+        """After a step: each DTensor's ``.grad`` is its local tensor's reduced gradient (same
+        storage), placed like the parameter."""
+        for p, local in self._dt_pairs:
+            g = local.grad
+            if g is None:
+                p.grad = None
+            elif not isinstance(p.grad, DTensor) or p.grad._local_tensor is not g:
+                p.grad = _dtensor(g, p.placements, p.shape, p.device_mesh)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         # The per-rank graph holds no parameters: skip it.
@@ -446,6 +610,8 @@ class ParallelModule(nn.Module):
         stages have no separate forward: use :meth:`train_step`."""
         if self._pipe is not None:
             raise RuntimeError("a pipelined plan runs forward and backward together: call train_step()")
+        if not self._in_step:
+            self._adopt_grads()
         self._zero_gather()
         with self.autocast():
             if getattr(self.plan, "reshard_after_forward", False):
@@ -466,14 +632,20 @@ class ParallelModule(nn.Module):
     def train_step(self, *args, target=None, **kwargs) -> torch.Tensor:
         """Forward and backward of one global batch; gradients are accumulated into ``.grad``
         (reduced as the plan says) and the replicated loss is returned as a plain tensor."""
-        if self._pipe is not None:
-            return self._pipeline_step(args, kwargs, target)
-        if self._accumulate > 1:
-            return self._accumulated_step(args, kwargs, target)
-        loss = self.forward(*args, target=target, **kwargs)
-        loss.backward()
-        self._grad_sync.finish()
-        return loss.detach()
+        self._adopt_grads()
+        object.__setattr__(self, "_in_step", True)
+        try:
+            if self._pipe is not None:
+                return self._pipeline_step(args, kwargs, target)
+            if self._accumulate > 1:
+                return self._accumulated_step(args, kwargs, target)
+            loss = self.forward(*args, target=target, **kwargs)
+            loss.backward()
+            self._grad_sync.finish()
+            return loss.detach()
+        finally:
+            object.__setattr__(self, "_in_step", False)
+            self._publish_grads()
 
     def _accumulated_step(self, args, kwargs, target) -> torch.Tensor:
         """Gradient accumulation (``plan.accumulate``, ``autopar.planner.accumulate``): the batch as
@@ -505,7 +677,7 @@ class ParallelModule(nn.Module):
             loss.backward()
             losses.append(loss.detach())
         with torch.no_grad():
-            params = list({id(t): t for t in [*self.parameters(), *self._zero_full.values()]}.values())
+            params = list({id(t): t for t in [*self._local_parameters(), *self._zero_full.values()]}.values())
             if not self._loss_sum:
                 for p in params:  # the sum of the micro-batches' gradients of a mean loss
                     if p.grad is not None:
@@ -523,7 +695,7 @@ class ParallelModule(nn.Module):
         loss = self._pipe.step(inputs)
         with torch.no_grad():
             # the parameters and ZeRO compute copies the schedule accumulated into
-            params = list({id(t): t for t in [*self.parameters(), *self._zero_full.values()]}.values())
+            params = list({id(t): t for t in [*self._local_parameters(), *self._zero_full.values()]}.values())
             for p in params if not self._loss_sum else ():  # the schedule summed the micro-batches'
                 if p.grad is not None:                         # gradients of a mean loss
                     p.grad.div_(self._pipe.m)
@@ -545,12 +717,14 @@ class ParallelModule(nn.Module):
         on; replicated copies are counted once."""
         if norm_type != 2.0:
             raise NotImplementedError("clip_grad_norm_ supports the 2-norm only (norm_type=2.0)")
+        if not self._in_step:
+            self._adopt_grads()  # a gradient cleared or edited through the DTensors since the step
         total = global_grad_sq_norm(self)
         norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in self.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        grads = [p.grad for p in self._local_parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef)
         return norm
 
     @torch.no_grad()
@@ -724,7 +898,7 @@ def global_grad_sq_norm(module: ParallelModule) -> torch.Tensor:
     import torch.distributed._functional_collectives as funcol
 
     sig = module.signature
-    by_axes: dict[tuple, torch.Tensor] = {}
+    by_axes: dict[tuple, list] = {}
     seen = set()
     for s in sig.slots:
         if s.kind != "param":
@@ -736,8 +910,10 @@ def global_grad_sq_norm(module: ParallelModule) -> torch.Tensor:
         if module._pipe is not None and not owns(module, s.name):
             continue  # counted by the first stage that uses it
         axes = tuple(a for a, q in enumerate(module.storage_placements(s)) if isinstance(q, Shard))
-        sq = p.grad.detach().float().pow(2).sum()
-        by_axes[axes] = by_axes[axes] + sq if axes in by_axes else sq
+        by_axes.setdefault(axes, []).append(p.grad.detach())
+    for axes, grads in list(by_axes.items()):  # one fused norm kernel per set of sharded axes
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        by_axes[axes] = torch.stack(norms).square().sum()
     total = torch.zeros((), device=sig.ctx.device)
     for axes, sq in by_axes.items():
         for a in axes:

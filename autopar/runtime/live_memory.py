@@ -171,7 +171,7 @@ def measure_step(pm, opt, args=(), kwargs=None, target=None, *, world: int = 1, 
     tracking what it holds across steps (:func:`resident_tensors`) and the optimizer state (run
     one step before, so the state exists); ``opt.zero_grad()`` after. Works on real ranks and under ``LocalTensorMode`` (pass its
     ``world``)."""
-    params = list(pm.parameters())
+    params = pm._local_parameters() if hasattr(pm, "_local_parameters") else list(pm.parameters())
     mem = LiveMemory(track=resident_tensors(pm), grads_of=params, world=world, detail=detail)
     mem.add_optimizer(opt)
     with mem:
@@ -189,7 +189,8 @@ def resident_tensors(pm) -> list:
     under a pipeline, ``PipelineStage``'s receive buffers (one set per micro-batch: the
     activations received from the stage before, the gradients received for those sent on), which
     the schedule allocates at its first step and reuses."""
-    out = [*pm.parameters(), *pm.buffers()]
+    params = pm._local_parameters() if hasattr(pm, "_local_parameters") else list(pm.parameters())
+    out = [*params, *pm.buffers()]
     # ZeRO-1/2: the compute copies the optimizer shards are gathered into (not parameters).
     out += list({id(t): t for t in getattr(pm, "_zero_full", {}).values() if t.numel()}.values())
     pipe = getattr(pm, "_pipe", None)

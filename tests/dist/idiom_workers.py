@@ -1,0 +1,93 @@
+"""Case functions for ``test_idioms.py``: the idioms of a training script (torch's
+``clip_grad_norm_``, non-elementwise optimizers, parameter groups and schedules, global shapes)
+on every rank of the pool, against the same script on one device."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch.distributed.tensor import DTensor
+
+import cases
+from workers import mesh
+
+STEPS = 3
+
+
+def _optimizer(kind: str, params_or_model, named: bool):
+    if kind == "adafactor":
+        return torch.optim.Adafactor(params_or_model.parameters(), lr=1e-2)
+    if kind == "sgd":
+        return torch.optim.SGD(params_or_model.parameters(), lr=1e-2, momentum=0.9, nesterov=True)
+    if kind == "adagrad":
+        return torch.optim.Adagrad(params_or_model.parameters(), lr=1e-3)  # (it normalises each entry: a small lr)
+    if kind == "rmsprop":
+        return torch.optim.RMSprop(params_or_model.parameters(), lr=1e-3)
+    # AdamW with groups chosen by name and ndim: no weight decay on biases and norms
+    decay, rest = [], []
+    for n, p in params_or_model.named_parameters():
+        (rest if p.ndim < 2 or n.endswith("bias") else decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                             lr=1e-2, foreach=True)
+
+
+def _run(model, step, opt_kind: str, clip: str | None, named_model=None):
+    """STEPS steps; ``step()`` returns the loss after backward. Returns losses and final state."""
+    opt = _optimizer(opt_kind, named_model or model, True)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4) if opt_kind == "adamw" else None
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss = step()
+        if clip == "torch":
+            norms.append(float(torch.nn.utils.clip_grad_norm_((named_model or model).parameters(), 0.05)))
+            torch.nn.utils.clip_grad_value_((named_model or model).parameters(), 0.02)
+        elif clip == "ours":  # the module's own (foreach) clip
+            norms.append(float(model.clip_grad_norm_(0.05)))
+        elif clip == "torch-norm":  # what "ours" must equal, on one device
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, norms
+
+
+def idioms_case(name: str, layout: dict, opt_kind: str, clip: str | None) -> dict:
+    """``name`` under ``layout`` with optimizer ``opt_kind`` and clipping ``clip`` ("torch":
+    ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_``; "ours": ``pm.clip_grad_norm_``),
+    against one device: relative errors of losses, norms and final parameters; the parameters'
+    names, shapes and count against the model's."""
+    import autopar
+
+    ex = cases.example(name, **({"batch": 4} if name == "mixtral" else {}))
+    ref = copy.deepcopy(ex.model)
+    shapes_ref = {n: (tuple(p.shape), p.dtype) for n, p in ref.named_parameters()}
+    count_ref = sum(p.numel() for p in ref.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(ex.model, mesh(), example_inputs=ex.args, example_kwargs=ex.kwargs,
+                             loss_fn=ex.loss_fn, target=ex.target, cache_dir=None, quiet=True, layout=layout)
+    shapes = {n: (tuple(p.shape), p.dtype) for n, p in pm.named_parameters()}
+    count = sum(p.numel() for p in pm.parameters())
+
+    def step_pm():
+        return pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+
+    def step_ref():
+        out = ref(*ex.args, **ex.kwargs)
+        loss = ex.loss_fn(out, ex.target) if ex.loss_fn is not None else (out.loss if hasattr(out, "loss") else out)
+        loss.backward()
+        return loss.detach()
+
+    losses, norms = _run(pm, step_pm, opt_kind, clip)
+    ref_losses, ref_norms = _run(ref, step_ref, opt_kind, "torch-norm" if clip == "ours" else clip)
+    full = pm.full_state_dict()
+    worst = max(cases.rel_err(full[n], p.detach()) for n, p in ref.named_parameters() if n in full)
+    return {"loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "norm_err": max((abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)), default=0.0),
+            "param_err": worst, "shapes_equal": shapes == {n: shapes_ref[n] for n in shapes},
+            "losses": (losses, ref_losses, norms, ref_norms),
+            "names_equal": set(shapes) == set(shapes_ref), "count": count, "count_ref": count_ref,
+            "dtensor": all(isinstance(p, DTensor) for p in pm.parameters())}
