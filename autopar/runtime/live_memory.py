@@ -26,8 +26,11 @@ from torch.utils._pytree import tree_leaves
 
 
 def _local_parts(t, ranks: tuple[int, ...] = (0,)) -> dict[tuple[int, ...], torch.Tensor]:
-    """ranks -> plain tensor: each rank's shard of a ``LocalTensor``; a plain tensor is held by
-    every rank (under ``LocalTensorMode`` it stands for the same tensor on each of them)."""
+    """ranks -> plain tensor: each rank's shard of a ``LocalTensor`` (a DTensor's local tensor
+    for a DTensor); a plain tensor is held by every rank (under ``LocalTensorMode`` it stands for the same tensor on each of them)."""
+    local = getattr(t, "_local_tensor", None)  # a DTensor holds its local tensor's bytes
+    if isinstance(local, torch.Tensor):
+        t = local
     parts = getattr(t, "_local_tensors", None)
     if isinstance(parts, dict):
         return {(r,): v for r, v in parts.items()}

@@ -134,6 +134,11 @@ class _Chunked(torch.autograd.Function):
             ctx.save_for_backward(*chunks_in, *tensors)
             ctx.n_chunks = len(chunks_in)
         ctx.mod, ctx.saved, ctx.n_in = mod, saved, len(xs)
+        # The autocast state the chunks ran under: a rebuild in backward (outside autocast) runs
+        # them under it again, as torch.utils.checkpoint does.
+        dev = x.device.type
+        ctx.amp = {"device_type": dev, "enabled": torch.is_autocast_enabled(dev),
+                   "dtype": torch.get_autocast_dtype(dev), "cache_enabled": torch.is_autocast_cache_enabled()}
         ctx.is_tensor = [isinstance(t, torch.Tensor) for t in xs]
         ctx.others = [None if isinstance(t, torch.Tensor) else t for t in xs]
         ctx.needs = [isinstance(t, torch.Tensor) and t.requires_grad for t in xs]
@@ -152,7 +157,7 @@ class _Chunked(torch.autograd.Function):
             xi = c.detach().requires_grad_(ctx.needs[mod.x_index])
             args = list(others)
             args[mod.x_index] = xi
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(**ctx.amp):
                 saved.append((xi, args, mod.op(*args)))
         return saved
 
