@@ -117,6 +117,7 @@ def _sdpa_local(node, st, args, kwargs, ctx):
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
     extra = dict(dropout_p=a.get("dropout_p", 0.0), scale=a.get("scale"))
+    q, k, v = autocast_inputs(q, k, v)
     if zigzag_axes(st):
         return _zigzag_local(node, st, q, k, v, extra, ctx)
     rows = q.shape[-2]
@@ -135,6 +136,19 @@ def _sdpa_local(node, st, args, kwargs, ctx):
     # saves the mask (priced: causal_load, autopar.planner.peak), alike on every rank.
     mask = _rows_mask(offset, rows, k.shape[-2], q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra)
+
+
+def autocast_inputs(q, k, v):
+    """``q, k, v`` in the dtype autocast gives attention where it is on for their device (HF
+    models hand fp32 ``q`` and ``k`` to attention under bf16-mixed): what ``scaled_dot_product_attention``
+    would compute in anyway, so that the kernel is chosen for the dtype that runs, not the
+    dtype before the cast (the flash kernel under bf16, as the plan priced it)."""
+    dev = q.device.type
+    if q.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        if dt in (torch.float16, torch.bfloat16):
+            return q.to(dt), k.to(dt), v.to(dt)
+    return q, k, v
 
 
 def _flash(q, k, v, dropout_p) -> bool:

@@ -73,12 +73,19 @@ def test_names_and_tied_weights(mesh):
     assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ex.model.named_parameters()]
     assert [n for n, _ in pm.named_buffers()] == [n for n, _ in ex.model.named_buffers()]
     assert pm.lm_head.weight is pm.transformer.wte.weight  # one Parameter under both names
-    # Local shards have the shapes the stored placements imply.
+    # Parameters are DTensors with the model's global shapes, placed as stored; their local
+    # tensors have the shapes the stored placements imply.
+    from torch.distributed.tensor import DTensor
+
     from autopar import placement as pl
 
     for fqn, text in plan.params.items():
         full = dict(ex.model.named_parameters(remove_duplicate=False))[fqn]
-        assert tuple(pm.get_parameter(fqn).shape) == pl.local_shape(tuple(full.shape), pl.parse(text), SHAPE), fqn
+        p = pm.get_parameter(fqn)
+        assert isinstance(p, DTensor) and tuple(p.shape) == tuple(full.shape) and p.dtype == full.dtype, fqn
+        assert tuple(p.placements) == tuple(pl.parse(text)), fqn
+        assert tuple(p._local_tensor.shape) == pl.local_shape(tuple(full.shape), pl.parse(text), SHAPE), fqn
+    assert sum(p.numel() for p in pm.parameters()) == sum(p.numel() for p in ex.model.parameters())
 
 
 def test_clip_grad_norm_is_global(mesh):
