@@ -91,3 +91,23 @@ def idioms_case(name: str, layout: dict, opt_kind: str, clip: str | None) -> dic
             "losses": (losses, ref_losses, norms, ref_norms),
             "names_equal": set(shapes) == set(shapes_ref), "count": count, "count_ref": count_ref,
             "dtensor": all(isinstance(p, DTensor) for p in pm.parameters())}
+
+
+def work_registry_case(name: str, layout: dict, steps: int = 2) -> list[int]:
+    """c10d's registry of unwaited Work objects after every ``train_step`` of ``name`` under
+    ``layout`` (a Work dropped without a wait leaks itself and its buffer)."""
+    import autopar
+
+    ex = cases.example(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(ex.model, mesh(), example_inputs=ex.args, example_kwargs=ex.kwargs,
+                             loss_fn=ex.loss_fn, target=ex.target, cache_dir=None, quiet=True, layout=layout)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    sizes = []
+    for _ in range(steps):
+        pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+        sizes.append(int(torch._C._distributed_c10d._get_work_registry_size()))
+        opt.step()
+        opt.zero_grad()
+    return sizes
