@@ -38,7 +38,11 @@ def init_distributed() -> None:
                            "WORLD_SIZE) or call torch.distributed.init_process_group first")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        # device_id binds the group to this rank's GPU (NCCL's eager init, no guessing of devices)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend, device_id=device)
+        return
     dist.init_process_group(backend)
 
 

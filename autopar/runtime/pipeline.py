@@ -241,6 +241,9 @@ class PipelineRunner:
             raise ValueError("pipelined plans run one process per rank (torch.distributed.pipelining sends between "
                              "them): they cannot run under LocalTensorMode's simulated ranks; launch them with "
                              "torchrun (or plan with pipeline=False to simulate)")
+        # On NCCL a group's first point-to-point batch must include all its ranks: join the
+        # pipeline group once here, at build, before any stage sends (gloo does not need it).
+        dist.barrier(group=self.group)
         self.local = [s for s in range(self.n_stages) if s % self.p == coord]
         if len(self.local) * self.p != self.n_stages:
             raise ValueError(f"{self.n_stages} stages do not spread evenly over {self.p} ranks of the pipeline axis")
