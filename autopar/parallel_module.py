@@ -745,6 +745,8 @@ class ParallelModule(nn.Module):
     @torch.no_grad()
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full (gathered) gradients under the original parameter names (after ``train_step``)."""
+        if not self.__dict__.get("_in_step") and self.__dict__.get("_dt_pairs"):
+            self._adopt_grads()  # what the DTensors' .grad hold now (cleared, edited)
         return self._gather(lambda t: t.grad, kinds=("param",))
 
     def _gather(self, pick, kinds, keep: set[str] | None = None) -> dict[str, torch.Tensor]:

@@ -228,3 +228,8 @@ def axes_group(dm: DeviceMesh, axes) -> "dist.ProcessGroup":
 
 #: id(mesh) -> (weak reference to it, {axes: flattened process group}) (:func:`axes_group`).
 _FLATTENED: dict = {}
+
+
+def rows_to_dim(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """The result of a dim-0 all-gather of ``n`` pieces, as the gather along ``dim`` would give it."""
+    return _rows_to_dim(x, n, dim)

@@ -29,7 +29,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from autopar.lowering.chunks import ASYNC_KINDS
-from autopar.runtime.collectives import run_collective
+from autopar.runtime.collectives import rows_to_dim, run_collective
 from autopar.runtime.reshard import apply_steps
 
 
@@ -42,7 +42,7 @@ class _Pending:
     instead of through a functional collective, which copies its input first."""
 
     def __init__(self, x: torch.Tensor, steps, dm, owned: bool = False):
-        self.out, self.work = x, None
+        self.out, self.work, self.regroup = x, None, None
         self.steps = tuple(steps)
         self.dm = dm
         self.async_ = len(self.steps) == 1 and self.steps[0].kind in ASYNC_KINDS and dm.size(self.steps[0].axis) > 1
@@ -56,7 +56,11 @@ class _Pending:
             elif s.kind == "all_reduce":
                 self.out = funcol.all_reduce(x, "sum", group)
             elif s.kind == "all_gather":
-                self.out = funcol.all_gather_single(x, s.dim, group)
+                # Gathered along dim 0 and regrouped after the wait: a functional all-gather
+                # along another dim waits at once (it concatenates the pieces at launch).
+                self.out = funcol.all_gather_single(x, 0, group)
+                if s.dim != 0:
+                    self.regroup = (dm.size(s.axis), s.dim)
             else:
                 self.out = funcol.reduce_scatter_single(x, "sum", s.dim, group)
         elif self.steps:
@@ -77,7 +81,8 @@ class _Pending:
             return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
         # A peer that never joins surfaces at the wait: name the collective and the chunk.
-        return run_collective(s.kind, out, self.dm, s.axis, "a chunk of an overlapped matmul", finish)
+        got = run_collective(s.kind, out, self.dm, s.axis, "a chunk of an overlapped matmul", finish)
+        return got if self.regroup is None else rows_to_dim(got, *self.regroup)
 
 
 class ChunkedOp(nn.Module):

@@ -282,3 +282,19 @@ def test_row_rules_are_exact(d):
     else:  # amax over (1, 2) and both permutes (they move dim 1) mix or move d's rows
         assert not any("amax" in a or "permute" in a for a in accepted), accepted
         assert any("expand" in a for a in accepted) and any("cat" in a for a in accepted), accepted
+
+
+def test_a_chunk_gathered_along_another_dim_stays_in_flight(tp_mesh):
+    """A chunk's all-gather along a dim other than 0 is launched along dim 0 and regrouped after
+    its wait: it is still in flight when launched (a functional gather along another dim waits
+    at once), and its result is the gather along that dim."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    from autopar.costs.reshard import Step
+    from autopar.runtime.overlap import _Pending
+
+    x = torch.arange(24.0).reshape(2, 3, 4)
+    p = _Pending(x, [Step("all_gather", 0, dim=1)], tp_mesh)
+    assert isinstance(p.out, AsyncCollectiveTensor) and not p.out.completed  # not waited for yet
+    got = p.wait()
+    assert got.shape == (2, 6, 4)
