@@ -405,15 +405,21 @@ def _state(ctx) -> dict:
     return st
 
 
-def routing_of(table: torch.Tensor, me: int, device=None) -> _Routing:
+def routing_of(table: torch.Tensor, me: int, device=None, on_device: torch.Tensor | None = None) -> _Routing:
     """Rank ``me``'s routing from ``table[sender, expert]`` (slots each rank of the axis sends
-    each expert; the experts split evenly over the ranks, in order)."""
+    each expert; the experts split evenly over the ranks, in order). ``table`` is on the host
+    (the split sizes an all-to-all takes are host integers); the index tensors are built on
+    ``device`` from ``on_device`` (the same table there; copied from ``table`` when None), with
+    no host synchronisation: every size they need is read off the host table."""
     n, experts = int(table.shape[0]), int(table.shape[1])
     per = experts // n
-    by_owner = table.reshape(n, n, per)  # [sender, owner, expert of owner]
-    send = [int(x) for x in by_owner[me].sum(-1)]
-    mine = by_owner[:, me, :]  # [sender, my expert]
-    recv = [int(x) for x in mine.sum(-1)]
+    host = table.reshape(n, n, per)  # [sender, owner, expert of owner]
+    send = host[me].sum(-1).tolist()
+    recv = host[:, me, :].sum(-1).tolist()
+    total = sum(recv)
+    dev = device if device is not None else table.device
+    t = on_device if on_device is not None else table.to(dev)
+    mine = t.reshape(n, n, per)[:, me, :].to(torch.int64)  # [sender, my expert]
     # Received: blocks (sender, my expert) in sender-major order; block b of the expert-major
     # order starts at ``start[b]`` there, and its rows follow on: position i of the expert-major
     # order is i + (start[b] - its own start in that order).
@@ -421,18 +427,17 @@ def routing_of(table: torch.Tensor, me: int, device=None) -> _Routing:
     start = (torch.cumsum(sizes, 0) - sizes).reshape(n, per).t().reshape(-1)
     em = mine.t().reshape(-1)
     shift = start - (torch.cumsum(em, 0) - em)
-    dev = device if device is not None else table.device
-    total = int(em.sum())
-    to_exp = (torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(shift, em)).to(dev)
+    to_exp = torch.arange(total, dtype=torch.int64, device=dev) + torch.repeat_interleave(shift, em, output_size=total)
     to_snd = torch.empty_like(to_exp)
     to_snd[to_exp] = torch.arange(total, dtype=torch.int64, device=dev)
-    local = torch.zeros(experts, dtype=torch.int64)
+    local = torch.zeros(experts, dtype=torch.int64, device=dev)
     local[me * per:(me + 1) * per] = mine.sum(0)
-    return _Routing(send, recv, to_exp, to_snd, local.to(dev))
+    return _Routing(send, recv, to_exp, to_snd, local)
 
 
-def _exchange(ctx, axis: int, counts: torch.Tensor, experts: int) -> _Routing:
-    """Every rank of ``axis`` learns how many rows each rank sends each expert."""
+def _exchange(ctx, axis: int, counts: torch.Tensor, experts: int, rows: int) -> _Routing:
+    """Every rank of ``axis`` learns how many rows each rank sends each expert (``rows``: how
+    many expert ids this rank counted, to catch ids outside the experts)."""
     import torch.distributed._functional_collectives as funcol
 
     from autopar.runtime.collectives import run_collective
@@ -442,8 +447,14 @@ def _exchange(ctx, axis: int, counts: torch.Tensor, experts: int) -> _Routing:
     c = counts.to(torch.int64).contiguous()
     every = run_collective("all_gather of the routing counts", c, ctx.device_mesh, axis, None,
                            lambda: funcol.all_gather_tensor(c, 0, (ctx.device_mesh, axis)))
-    table = every.reshape(n, experts).cpu()
-    return routing_of(table, me, counts.device)
+    on_device = every.reshape(n, experts)
+    # The one device-to-host copy of a routing region's step: the all-to-alls take their split
+    # sizes as host integers (as torchtitan's expert parallelism copies its counts once).
+    table = on_device.cpu()
+    if table[me].sum().tolist() != rows:
+        raise RuntimeError(f"expert ids outside [0, {experts}) in a routing region: {rows} ids, "
+                           f"{table[me].sum().tolist()} of them in range")
+    return routing_of(table, me, counts.device, on_device)
 
 
 ALL_TO_ALLS = [0]
@@ -483,10 +494,11 @@ def run_region(node: fx.Node, strategy: Strategy, args: tuple, kwargs: dict, ctx
         state.pop(region.root, None)
         if axis is not None:
             ids = args[0]
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= region.experts):
-                raise RuntimeError(f"{name}: expert ids outside [0, {region.experts}) in the routing region")
-            counts = torch.bincount(ids.reshape(-1).to(torch.int64), minlength=region.experts)
-            state[region.root] = _exchange(ctx, axis, counts, region.experts)
+            # A histogram on the device (bincount sizes its output from the largest id: a host
+            # sync); ids outside the experts fall out of it, which the exchange checks.
+            e = region.experts
+            counts = torch.histc(ids.reshape(-1).to(torch.float32), bins=e, min=0, max=e - 1)
+            state[region.root] = _exchange(ctx, axis, counts, e, ids.numel())
         return out
     if axis is not None and name in region.dispatch:
         rows = node.target(*args, **kwargs)  # this rank's rows, by expert: contiguous per owner

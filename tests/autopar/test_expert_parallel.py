@@ -210,3 +210,28 @@ def test_the_all_to_all_delivers_the_global_sort_and_brings_every_row_home(ranks
             back[s].append(part)
     for s in range(ranks):
         assert torch.equal(torch.cat(back[s]), mine_sorted[s])
+
+
+def test_routing_indices_are_built_without_a_host_sync():
+    """The routing of a step reads its sizes off the host copy of the counts (the one
+    device-to-host copy, which the all-to-all's split sizes need) and builds its index tensors
+    on the device: no ``_local_scalar_dense`` (``.item()``, ``int(t)``: a sync on a GPU)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.strategies.routed import routing_of
+
+    class Syncs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    table = torch.tensor([[3, 0, 2, 1], [1, 4, 0, 2]])
+    with Syncs() as syncs:
+        routes = [routing_of(table, r, on_device=table.clone()) for r in range(2)]
+    assert syncs.n == 0
+    assert routes[0].send == [3, 3] and routes[1].recv == [3, 2]
