@@ -479,13 +479,13 @@ class _Lowering:
 
     def _emit(self, node, ins) -> fx.Node:
         random = rng.is_random(node.target, node.args, node.kwargs)
-        if random and rng.uses_dtensor_rng(self.ctx.device.type):
+        if random and rng.uses_dtensor_rng(self.ctx.device.type, node.target):
             # DTensor's offset-based generator draws each shard's slice of the one-device numbers.
             mod, kind, (args_t, kwargs_t) = self._dtensor_exec(node)
         else:
             mod, kind, (args_t, kwargs_t) = self.make_exec(node)
         self.executors[node.name] = kind
-        if random and not rng.uses_dtensor_rng(self.ctx.device.type):
+        if random and not rng.uses_dtensor_rng(self.ctx.device.type, node.target):
             mod = self._random_op(node, mod if mod is not None else ex.PlainCall(node.target, args_t, kwargs_t))
         if mod is None:
             return self.graph.call_function(node.target, ex.fill(args_t, ins), ex.fill(kwargs_t, ins))
@@ -510,7 +510,7 @@ class _Lowering:
         raw = [self.ctx.coordinate(a) for a in axes]
         # Simulated ranks (LocalTensorMode): one process holds every coordinate, so no seeding.
         coords = [int(c) for c in raw] if all(isinstance(c, int) for c in raw) else None
-        return rng.RandomOp(node.name, inner, self.rng, axes, coords)
+        return rng.RandomOp(node.name, inner, self.rng, axes, coords, self.ctx.device)
 
     def _write_back(self, node, ins, after: fx.Node) -> None:
         """An op that writes into an input it received resharded (batch norm's running

@@ -51,10 +51,23 @@ def is_random(op, args: Sequence = (), kwargs: dict | None = None) -> bool:
     return given.get("train", True) is not False
 
 
-def uses_dtensor_rng(device_type: str) -> bool:
-    """True on devices where DTensor's offset-based generator (Philox) reproduces the one-device
-    random numbers shard by shard; random ops there run on DTensors instead of a stream."""
-    return device_type == "cuda"
+def dtensor_random_ops() -> frozenset:
+    """The ops DTensor draws through its offset-based generator (its dispatcher's random ops),
+    and ``aten.dropout``, which decomposes into ``native_dropout`` on a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return frozenset(DTensor._op_dispatcher._random_ops) | {torch.ops.aten.dropout.default}
+
+
+def uses_dtensor_rng(device_type: str, op=None) -> bool:
+    """True where DTensor's offset-based generator (Philox) reproduces the one-device random
+    numbers shard by shard: on CUDA, for the ops it offsets (:func:`dtensor_random_ops`); such
+    ops run on DTensors. Every other random op (attention with dropout, whose kernels draw from
+    the device generator directly; ``bernoulli.p``) runs under a :class:`RandomStream` seeding
+    the device's generator, on CUDA too, so that no random op escapes both."""
+    if device_type != "cuda":
+        return False
+    return op is None or op in dtensor_random_ops()
 
 
 def _mix(*values: int) -> int:
@@ -100,9 +113,10 @@ class RandomOp(nn.Module):
     is sharded)."""
 
     def __init__(self, name: str, inner: nn.Module, stream: RandomStream, axes: Sequence[int],
-                 coords: Sequence[int] | None):
+                 coords: Sequence[int] | None, device: torch.device | None = None):
         super().__init__()
         self.node_name, self.inner, self.stream, self.axes = name, inner, stream, tuple(axes)
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         # None under simulated ranks (the coordinate is per rank, not an int): no seeding there.
         self.coords = None if coords is None else tuple(int(c) for c in coords)
 
@@ -113,13 +127,21 @@ class RandomOp(nn.Module):
         if self.coords is None:
             return self.inner(*xs)
         seed = self.stream.next_seed(self.coords)
-        gen = torch.default_generator
+        gen = generator_of(self.device)
         saved = gen.get_state()
         gen.manual_seed(seed)
         try:
             return self.inner(*xs)
         finally:
             gen.set_state(saved)
+
+
+def generator_of(device: torch.device) -> torch.Generator:
+    """The default generator random ops on ``device`` draw from (the CPU's, or the GPU's own)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    mod = getattr(torch, device.type)
+    return mod.default_generators[device.index if device.index is not None else mod.current_device()]
 
 
 def streams_in(module: nn.Module) -> list[RandomStream]:
