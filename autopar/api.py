@@ -28,16 +28,24 @@ def _log(msg: str, quiet: bool) -> None:
         print(f"[autopar] {msg}", file=sys.stderr, flush=True)
 
 
-def init_distributed() -> None:
+def init_distributed(debug: bool = False) -> None:
     """Initialise the default process group from torchrun's environment if nobody did yet
-    (NCCL when CUDA is available, gloo otherwise)."""
+    (NCCL when CUDA is available, gloo otherwise). On NCCL the flight recorder is on, as
+    torchtitan turns it on (``TORCH_FR_BUFFER_SIZE``, a dump on a watchdog timeout), since a
+    hang there ends in the watchdog, not in autopar's own collective errors; ``debug=True``
+    also sets ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (shape checks of every collective). A value the
+    user set is kept."""
     if dist.is_initialized():
         return
+    if debug:
+        os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RuntimeError("autopar.compile needs a process group: launch with torchrun (which sets RANK and "
                            "WORLD_SIZE) or call torch.distributed.init_process_group first")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         # device_id binds the group to this rank's GPU (NCCL's eager init, no guessing of devices)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -135,7 +143,7 @@ def compile(model, mesh=None, example_inputs=(), *, options: PlanOptions | None 
     from autopar.parallel_module import ParallelModule
 
     opts = PlanOptions.make("compile", options, **kwargs)
-    init_distributed()
+    init_distributed(debug=debug)
     # compile searches what plan() searches: pipelines (also over a factor of a mesh axis) and
     # ZeRO-1/2 included; ParallelModule runs all of it.
     if not isinstance(example_inputs, (tuple, list)):

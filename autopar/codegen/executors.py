@@ -60,7 +60,46 @@ def template(node, device: torch.device | None) -> tuple[tuple, dict]:
             return device
         return a
 
-    return sub(tuple(node.args)), sub(dict(node.kwargs))
+    args = sub(tuple(node.args))
+    if device is not None and _is_autocast_hop(node.target) and args and isinstance(args[0], str):
+        args = (device.type, *args[1:])  # wrap_with_autocast(device_type, ...): the rank's device
+    return args, sub(dict(node.kwargs))
+
+
+def _is_autocast_hop(target) -> bool:
+    return getattr(target, "__name__", "") == "wrap_with_autocast"
+
+
+def on_device(obj, device: torch.device | None):
+    """A captured ``get_attr`` value for ranks on ``device`` (graphs are captured on the CPU): a
+    tensor moved there; a higher-order op's subgraph copied with its device arguments
+    (``torch.device`` objects, autocast's device-type string) pointed there, nested subgraphs
+    too. Unchanged on the CPU."""
+    if device is None or device.type == "cpu":
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if not isinstance(obj, torch.fx.GraphModule):
+        return obj
+    import copy
+
+    gm = copy.deepcopy(obj)
+
+    def sub(a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x) for x in a)
+        if isinstance(a, dict):
+            return {k: sub(v) for k, v in a.items()}
+        return device if isinstance(a, torch.device) else a
+
+    for n in gm.graph.nodes:
+        n.args, n.kwargs = sub(tuple(n.args)), sub(dict(n.kwargs))
+        if _is_autocast_hop(n.target) and n.args and isinstance(n.args[0], str):
+            n.args = (device.type, *n.args[1:])
+        if n.op == "get_attr":
+            setattr(gm, n.target, on_device(getattr(gm, n.target), device))
+    gm.recompile()
+    return gm
 
 
 def fill(tmpl, values: Sequence[Any]):

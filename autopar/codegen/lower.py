@@ -378,7 +378,7 @@ class _Lowering:
         for part in node.target.split("."):
             obj = getattr(obj, part)
         name = node.target.replace(".", "_")
-        self.root[name] = obj
+        self.root[name] = ex.on_device(obj, self.ctx.device)  # (subgraphs' device arguments, tensors)
         self.env[node] = self.graph.get_attr(name)
 
     def _call_function(self, node):
