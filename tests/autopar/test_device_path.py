@@ -37,6 +37,9 @@ ALLOWED = {
     ("api.py", "_broadcast_text"): "a plan file's bytes are decoded on the host",
     ("api.py", "warn_if_other_devices"): "compares the job's device type with the plan's",
     ("checkpoint.py", "full_state_dict"): "a full (unsharded) state dict on the host, when asked for",
+    ("codegen/executors.py", "on_device"): "a subgraph captured on the CPU is left as it is for CPU ranks",
+    ("runtime/rng.py", "__init__"): "a random op's default device when none is given",
+    ("runtime/rng.py", "generator_of"): "the CPU's generator for CPU ranks (a GPU's own otherwise)",
 }
 
 
