@@ -404,6 +404,11 @@ class ParallelModule(nn.Module):
         if not buffer:  # the local tensors the program reads; registered by _register_params
             self.__dict__.setdefault("_locals", {})[fqn] = value
             return
+        mod, leaf = self._holder(fqn)
+        mod.register_buffer(leaf, value)
+
+    def _holder(self, fqn: str) -> tuple[nn.Module, str]:
+        """The submodule (made on the way) that registers ``fqn``'s last part, and that part."""
         *path, leaf = fqn.split(".")
         mod = self
         for part in path:
@@ -412,10 +417,7 @@ class ParallelModule(nn.Module):
                     raise ValueError(f"cannot register {fqn!r}: {part!r} clashes with a ParallelModule attribute")
                 mod.add_module(part, nn.Module())
             mod = mod._modules[part]
-        if buffer:
-            mod.register_buffer(leaf, value)
-        else:
-            mod.register_parameter(leaf, value)
+        return mod, leaf
 
     _MISSING = object()
 
@@ -464,14 +466,7 @@ class ParallelModule(nn.Module):
                 else:
                     p = local if isinstance(local, nn.Parameter) else nn.Parameter(local, local.requires_grad)
                 wrapped[id(local)] = p
-            *path, leaf = name.split(".")
-            mod = self
-            for part in path:
-                if part not in mod._modules:
-                    if hasattr(type(mod), part) or part in mod.__dict__:
-                        raise ValueError(f"cannot register {name!r}: {part!r} clashes with a ParallelModule attribute")
-                    mod.add_module(part, nn.Module())
-                mod = mod._modules[part]
+            mod, leaf = self._holder(name)
             mod.register_parameter(leaf, p)
         object.__setattr__(self, "_dt_pairs", pairs)
         if self._zero_lay and pairs:
