@@ -443,8 +443,6 @@ class ParallelModule(nn.Module):
         """Register the parameters a user holds (module docstring): a DTensor ``nn.Parameter``
         over each local tensor, placed as stored, under every name of the tensor; under a pipeline
         the local tensors themselves."""
-        from torch.autograd import Variable  # noqa: F401  (the engine queues the publishing callback)
-
         from autopar.lowering.graph import canonical_fqns
 
         canon = canonical_fqns(self._captured)

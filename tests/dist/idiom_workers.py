@@ -15,7 +15,7 @@ from workers import mesh
 STEPS = 3
 
 
-def _optimizer(kind: str, params_or_model, named: bool):
+def _optimizer(kind: str, params_or_model):
     if kind == "adafactor":
         return torch.optim.Adafactor(params_or_model.parameters(), lr=1e-2)
     if kind == "sgd":
@@ -34,7 +34,7 @@ def _optimizer(kind: str, params_or_model, named: bool):
 
 def _run(model, step, opt_kind: str, clip: str | None, named_model=None):
     """STEPS steps; ``step()`` returns the loss after backward. Returns losses and final state."""
-    opt = _optimizer(opt_kind, named_model or model, True)
+    opt = _optimizer(opt_kind, named_model or model)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4) if opt_kind == "adamw" else None
     losses, norms = [], []
     for _ in range(STEPS):
