@@ -130,7 +130,7 @@ def verify_same_plan(plan: Plan, device) -> None:
 def compile(model, mesh=None, example_inputs=(), *, options: PlanOptions | None = None,  # noqa: A001
             example_kwargs=None, loss_fn=None, target=None, plan: Plan | str | None = None,
             cache_dir: str | None = DEFAULT_CACHE, backend: str = "eager", debug: bool = False,
-            quiet: bool = False, **kwargs):
+            quiet: bool = False, weights: str | None = None, **kwargs):
     """Plan ``model`` for the job's mesh and return this rank's ``ParallelModule``.
 
     The search reads ``options`` (:class:`autopar.PlanOptions`; keywords replace its fields), the
@@ -138,6 +138,12 @@ def compile(model, mesh=None, example_inputs=(), *, options: PlanOptions | None 
     a plan JSON file (then no solve happens); otherwise rank 0 plans (or reads the plan cache keyed
     by graph hash, mesh and options) and broadcasts it. ``backend="inductor"`` hands the per-rank
     graph to ``torch.compile``.
+
+    ``model`` may be built on the meta device (``with torch.device("meta")``): capture and planning
+    are symbolic, and each rank allocates only its own shards. Its weights then come from
+    ``weights=`` (HF safetensors file or ``save_pretrained`` folder, or a DCP checkpoint of the full
+    model; each rank reads its slices) or from ``pm.init_weights()`` (:mod:`autopar.weights`).
+    ``weights=`` also replaces the weights of a model built on a real device.
     """
     import profiler
     from autopar.parallel_module import ParallelModule
@@ -180,7 +186,12 @@ def compile(model, mesh=None, example_inputs=(), *, options: PlanOptions | None 
                               torch.cuda.get_device_name() if dm.device_type == "cuda" else None)
     _log(f"plan ready in {time.perf_counter() - t0:.1f} s\n{plan.summary()}", quiet)
     # ParallelModule runs pipelined plans too (stages driven by torch.distributed.pipelining).
-    return ParallelModule(model, gp.captured, plan, dm, debug=debug, backend=backend, loss_fn=loss_fn)
+    pm = ParallelModule(model, gp.captured, plan, dm, debug=debug, backend=backend, loss_fn=loss_fn)
+    if weights is not None:
+        t1 = time.perf_counter()
+        pm.load_weights(weights)
+        _log(f"weights loaded from {weights} in {time.perf_counter() - t1:.1f} s", quiet)
+    return pm
 
 
 def _one_graph(captured, plan: Plan, graph_hash: str, device) -> str:

@@ -176,6 +176,14 @@ class ParallelModule(nn.Module):
                 raise NotImplementedError("inputs_sharded=True is not supported with gradient accumulation: pass the "
                                           "global batch (train_step cuts the micro-batches)")
             self._microbatch_checks(accumulate, "this plan accumulates")
+        self._materialise()  # a model built on meta: this rank's shards, allocated here
+        # The original module tree, for init_weights (a meta model costs nothing to keep; a real
+        # one is not kept alive by this module).
+        import weakref
+
+        from profiler.capture import on_meta
+
+        object.__setattr__(self, "_model_ref", (lambda m=model: m) if on_meta(model) else weakref.ref(model))
         # The compute copies start equal to their shards: the first gather is after a step.
         object.__setattr__(self, "_zero_seen", self._zero_versions())
         pairs, seen, zero = [], set(), {}
@@ -283,6 +291,7 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_state_names", _state_names(model))
         full = dict(model.named_parameters(remove_duplicate=False))
         full.update(dict(model.named_buffers(remove_duplicate=False)))
+        object.__setattr__(self, "_meta_names", {k for k, t in full.items() if t.device.type == "meta"})
         canon = canonical_fqns(captured)
         self._constants: list = []
         for s in sig.slots:
@@ -293,13 +302,13 @@ class ParallelModule(nn.Module):
                 t = full.get(s.name)
                 if t is None:
                     raise KeyError(f"{s.kind} {s.name!r} of the captured graph is not in the model")
-                local = self._shard(t.detach(), s.placements)
+                local = self._piece(t, s.placements)
                 if s.kind == "buffer":
                     self._set(s.name, local, buffer=True)
                     continue
                 lay = self._zero_layout(s)
                 if lay is not None:  # ZeRO-1/2: the optimizer steps a shard; the graph reads a copy
-                    p = nn.Parameter(self._shard(t.detach(), lay.shard), requires_grad=t.requires_grad)
+                    p = nn.Parameter(self._piece(t, lay.shard), requires_grad=t.requires_grad)
                     local.requires_grad_(t.requires_grad)
                 else:
                     p = nn.Parameter(local, requires_grad=t.requires_grad)
@@ -308,7 +317,147 @@ class ParallelModule(nn.Module):
                     if lay is not None:
                         self._zero_full[alias], self._zero_lay[alias] = local, lay
             elif s.kind == "constant":
-                self._constants.append(self._shard(_constant(captured, s.name), s.placements))
+                c = _constant(captured, s.name)
+                if _no_data(c):
+                    raise ValueError(f"the model makes a tensor constant in its forward ({s.name}, shape "
+                                     f"{tuple(c.shape)}) and was built on the meta device, so the constant has no "
+                                     f"value: build that part of the model on a real device, or register the "
+                                     f"tensor as a buffer (it is then initialised or loaded with the weights)")
+                self._constants.append(self._shard(c, s.placements))
+
+    def _piece(self, t: torch.Tensor, placements) -> torch.Tensor:
+        """This rank's shard of model tensor ``t``; for a tensor on the meta device, a meta
+        placeholder of the shard's shape (:meth:`_materialise` allocates it later)."""
+        if t.device.type != "meta":
+            return self._shard(t.detach(), placements)
+        shape = pl.local_shape(tuple(t.shape), tuple(placements), self._sig.ctx.shape)
+        return torch.empty(shape, dtype=t.dtype, device="meta")
+
+    def _materialise(self) -> None:
+        """Allocate (uninitialised) every placeholder of a model built on the meta device, on the
+        rank's device: only this rank's shards, and under a pipeline only its stages'. Their names
+        are kept in ``_fresh`` until :meth:`init_weights` or :meth:`load_weights` writes them;
+        running before that is an error (:meth:`_check_ready`)."""
+        from autopar.lowering.graph import canonical_fqns
+
+        dev = self._sig.ctx.device
+        canon = canonical_fqns(self._captured)
+        fresh: set[str] = set()
+
+        def real(t):
+            return _as_rank_local(torch.empty(t.shape, dtype=t.dtype, device=dev))
+
+        made: dict[int, torch.Tensor] = {}
+        for table in (self.__dict__.get("_locals", {}), self._zero_full):
+            for name, t in list(table.items()):
+                if t.device.type != "meta":
+                    continue
+                if id(t) not in made:
+                    new = real(t)
+                    made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) \
+                        if isinstance(t, nn.Parameter) else new.requires_grad_(t.requires_grad)
+                table[name] = made[id(t)]
+                if t.numel():
+                    fresh.add(canon.get(name, name))
+        for s in self._sig.slots:
+            if s.kind == "buffer" and self._get(s.name).device.type == "meta":
+                mod, leaf = self._holder(s.name)
+                mod.register_buffer(leaf, real(self._get(s.name)))
+                fresh.add(s.name)
+        object.__setattr__(self, "_fresh", fresh)
+        # The same on every rank (all stages' names): what no init or load has written yet.
+        model_meta = {canon.get(s.name, s.name) if s.kind == "param" else s.name for s in self._sig.slots
+                      if s.kind in ("param", "buffer") and s.name in self._meta_names}
+        object.__setattr__(self, "_unset", model_meta)
+
+    def _key(self, slot) -> str:
+        """The name a tensor is known by in ``_fresh``/``_unset``/files: a parameter's canonical
+        name (tied weights once), a buffer's own."""
+        from autopar.lowering.graph import canonical_fqns
+
+        return canonical_fqns(self._captured).get(slot.name, slot.name) if slot.kind == "param" else slot.name
+
+    def _slots_by_name(self) -> dict:
+        """Every name of every parameter and buffer (tied weights' names, the model's state-dict
+        names) -> its slot."""
+        cached = self.__dict__.get("_by_name")
+        if cached is not None:
+            return cached
+        from autopar.lowering.graph import canonical_fqns
+
+        out = {}
+        for s in self._sig.slots:
+            if s.kind in ("param", "buffer"):
+                out.setdefault(s.name, s)
+        canon = canonical_fqns(self._captured)
+        for alias, c in canon.items():
+            if c in out:
+                out.setdefault(alias, out[c])
+        for key, names in self._state_names.items():
+            hit = next((out[n] for n in names if n in out), None)
+            if hit is not None:
+                for n in names:
+                    out.setdefault(n, hit)
+        object.__setattr__(self, "_by_name", out)
+        return out
+
+    def _written(self, key: str) -> None:
+        self._fresh.discard(key)
+        self._unset.discard(key)
+
+    @torch.no_grad()
+    def _fill(self, name: str, take) -> None:
+        """Write parameter or buffer ``name`` (any of its names): ``take(placements)`` returns
+        this rank's piece placed so. Under ZeRO-1/2 both the shard and the compute copy are
+        written; another pipeline stage's parameter is only marked written."""
+        s = self._slots_by_name()[name]
+        key = self._key(s)
+        if s.kind == "param" and not self._holds(s.name):
+            self._written(key)
+            return
+        lay = self._zero_lay.get(s.name) if s.kind == "param" else None
+        if lay is not None:
+            self._get(s.name).copy_(take(tuple(lay.shard)))
+            self._zero_full[s.name].copy_(take(tuple(s.placements)))
+        else:
+            self._get(s.name).copy_(take(tuple(s.placements)))
+        self._written(key)
+
+    # ------------------------------------------------------------------ weights (autopar.weights)
+    def init_weights(self, fn=None) -> None:
+        """Initialise every parameter and buffer as the original model's initialisation does (an
+        HF model's ``_init_weights``, each module's ``reset_parameters``, or ``fn(module)`` as
+        ``model.apply(fn)``): for the same seed, one device's values exactly; each rank keeps its
+        shards (:mod:`autopar.weights`). Collective: every rank calls it."""
+        from autopar.weights import init_weights
+
+        init_weights(self, fn)
+
+    def load_weights(self, path) -> None:
+        """Load the weights from HF safetensors (a file, or a ``save_pretrained`` folder) or a DCP
+        checkpoint of the full model, each rank reading only its slices (:mod:`autopar.weights`).
+        Collective: every rank calls it."""
+        from autopar.weights import load_weights
+
+        load_weights(self, path)
+
+    def save_pretrained(self, path, *, max_shard_size="5GB", dtype=None) -> None:
+        """Write the weights as HF ``save_pretrained`` does (safetensors files, index, config),
+        streamed tensor by tensor (:mod:`autopar.weights`). Collective: every rank calls it."""
+        from autopar.weights import save_pretrained
+
+        save_pretrained(self, path, max_shard_size=max_shard_size, dtype=dtype)
+
+    def _check_ready(self) -> None:
+        fresh = self.__dict__.get("_fresh")
+        if fresh:
+            names = sorted(fresh)
+            raise RuntimeError(
+                f"{len(names)} parameters and buffers of this module hold no values yet (the model was built on "
+                f"the meta device): {names[:6]}{' ...' if len(names) > 6 else ''}. Initialise them with "
+                f"pm.init_weights() (the model's own initialisation, or init_weights(fn)) or load them with "
+                f"pm.load_weights(path) (HF safetensors or a DCP checkpoint), or pass weights=path to "
+                f"autopar.compile")
 
     def _zero_layout(self, s):
         """The ZeRO-1/2 split of parameter slot ``s`` (:mod:`autopar.zero`), or None."""
@@ -603,6 +752,7 @@ class ParallelModule(nn.Module):
         stages have no separate forward: use :meth:`train_step`."""
         if self._pipe is not None:
             raise RuntimeError("a pipelined plan runs forward and backward together: call train_step()")
+        self._check_ready()
         if not self._in_step:
             self._adopt_grads()
         self._zero_gather()
@@ -625,6 +775,7 @@ class ParallelModule(nn.Module):
     def train_step(self, *args, target=None, **kwargs) -> torch.Tensor:
         """Forward and backward of one global batch; gradients are accumulated into ``.grad``
         (reduced as the plan says) and the replicated loss is returned as a plain tensor."""
+        self._check_ready()
         self._adopt_grads()
         object.__setattr__(self, "_in_step", True)
         try:
@@ -869,6 +1020,12 @@ def owns(module: ParallelModule, name: str) -> bool:
         return False
     coord = module._sig.ctx.full_mesh.get_local_rank(module._pipe.axis)
     return min(uses) % module._pipe.p == coord and min(uses) in module._pipe.local
+
+
+def _no_data(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.device.type == "meta" or isinstance(t, FakeTensor)
 
 
 def _constant(captured, name: str) -> torch.Tensor:

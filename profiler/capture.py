@@ -8,7 +8,10 @@ decomposed. Parameters and buffers are lifted to placeholders; every node carrie
 ``meta["val"]`` (a FakeTensor) and ``meta["nn_module_stack"]``.
 
 Models whose parameters live on the meta device (big configs) capture without allocating
-weights: export only ever sees fake tensors.
+weights: export only ever sees fake tensors. With meta example inputs the graph is traced on the
+meta device; with real example inputs (CPU or CUDA), the meta weights stand in as fake tensors on
+the inputs' device (:func:`weights_on`), so the graph (and its hash) is the one a model built on
+that device gives, and a per-rank program can run it.
 """
 from __future__ import annotations
 
@@ -191,7 +194,7 @@ def capture(model: nn.Module, args, kwargs: dict | None = None, *, loss_fn: Call
     """
     args, kwargs, target = _check_inputs(model, args, kwargs, loss_fn, target)
     wrapper = _LossModule(model, loss_fn)
-    with paused_gc(), _export_context(stack_traces):
+    with paused_gc(), _export_context(stack_traces), weights_on(model, _input_device(args, kwargs, target)):
         try:
             ep = _export(wrapper, (args, kwargs, target))
         except CaptureError:
@@ -373,14 +376,64 @@ def dealias_inputs(args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict,
     return tuple(args), dict(kwargs), target
 
 
+def _input_device(args, kwargs, target) -> torch.device | None:
+    """The one device of the example inputs' tensors (None when there is none)."""
+    flat = torch.utils._pytree.tree_leaves((args, kwargs, target))
+    devices = {t.device for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0}
+    return next(iter(devices)) if len(devices) == 1 else None
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is on the meta device (no data)."""
+    return any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
+
+
+@contextlib.contextmanager
+def weights_on(model: nn.Module, device: torch.device | None):
+    """For the time of a capture, every meta parameter and buffer of ``model`` is a fake tensor on
+    ``device`` (a real device: no storage is allocated), so export traces the graph a model built
+    on ``device`` gives (``arange(..., device=...)``, strides, constants). Tied tensors stay one.
+    Put back afterwards, also when the capture raises. Nothing happens when ``device`` is None or
+    meta, or when no weight is on meta."""
+    if device is None or device.type == "meta" or not on_meta(model):
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    make = mode.fake_tensor_converter.from_meta_and_device
+    fakes: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        for mod in model.modules():
+            for table in (mod._parameters, mod._buffers):
+                for key, t in list(table.items()):
+                    if t is None or t.device.type != "meta":
+                        continue
+                    if id(t) not in fakes:
+                        f = make(mode, t, device)
+                        fakes[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) \
+                            if isinstance(t, nn.Parameter) else f
+                    swapped.append((table, key, t))
+                    table[key] = fakes[id(t)]
+        yield
+    finally:
+        for table, key, t in reversed(swapped):
+            table[key] = t
+
+
 def _check_devices(model, args, kwargs, target) -> None:
     param_devices = {t.device.type for t in model.parameters()} | {t.device.type for t in model.buffers()}
     flat = torch.utils._pytree.tree_leaves((args, kwargs, target))
     input_devices = {t.device.type for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0}
-    if "meta" in param_devices and input_devices - {"meta"}:
+    if "meta" in param_devices and len(input_devices - {"meta"}) > 1:
         raise CaptureError(
-            f"the model's parameters are on the meta device but example inputs are on "
-            f"{sorted(input_devices - {'meta'})}: build the inputs on device='meta' too")
+            f"the model's parameters are on the meta device and example inputs on several devices "
+            f"{sorted(input_devices)}: give every example input one device (the one the model will train on)")
+    if "meta" in param_devices and "meta" in input_devices and input_devices - {"meta"}:
+        raise CaptureError(
+            f"example inputs are on the meta device and on {sorted(input_devices - {'meta'})}: give every "
+            f"example input one device (the one the model will train on, or meta to plan only)")
     if param_devices - {"meta"} and "meta" in input_devices:
         raise CaptureError(
             f"example inputs are on the meta device but the model's parameters are on "

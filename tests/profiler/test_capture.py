@@ -135,10 +135,19 @@ def test_output_without_a_scalar_loss():
         capture(_NoLoss(), (torch.randn(2, 4),))
 
 
-def test_meta_weights_with_cpu_inputs():
+def test_meta_weights_with_cpu_inputs_capture_the_cpu_graph():
+    """A model built on meta and real example inputs: the weights stand in as fake tensors on the
+    inputs' device, so the graph (and its hash) is a CPU model's; the model keeps its meta weights."""
+    ex = zoo.build("llama")
+    meta = zoo.build("llama", device="meta").model
+    got = capture(meta, ex.args, ex.kwargs)
+    assert got.graph_hash() == capture(ex.model, ex.args, ex.kwargs).graph_hash()
+    assert all(p.device.type == "meta" for p in meta.parameters())
+    assert all(b.device.type == "meta" for b in meta.buffers())
     model = _NoLoss().to("meta")
-    with pytest.raises(CaptureError, match="build the inputs on device='meta'"):
-        capture(model, (torch.randn(2, 4),), loss_fn=lambda out: out.sum())
+    with pytest.raises(CaptureError, match="one device"):
+        capture(model, (torch.randn(2, 4),), loss_fn=lambda out, t: (out - t).sum(),
+                target=torch.randn(2, 3, device="meta"))
 
 
 def test_collector_is_restored_and_skips_the_capture(monkeypatch):
