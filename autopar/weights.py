@@ -47,10 +47,8 @@ class WeightsError(ValueError):
 
 
 # ---------------------------------------------------------------------- initialisation
-def _visits(model: nn.Module, fn: Callable | None) -> list[tuple[nn.Module, str, Callable, bool]]:
-    """``(module, prefix, call, subtree)`` in the order one device runs the initialisation:
-    ``subtree`` says whether ``call`` may write descendants' tensors too (``reset_parameters``
-    of ``nn.MultiheadAttention`` zeroes ``out_proj.bias``)."""
+def _visits(model: nn.Module, fn: Callable | None) -> list[tuple[nn.Module, str, Callable]]:
+    """``(module, prefix, call)`` in the order one device runs the initialisation."""
     out: list = []
     seen: set[int] = set()
     hf = _hf_owner(model) if fn is None else None
@@ -62,13 +60,13 @@ def _visits(model: nn.Module, fn: Callable | None) -> list[tuple[nn.Module, str,
         for name, child in m.named_children():
             walk(child, f"{prefix}{name}.", _hf_owner(child) or owner if hf is not None else owner)
         if fn is not None:
-            out.append((m, prefix, fn, False))
+            out.append((m, prefix, fn))
         elif owner is not None:  # HF: PreTrainedModel.initialize_weights visits children first
-            out.append((m, prefix, owner._init_weights, False))
-        else:
+            out.append((m, prefix, owner._init_weights))
+        else:  # constructors run children's reset_parameters before their own
             reset = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
             if callable(reset):
-                out.append((m, prefix, lambda _m, r=reset: r(), True))
+                out.append((m, prefix, lambda _m, r=reset: r()))
 
     walk(model, "", hf)
     return out
@@ -82,26 +80,56 @@ def _hf_owner(m: nn.Module):
     return m if isinstance(m, PreTrainedModel) and hasattr(m, "_init_weights") else None
 
 
+def _tensors(mod: nn.Module, prefix: str) -> dict[int, tuple[torch.Tensor, list]]:
+    """id -> (tensor, [(table, key, fqn)]) of every parameter and buffer in ``mod``'s subtree."""
+    out: dict[int, tuple] = {}
+    for sub, m in mod.named_modules(remove_duplicate=False):
+        for table in (m._parameters, m._buffers):
+            for k, t in table.items():
+                if t is not None:
+                    out.setdefault(id(t), (t, []))[1].append((table, k, f"{prefix}{sub}.{k}" if sub else f"{prefix}{k}"))
+    return out
+
+
+def _written_by(mod: nn.Module, call: Callable, tensors: dict) -> set[int] | None:
+    """Which tensors ``call(mod)`` writes, found by running it on the meta tensors (in-place ops
+    on meta tensors count their versions and draw no random numbers). None when the call cannot
+    run on meta (it reads values): then it is taken to write its module's own tensors."""
+    before = {k: t._version for k, (t, _) in tensors.items()}
+    try:
+        call(mod)
+    except Exception:
+        return None
+    return {k for k, (t, _) in tensors.items() if t._version != before[k]}
+
+
 @torch.no_grad()
 def init_weights(pm, fn: Callable[[nn.Module], None] | None = None, *, only: set[str] | None = None) -> None:
     """Initialise ``pm``'s parameters and buffers with the original model's initialisation (module
-    docstring). ``only``: the names (canonical) to write; others keep their values. Collective:
-    every rank calls it, in the same order. A tensor no visited call writes keeps no value, and
-    the first step says which."""
+    docstring). Each call first runs on the meta model to find the tensors it writes (its own, or
+    a submodule's, as ``nn.MultiheadAttention`` zeroes ``out_proj.bias``); only those are made
+    whole. ``only``: the names (canonical) to write; others keep their values. Collective: every
+    rank calls it, in the same order. A tensor no call writes keeps no value, and the first step
+    says which."""
     model = pm._model_ref()
     if model is None:
         raise RuntimeError("the original model of this module is gone (a model on a real device is not kept alive "
                            "by the module): load weights with pm.load_weights(path) instead, or keep a reference")
     slots = pm._slots_by_name()
     dev = pm._sig.ctx.device
+    meta = all(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
     any_call = False
-    for mod, prefix, call, subtree in _visits(model, fn):
-        owned = [(f"{prefix}{k}" if not sub else f"{prefix}{sub}.{k}", table, k, t)
-                 for sub, m in (mod.named_modules() if subtree else [("", mod)])
-                 for table in (m._parameters, m._buffers) for k, t in table.items() if t is not None]
-        whole, swapped = {}, []
-        for fqn, table, k, t in owned:
-            s = slots.get(fqn)
+    for mod, prefix, call in _visits(model, fn):
+        tensors = _tensors(mod, prefix)
+        writes = _written_by(mod, call, tensors) if meta else None
+        if writes is None:  # the module's own tensors
+            own = {id(t) for t in (*mod._parameters.values(), *mod._buffers.values()) if t is not None}
+            writes = set(own)
+        whole, swapped = [], []
+        for k, (t, places) in tensors.items():  # the same order on every rank (gathers are collective)
+            if k not in writes:
+                continue
+            s = next((slots[fqn] for _, _, fqn in places if fqn in slots), None)
             if s is None:
                 continue  # not read by the graph (a parameter the forward never uses)
             key = pm._key(s)
@@ -112,24 +140,25 @@ def init_weights(pm, fn: Callable[[nn.Module], None] | None = None, *, only: set
             else:  # the tensor as it stands (an earlier call wrote it): gathered, then edited
                 full = pm._gather(lambda x: x, kinds=(s.kind,), keep={s.name})[s.name].clone()
             stand_in = nn.Parameter(full, requires_grad=False) if isinstance(t, nn.Parameter) else full
-            swapped.append((table, k, t))
-            table[k] = stand_in
-            whole[fqn] = (full, full._version)
+            for table, name, _ in places:
+                swapped.append((table, name, t))
+                table[name] = stand_in
+            whole.append((s.name, full, full._version))
         if not whole:
             continue
         try:
             call(mod)
             any_call = True
         finally:
-            for table, k, t in reversed(swapped):
-                table[k] = t
-        for fqn, (full, version) in whole.items():
+            for table, name, t in reversed(swapped):
+                table[name] = t
+        for name, full, version in whole:
             if full._version != version:
-                pm._fill(fqn, lambda placements, f=full: pm._shard(f, placements))
+                pm._fill(name, lambda placements, f=full: pm._shard(f, placements))
     if not any_call and only is None:
         raise RuntimeError(f"{type(model).__name__} has no initialisation autopar can run (no HF _init_weights, no "
-                           f"module with reset_parameters): pass init_weights(fn) with fn(module) writing each "
-                           f"module's own parameters, as model.apply(fn) would")
+                           f"module with reset_parameters): pass init_weights(fn) with fn(module) initialising "
+                           f"the module's tensors, as model.apply(fn) would")
 
 
 # ---------------------------------------------------------------------- what a file must hold

@@ -96,3 +96,12 @@ def test_bad_weights_are_refused_with_what_is_wrong(pool, files):
         assert "DCP checkpoint" in e["dcp_missing"] and "missing 1: ['lm_head.weight']" in e["dcp_missing"]
         assert e["no_weights"] is not None and "hold no values yet" in e["no_weights"] \
             and "load_weights" in e["no_weights"]
+
+
+def test_init_weights_of_a_plain_torch_model_is_model_apply(pool):
+    res = pool.run("weights_workers:init_plain_case", {"dp": 2, "tp": 2})
+    for r in res:
+        assert r["partial"] is not None and "['pos']" in r["partial"], r["partial"]
+        assert r["start_err"] == 0.0, r["start_err"]  # model.apply(fn) on one device, same seed: equal
+        assert r["out_proj_bias"] == 0.0  # written by the parent's call, as on one device
+        assert r["loss_err"] <= TOL

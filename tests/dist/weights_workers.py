@@ -115,3 +115,43 @@ def bad_weights_case(folder: str) -> dict:
     except RuntimeError as err:
         errors["no_weights"] = str(err)
     return {"errors": errors, "unchanged": unchanged}
+
+
+def _mha_init(m):
+    """An initialisation as a user writes one for ``model.apply``: torch's own resets, and the
+    model's own positional table."""
+    import torch.nn as nn
+
+    from autopar.zoo import MHAClassifier
+
+    if isinstance(m, MHAClassifier):
+        nn.init.normal_(m.pos, std=0.02)
+    elif isinstance(m, nn.MultiheadAttention):
+        m._reset_parameters()  # also zeroes out_proj.bias, a submodule's tensor
+    elif hasattr(m, "reset_parameters"):
+        m.reset_parameters()
+
+
+def init_plain_case(layout: dict) -> dict:
+    """A plain torch model (``nn.MultiheadAttention``) on meta: ``init_weights()`` leaves the model's
+    own ``nn.Parameter`` without a value (an error at the first step, naming it);
+    ``init_weights(fn)`` equals ``model.apply(fn)`` on one device for the same seed."""
+    ex = cases.example("mha")
+    pm = _compile("mha", layout, cases.example("mha", device="meta").model, ex, None)
+    torch.manual_seed(SEED)
+    pm.init_weights()
+    try:
+        pm.train_step(*ex.args, target=ex.target)
+        partial = None
+    except RuntimeError as err:
+        partial = str(err)
+    torch.manual_seed(SEED)
+    pm.init_weights(_mha_init)
+    ref = cases.example("mha").model
+    torch.manual_seed(SEED)
+    ref.apply(_mha_init)
+    start_err = _state_err(pm.full_state_dict(), ref.state_dict())
+    loss = float(pm.train_step(*ex.args, target=ex.target))
+    ref_loss = float(ex.loss_fn(ref(*ex.args), ex.target))
+    return {"partial": partial, "start_err": start_err, "loss_err": abs(loss - ref_loss) / abs(ref_loss),
+            "out_proj_bias": float(pm.full_state_dict()["attn.0.out_proj.bias"].abs().max())}
