@@ -270,7 +270,9 @@ def _load_safetensors(pm, path: str) -> None:
 
     def handle(fname):
         if fname not in handles:
-            handles[fname] = safe_open(fname, framework="pt").__enter__()
+            # pread, not mmap: a mapped file's touched pages would count in the rank's memory
+            # for as long as the file is open; a read holds only the slice asked for.
+            handles[fname] = safe_open(fname, framework="pt", backend="pread").__enter__()
         return handles[fname]
 
     try:
