@@ -299,3 +299,17 @@ def test_unequal_micro_batch_targets_stop_the_pipeline(pool8):
     plan = _plan("gpt2 pp2 x dp2 x tp2")
     res = pool8.run("nd_workers:padded_case", "gpt2", plan.to_json())
     assert all("micro-batches of this batch count" in r for r in res), res[0]
+
+
+def test_meta_model_loads_its_slices_on_pp_dp_tp(pool8, tmp_path):
+    """A Llama built on meta, its weights read from a sharded ``save_pretrained`` folder on pp 2 x
+    dp 2 x tp 2 (each rank its stage's tensor shards only), trains like one device and saves a
+    folder that ``from_pretrained`` opens with the trained weights (``autopar.weights``)."""
+    src = tmp_path / "hf"
+    cases.example("llama").model.save_pretrained(src, max_shard_size="40KB")
+    res = pool8.run("weights_workers:meta_case", "llama", {"pp": 2, "dp": 2, "tp": 2}, str(src),
+                    str(tmp_path / "saved"), False, "60KB", ((2, 2, 2), ("pp", "dp", "tp")))
+    for r in res:
+        assert r["start_err"] == 0.0 and r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
+        assert r["local_numel"] < 0.5 * r["model_numel"], (r["local_numel"], r["model_numel"])
+    assert res[0]["reload_err"] == 0.0
