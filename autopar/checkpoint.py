@@ -143,6 +143,7 @@ def load_sharded_state_dict(pm, state: Mapping[str, torch.Tensor], *,
         else:
             piece = _shard_full(value, pls, pm)
         local.copy_(piece.to(local.dtype))
+    _mark_written(pm, [name for name in given if name in own])
     return sorted(set(own) - set(given)), sorted(set(given) - set(own))
 
 
@@ -334,6 +335,8 @@ def save(path: str, pm, optimizer: torch.optim.Optimizer | None = None, *, extra
         raise CheckpointError("extra must be plain JSON data (dicts, lists, numbers, strings)")
     import torch.distributed.checkpoint as dcp
 
+    if hasattr(pm, "_check_ready"):
+        pm._check_ready()  # never save a module's uninitialised memory (a model built on meta)
     own = entries(pm)
     state: dict[str, Any] = {_MODEL: {k: v for k, v in sharded_state_dict(pm).items() if _held(pm, k)}}
     side = {"format": FORMAT, "version": VERSION, "plan_digest": pm.plan.digest(), "mesh": list(pm.plan.mesh["shape"]),
@@ -398,9 +401,18 @@ def load(path: str, pm, optimizer: torch.optim.Optimizer | None = None, *, stric
         state[_OPTIM], install = _template(pm, optimizer, side["optimizer"])
     with torch.no_grad():
         dcp.load(state, checkpoint_id=path)
+    _mark_written(pm, [k for k in own if k in side["tensors"]])
     if optimizer is not None:
         _install(pm, optimizer, install, side["optimizer"]["groups"])
     return side.get("extra")
+
+
+def _mark_written(pm, names) -> None:
+    """A module built on meta holds values for ``names`` now (``ParallelModule._written``)."""
+    written = getattr(pm, "_written", None)
+    if written is not None:
+        for name in names:
+            written(name)
 
 
 def _check_tensors(saved: dict, own: dict, strict: bool) -> None:

@@ -330,7 +330,7 @@ def _load_dcp(pm, path: str) -> None:
     if os.path.isfile(os.path.join(path, SIDECAR)):  # autopar's own checkpoint (model and optimizer)
         from autopar.checkpoint import load
 
-        load(path, pm)
+        load(path, pm)  # marks what it wrote
         return
     try:
         meta = dcp.FileSystemReader(path).read_metadata()
@@ -407,6 +407,7 @@ def save_pretrained(pm, path: str, *, max_shard_size: int | str = "5GB", dtype: 
     ``max_shard_size``; plus ``config.json`` when the model has an HF config. ``dtype`` converts
     floating tensors (``torch.bfloat16`` halves the files). Streamed: every rank gathers one
     tensor at a time (collective: every rank calls it) and rank 0 writes it."""
+    pm._check_ready()  # never write a module's uninitialised memory as weights
     limit = _size_bytes(max_shard_size)
     expected = _expected(pm)
     order = [k for k in pm._state_names if k in expected]  # the model's state_dict order

@@ -224,21 +224,36 @@ class _ChainPlanner:
         low = self.low
         nodes = list(low.cap.gm.graph.nodes)
         seeds = {n.name: s for n in nodes if (s := _seed(low, n)) is not None}
-        out = []
+        found = []
         for key in sorted(set(seeds.values())):
             k, d = key
             group = [n for n in nodes if seeds.get(n.name) == key]
-            out += self._components(nodes, group, k, d)
+            # A matmul planned in another chunk count never runs inside this chain (it would run
+            # in k pieces where the plan priced its own).
+            others = {n for n, s in seeds.items() if s != key}
+            found += self._components(nodes, group, k, d, others)
+        # Chains of different (k, dim) may share members that are not matmuls (an activation
+        # between two layers' matmuls): a node runs in one chain only. The chains with the most
+        # matmuls are kept; a chain that overlaps one kept is dropped, and its matmuls run as
+        # chunked ops of their own.
+        out, taken = [], set()
+        for c in sorted(found, key=lambda c: -len(c.seeds)):
+            if taken.isdisjoint(c.nodes):
+                out.append(c)
+                taken.update(c.nodes)
+
         pos = {n.name: i for i, n in enumerate(nodes)}
         out.sort(key=lambda c: pos[c.nodes[0]])
         for i, c in enumerate(out):
             c.index = i
         return out
 
-    def _components(self, nodes, group, k, d) -> list[Chain]:
+    def _components(self, nodes, group, k, d, others: set = frozenset()) -> list[Chain]:
         roles = {}
 
         def ok(n):
+            if n.name in others:
+                return False
             if n.name not in roles:
                 roles[n.name] = self.member(n, d, k)
                 if roles[n.name] is not None and is_getitem(n) and not ok(n.args[0]):

@@ -298,3 +298,39 @@ def test_a_chunk_gathered_along_another_dim_stays_in_flight(tp_mesh):
     assert isinstance(p.out, AsyncCollectiveTensor) and not p.out.completed  # not waited for yet
     got = p.wait()
     assert got.shape == (2, 6, 4)
+
+
+def test_chains_of_other_chunk_counts_stay_apart(tp_mesh):
+    """Matmuls planned in different chunk counts (here, as the planner chose for a Llama under tp
+    over 4 ranks: the first layer's q/k/v and the last layer's down projection in 4, the rest in
+    2) never share a chain: a chain of 4 once ran through the layers between them, taking their
+    matmuls and activations too, and the build failed (``IndexError`` in ``ChainEmitter.emit``).
+    Every chained matmul runs in the count the plan priced, and the model trains like one device."""
+    import os
+    import sys
+
+    import profiler
+    from autopar.planner import plan_profile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "dist"))
+    import cases
+
+    ex = cases.example("llama")
+    gp = profiler.profile(ex.model, ex.args, ex.kwargs)
+    cap = gp.captured
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_profile(gp, Mesh((WORLD,), axis_names=("tp",), cluster="cpu"), force="megatron", pipeline=False)
+    linears = [n for n in cap.gm.graph.nodes if str(n.target) == "aten.linear.default" and n.name in plan.nodes]
+    four = {linears[0].name, linears[1].name, linears[2].name, linears[-2].name}  # q, k, v; last down_proj
+    for n in linears[:-1]:  # the logits' matmul stays whole
+        plan.nodes[n.name].chunks = 4 if n.name in four else 2
+    ref = cases.reference(ex, steps=2)
+    pm, losses, grads, state = cases.train_local(ex, cap, plan, tp_mesh, world=WORLD, steps=2)
+    chained = {n: v for n, v in pm.signature.chunking.items() if "(chain" in v}
+    assert chained, pm.signature.chunking
+    for n, v in chained.items():
+        assert v.startswith(f"{plan.nodes[n].chunks} chunks"), (n, v)
+    assert cases.loss_err(losses, ref["losses"]) < 1e-5
+    assert cases.grad_err(grads, ref["grads"]) < 1e-5
+    assert cases.compare_state(state, ref["state"])["global"] < 1e-5

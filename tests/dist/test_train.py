@@ -251,3 +251,21 @@ def test_report_memory(capsys):
             ratio = m["peak"] / m["predicted"] if m["predicted"] else float("nan")
             print(f"{m['case']:28s} {m['peak'] / 2**20:9.2f} {m['predicted'] / 2**20:14.2f} {ratio:6.3f} "
                   f"({min(m['ratios']):.3f}-{max(m['ratios']):.3f}) {m['seconds']:9.1f}")
+
+
+def test_megatron_tp_over_all_four_ranks(pool):
+    """``layout={"tp": 4}``: Megatron TP over the 4 ranks as one axis (it once failed to build:
+    chains of two chunk counts overlapped, ``tests/autopar/test_overlap_chain.py``) trains like one
+    device, within the memory the plan predicts."""
+    import warnings
+
+    import autopar
+    from autopar.mesh import Mesh
+
+    ex = cases.example("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(ex.model, Mesh((4,), cluster="cpu"), ex.args, example_kwargs=ex.kwargs,
+                            layout={"tp": 4})
+    assert list(plan.mesh["shape"]) == [4] and "family: tp(4)" in plan.summary(), plan.summary()
+    check_case(pool, "llama", plan.to_json(), "llama/tp4")
