@@ -22,6 +22,8 @@ def _example(name: str):
 
 
 def mesh(shape=(2, 2), names=("dp", "tp")):
+    if len(names) != len(shape):  # a 1-D plan over the 4 ranks
+        names = ("tp",) if len(shape) == 1 else tuple(f"axis{i}" for i in range(len(shape)))
     key = ("mesh", tuple(shape), tuple(names))
     if key not in _CACHE:
         _CACHE[key] = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))

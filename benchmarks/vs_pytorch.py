@@ -1,0 +1,221 @@
+"""autopar's module against PyTorch's own, family by family, side by side on the same processes.
+
+    python benchmarks/vs_pytorch.py [--steps 10] [--world 4] [--models gpt2,llama] [--quick]
+
+The zoo's GPT-2 and Llama (4 layers, hidden 256, 4 heads, vocab 8192; batch 8 x 128 tokens; fp32,
+AdamW) on ``--world`` gloo processes (one intra-op thread each), the same global batch everywhere:
+
+| family | PyTorch's own | autopar |
+|---|---|---|
+| data parallel | ``DistributedDataParallel`` | ``layout={"dp": world}`` |
+| ZeRO-3 | FSDP2: ``fully_shard`` per decoder block, then the root | ``layout={"dp": world, "zero": 3}`` |
+| Megatron TP (Llama) | DTensor ``parallelize_module``: Colwise q/k/v/gate/up, Rowwise o/down | ``layout={"tp": world}`` |
+| the free plan | the fastest of the rows above | ``autopar.compile`` with no layout (calibrated) |
+
+A step is forward, backward, ``optimizer.step()`` and ``zero_grad``. All sides of one model are
+built in the same processes and run one step each in turn; every step starts together (barrier)
+and is timed on the slowest rank; medians over ``--steps`` after 3 warm-up steps. Memory: each
+side's per-rank peak of live tensor bytes over one more step (``autopar.runtime.live_memory``:
+parameters, gradients, optimizer state and every tensor an op makes; the same counter for every
+side), the largest rank. ``predicted``: the plan's step time (autopar rows).
+
+RATIO per row: autopar / PyTorch's own, in time and in peak memory (the free plan: against the
+fastest PyTorch row); target <= 1.0 for each. ``--quick`` (2 layers, hidden 64, vocab 512, batch 4 x 32,
+2 steps) runs in a test so the script never rots; its figures mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import warnings
+
+from launch import launch
+
+FULL = dict(layers=4, hidden=256, heads=4, kv_heads=4, intermediate=512, vocab=8192, batch=8, seq=128)
+QUICK = dict(layers=2, hidden=64, heads=4, kv_heads=4, intermediate=128, vocab=512, batch=4, seq=32)
+WARMUP = 3
+
+
+def _example(name: str, size: dict):
+    from autopar import zoo
+
+    if name == "gpt2":
+        kw = {k: v for k, v in size.items() if k not in ("kv_heads", "intermediate")}
+        return zoo.build("gpt2", **kw)
+    return zoo.build("llama", **size)
+
+
+def _layers(model):
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
+
+
+# ------------------------------------------------------------------ the sides
+def _torch_side(model, ids_local):
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        model(ids_local, labels=ids_local).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step, opt
+
+
+def _autopar_side(pm, ids):
+    import torch
+
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+
+    def step():
+        pm.train_step(ids, labels=ids)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step, opt
+
+
+def _ddp(model, ids_local):
+    from torch.nn.parallel import DistributedDataParallel
+
+    return _torch_side(DistributedDataParallel(model), ids_local)
+
+
+def _fsdp2(model, dm, ids_local):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in _layers(model):
+        fully_shard(layer, mesh=dm)
+    fully_shard(model, mesh=dm)
+    return _torch_side(model, ids_local)
+
+
+def _dtensor_tp(model, dm, ids):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {}
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}"
+        plan.update({f"{p}.self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")})
+        plan.update({f"{p}.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
+        plan.update({f"{p}.self_attn.o_proj": RowwiseParallel(), f"{p}.mlp.down_proj": RowwiseParallel()})
+    return _torch_side(parallelize_module(model, dm, plan), ids)
+
+
+def _compile(model, ids, layout=None):
+    import autopar
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.compile(model, None, example_inputs=(ids,), example_kwargs={"labels": ids}, cache_dir=None,
+                               quiet=True, layout=layout)
+
+
+# ------------------------------------------------------------------ measuring
+def _timer():
+    import torch
+    import torch.distributed as dist
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        return float(dt)
+    return timed
+
+
+def _peak(step, opt, params) -> int:
+    """The largest rank's peak of live tensor bytes over one step (the same counter for all sides)."""
+    import torch
+    import torch.distributed as dist
+
+    from autopar.runtime.live_memory import LiveMemory
+
+    mem = LiveMemory(track=list(params))
+    mem.add_optimizer(opt)
+    with mem:
+        step()
+    peak = torch.tensor([float(mem.peak)], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak)
+
+
+def _rank(rank: int, world: int, names: list[str], size: dict, steps: int) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dm = init_device_mesh("cpu", (world,))
+    out = {}
+    for name in names:
+        ex = _example(name, size)
+        ids = ex.args[0]
+        per = ids.shape[0] // world
+        mine = ids[rank * per:(rank + 1) * per]
+        base = ex.model
+        sides, plans = {}, {}
+        sides["ddp"] = _ddp(copy.deepcopy(base), mine)
+        sides["fsdp2"] = _fsdp2(copy.deepcopy(base), dm, mine)
+        layouts = {"autopar dp": {"dp": world}, "autopar zero3": {"dp": world, "zero": 3}}
+        if name == "llama":
+            sides["dtensor tp"] = _dtensor_tp(copy.deepcopy(base), dm, ids)
+            layouts["autopar tp"] = {"tp": world}
+        layouts["autopar free"] = None
+        for label, layout in layouts.items():
+            pm = _compile(copy.deepcopy(base), ids, layout)
+            plans[label] = (pm.plan.step_time, pm.plan.summary().splitlines()[0])
+            sides[label] = _autopar_side(pm, ids)
+        timed = _timer()
+        times = {k: [] for k in sides}
+        for i in range(WARMUP + steps):
+            for k, (fn, _) in sides.items():
+                t = timed(fn)
+                if i >= WARMUP:
+                    times[k].append(t)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        peaks = {k: _peak(fn, opt, opt.param_groups[0]["params"]) for k, (fn, opt) in sides.items()}
+        out[name] = {"time": med, "peak": peaks, "plans": plans}
+        del sides
+        torch.distributed.barrier()
+    return out
+
+
+ROWS = [("data parallel", "ddp", "autopar dp"), ("ZeRO-3", "fsdp2", "autopar zero3"),
+        ("Megatron TP", "dtensor tp", "autopar tp")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--models", default="gpt2,llama")
+    ap.add_argument("--quick", action="store_true", help="tiny models, 2 steps: the script runs (figures mean nothing)")
+    a = ap.parse_args()
+    size, steps = (QUICK, 2) if a.quick else (FULL, a.steps)
+    names = a.models.split(",")
+    res = launch(a.world, _rank, names, size, steps)[0]
+    ms = lambda s: f"{s * 1e3:8.1f} ms"  # noqa: E731
+    mib = lambda b: f"{b / 2**20:8.1f} MiB"  # noqa: E731
+    for name in names:
+        r = res[name]
+        t, p, plans = r["time"], r["peak"], r["plans"]
+        print(f"\n{name}: {a.world} gloo ranks, median of {steps} steps after {WARMUP} warm-up")
+        print(f"{'family':<14} {'PyTorch':<10} {'time':>11} {'peak':>12}   {'autopar':<13} {'time':>11} "
+              f"{'peak':>12} {'predicted':>11}   {'RATIO time':>10} {'RATIO mem':>9}")
+        rows = [row for row in ROWS if row[1] in t]
+        best = min((row[1] for row in rows), key=lambda k: t[k])
+        rows.append(("free plan", best, "autopar free"))
+        for family, theirs, ours in rows:
+            print(f"{family:<14} {theirs:<10} {ms(t[theirs]):>11} {mib(p[theirs]):>12}   {ours:<13} {ms(t[ours]):>11} "
+                  f"{mib(p[ours]):>12} {ms(plans[ours][0]):>11}   {t[ours] / t[theirs]:>10.2f} "
+                  f"{p[ours] / p[theirs]:>9.2f}")
+        print(f"free plan: {plans['autopar free'][1]}")
+        for family, theirs, ours in rows:
+            print(f"RATIO {name} {family}: time {t[ours] / t[theirs]:.2f} memory {p[ours] / p[theirs]:.2f} "
+                  f"(target <= 1.0)")
+
+
+if __name__ == "__main__":
+    main()
