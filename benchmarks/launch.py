@@ -54,21 +54,23 @@ def launch(world: int, fn, *args, timeout: float = 1800.0) -> list:
             try:
                 rank, (status, value) = results.get(timeout=max(1.0, deadline - time.time()))
             except queue.Empty:
+                if errors:
+                    break
                 raise RuntimeError(f"{fn.__name__} on {world} gloo processes did not finish within {timeout:.0f} s "
                                    f"(a collective some rank never joined?)") from None
             if status == "error":
+                if not errors:  # the first error may be a symptom (a peer gone): hear the others a while
+                    deadline = min(deadline, time.time() + 20)
                 errors[rank] = value
             out[rank] = value
-            if errors:
-                break  # the other ranks may be stuck in a collective: stop them below
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)
             if p.is_alive():
                 p.kill()
     if errors:
-        rank = min(errors)
-        raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{errors[rank]}")
+        rank = min(errors, key=lambda r: ("Connection reset by peer" in errors[r], r))  # a cause, not a symptom
+        raise RuntimeError(f"{fn.__name__} failed on ranks {sorted(errors)}; rank {rank}:\n{errors[rank]}")
     return out
 
 

@@ -12,12 +12,15 @@ AdamW) on ``--world`` gloo processes (one intra-op thread each), the same global
 | Megatron TP (Llama) | DTensor ``parallelize_module``: Colwise q/k/v/gate/up, Rowwise o/down | ``layout={"tp": world}`` |
 | the free plan | the fastest of the rows above | ``autopar.compile`` with no layout (calibrated) |
 
-A step is forward, backward, ``optimizer.step()`` and ``zero_grad``. All sides of one model are
-built in the same processes and run one step each in turn; every step starts together (barrier)
+A step is forward, backward, ``optimizer.step()`` and ``zero_grad``. Each row is one launch: its
+PyTorch module and autopar's are built in the same processes and run one step each in turn (the
+free plan's launch carries every PyTorch row of the model, its baseline the fastest of them); every step starts together (barrier)
 and is timed on the slowest rank; medians over ``--steps`` after 3 warm-up steps. Memory: each
 side's per-rank peak of live tensor bytes over one more step (``autopar.runtime.live_memory``:
 parameters, gradients, optimizer state and every tensor an op makes; the same counter for every
-side), the largest rank. ``predicted``: the plan's step time (autopar rows).
+side), the largest rank. ``predicted``: the plan's step time (autopar rows). (Two autopar
+modules alternating in one process have crashed gloo's I/O thread intermittently, hence one
+autopar module per launch; docs/limitations.md.)
 
 RATIO per row: autopar / PyTorch's own, in time and in peak memory (the free plan: against the
 fastest PyTorch row); target <= 1.0 for each. ``--quick`` (2 layers, hidden 64, vocab 512, batch 4 x 32,
@@ -143,43 +146,38 @@ def _peak(step, opt, params) -> int:
     return int(peak)
 
 
-def _rank(rank: int, world: int, names: list[str], size: dict, steps: int) -> dict:
+def _rank(rank: int, world: int, name: str, size: dict, steps: int, torch_sides: tuple, ours: str) -> dict:
+    """One launch: PyTorch's ``torch_sides`` and autopar's side ``ours`` of model ``name``."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
     dm = init_device_mesh("cpu", (world,))
-    out = {}
-    for name in names:
-        ex = _example(name, size)
-        ids = ex.args[0]
-        per = ids.shape[0] // world
-        mine = ids[rank * per:(rank + 1) * per]
-        base = ex.model
-        sides, plans = {}, {}
-        sides["ddp"] = _ddp(copy.deepcopy(base), mine)
-        sides["fsdp2"] = _fsdp2(copy.deepcopy(base), dm, mine)
-        layouts = {"autopar dp": {"dp": world}, "autopar zero3": {"dp": world, "zero": 3}}
-        if name == "llama":
-            sides["dtensor tp"] = _dtensor_tp(copy.deepcopy(base), dm, ids)
-            layouts["autopar tp"] = {"tp": world}
-        layouts["autopar free"] = None
-        for label, layout in layouts.items():
-            pm = _compile(copy.deepcopy(base), ids, layout)
-            plans[label] = (pm.plan.step_time, pm.plan.summary().splitlines()[0])
-            sides[label] = _autopar_side(pm, ids)
-        timed = _timer()
-        times = {k: [] for k in sides}
-        for i in range(WARMUP + steps):
-            for k, (fn, _) in sides.items():
-                t = timed(fn)
-                if i >= WARMUP:
-                    times[k].append(t)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        peaks = {k: _peak(fn, opt, opt.param_groups[0]["params"]) for k, (fn, opt) in sides.items()}
-        out[name] = {"time": med, "peak": peaks, "plans": plans}
-        del sides
-        torch.distributed.barrier()
-    return out
+    ex = _example(name, size)
+    ids = ex.args[0]
+    per = ids.shape[0] // world
+    mine = ids[rank * per:(rank + 1) * per]
+    base = ex.model
+    sides, plans = {}, {}
+    make = {"ddp": lambda m: _ddp(m, mine), "fsdp2": lambda m: _fsdp2(m, dm, mine),
+            "dtensor tp": lambda m: _dtensor_tp(m, dm, ids)}
+    for k in torch_sides:
+        sides[k] = make[k](copy.deepcopy(base))
+    layout = {"autopar dp": {"dp": world}, "autopar zero3": {"dp": world, "zero": 3}, "autopar tp": {"tp": world},
+              "autopar free": None}[ours]
+    pm = _compile(copy.deepcopy(base), ids, layout)
+    plans[ours] = (pm.plan.step_time, pm.plan.summary().splitlines()[0])
+    sides[ours] = _autopar_side(pm, ids)
+    timed = _timer()
+    times = {k: [] for k in sides}
+    for i in range(WARMUP + steps):
+        for k, (fn, _) in sides.items():
+            t = timed(fn)
+            if i >= WARMUP:
+                times[k].append(t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    peaks = {k: _peak(fn, opt, opt.param_groups[0]["params"]) for k, (fn, opt) in sides.items()}
+    torch.distributed.barrier()
+    return {"time": med, "peak": peaks, "plans": plans}
 
 
 ROWS = [("data parallel", "ddp", "autopar dp"), ("ZeRO-3", "fsdp2", "autopar zero3"),
@@ -192,30 +190,46 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--models", default="gpt2,llama")
     ap.add_argument("--quick", action="store_true", help="tiny models, 2 steps: the script runs (figures mean nothing)")
+    ap.add_argument("--sides", default="", help="only the rows of these autopar sides, comma-separated (e.g. 'autopar dp,autopar free')")
     a = ap.parse_args()
     size, steps = (QUICK, 2) if a.quick else (FULL, a.steps)
     names = a.models.split(",")
-    res = launch(a.world, _rank, names, size, steps)[0]
+    only = tuple(x.strip() for x in a.sides.split(",") if x.strip())
     ms = lambda s: f"{s * 1e3:8.1f} ms"  # noqa: E731
     mib = lambda b: f"{b / 2**20:8.1f} MiB"  # noqa: E731
+    # One launch per row (PyTorch's module and autopar's, side by side in the same processes); the
+    # free plan's launch carries every PyTorch row of the model, so its baseline is measured beside it.
     for name in names:
-        r = res[name]
-        t, p, plans = r["time"], r["peak"], r["plans"]
-        print(f"\n{name}: {a.world} gloo ranks, median of {steps} steps after {WARMUP} warm-up")
+        rows = [r for r in ROWS if name == "llama" or r[1] != "dtensor tp"]
+        runs = [((theirs,), ours) for _, theirs, ours in rows]
+        runs.append((tuple(r[1] for r in rows), "autopar free"))
+        runs = [(t, o) for t, o in runs if not only or o in only]
+        t, p, plans = {}, {}, {}
+        free_t, free_p = {}, {}
+        for theirs, ours in runs:
+            r = launch(a.world, _rank, name, size, steps, theirs, ours)[0]
+            if ours == "autopar free":
+                free_t, free_p = r["time"], r["peak"]
+            else:
+                t.update(r["time"])
+                p.update(r["peak"])
+            plans.update(r["plans"])
+        print(f"\n{name}: {a.world} gloo ranks, median of {steps} steps after {WARMUP} warm-up (one launch per row)")
         print(f"{'family':<14} {'PyTorch':<10} {'time':>11} {'peak':>12}   {'autopar':<13} {'time':>11} "
               f"{'peak':>12} {'predicted':>11}   {'RATIO time':>10} {'RATIO mem':>9}")
-        rows = [row for row in ROWS if row[1] in t]
-        best = min((row[1] for row in rows), key=lambda k: t[k])
-        rows.append(("free plan", best, "autopar free"))
-        for family, theirs, ours in rows:
-            print(f"{family:<14} {theirs:<10} {ms(t[theirs]):>11} {mib(p[theirs]):>12}   {ours:<13} {ms(t[ours]):>11} "
-                  f"{mib(p[ours]):>12} {ms(plans[ours][0]):>11}   {t[ours] / t[theirs]:>10.2f} "
-                  f"{p[ours] / p[theirs]:>9.2f}")
-        print(f"free plan: {plans['autopar free'][1]}")
-        for family, theirs, ours in rows:
-            print(f"RATIO {name} {family}: time {t[ours] / t[theirs]:.2f} memory {p[ours] / p[theirs]:.2f} "
+        table = [(f, th, o, t, p) for f, th, o in rows if o in t]
+        if free_t:
+            best = min((k for k in free_t if k != "autopar free"), key=lambda k: free_t[k])
+            table.append(("free plan", best, "autopar free", free_t, free_p))
+        for family, theirs, ours, tt, pp in table:
+            print(f"{family:<14} {theirs:<10} {ms(tt[theirs]):>11} {mib(pp[theirs]):>12}   {ours:<13} "
+                  f"{ms(tt[ours]):>11} {mib(pp[ours]):>12} {ms(plans[ours][0]):>11}   "
+                  f"{tt[ours] / tt[theirs]:>10.2f} {pp[ours] / pp[theirs]:>9.2f}")
+        if "autopar free" in plans:
+            print(f"free plan: {plans['autopar free'][1]}")
+        for family, theirs, ours, tt, pp in table:
+            print(f"RATIO {name} {family}: time {tt[ours] / tt[theirs]:.2f} memory {pp[ours] / pp[theirs]:.2f} "
                   f"(target <= 1.0)")
-
 
 if __name__ == "__main__":
     main()

@@ -115,7 +115,8 @@ class BackwardGathers:
     registrations hold until the next step's first forward (every micro-batch's backward gathers
     ahead: the shards are the same parameters until the optimizer steps, and a gather reads them
     when it starts); a gather started and not taken is dropped at the end of its backward
-    (:meth:`drop_started`), so none outlives the step it was made in."""
+    (:meth:`drop_started`, after waiting for it: its buffer must outlive the collective), so
+    none outlives the step it was made in."""
 
     units: dict[int, dict] = {}
     started: list = []
@@ -142,7 +143,9 @@ class BackwardGathers:
     @classmethod
     def drop_started(cls) -> None:
         for mod in cls.started:
-            mod.bwd_gather = None
+            g, mod.bwd_gather = mod.bwd_gather, None
+            if g is not None:
+                g.take()  # every rank started it: wait, so that its buffer outlives the collective
         cls.started, cls.begun = [], set()
 
     @classmethod
@@ -193,7 +196,7 @@ def reduce_async(param: torch.Tensor, grad: torch.Tensor, axes: tuple[int, ...],
     backward only."""
     task = torch._C._current_graph_task_id()
     # A backward that raised never reached its end: its sums are dropped, never added later.
-    _InFlight.pending = [it for it in _InFlight.pending if it[0] == task]
+    _abandon(task)
     _InFlight.wait()  # one reduce-scatter in flight: the one before is waited for now
     if reduce_dtype is not None and grad.dtype != reduce_dtype:
         grad = grad.to(reduce_dtype)
@@ -213,9 +216,20 @@ def reduce_async(param: torch.Tensor, grad: torch.Tensor, axes: tuple[int, ...],
 def drain() -> None:
     """Wait now for the reduce-scatters this backward left in flight (``GradSync.finish`` calls it
     first, so that their shards reach their buckets); those of a backward that raised are dropped."""
-    task = torch._C._current_graph_task_id()
-    _InFlight.pending = [it for it in _InFlight.pending if it[0] == task]
+    _abandon(torch._C._current_graph_task_id())
     _InFlight.wait()
+
+
+#: Reduce-scatters of a backward that raised: never added, but kept referenced (their buffers
+#: must outlive the collectives, which may still be running).
+_ABANDONED: list = []
+
+
+def _abandon(task) -> None:
+    """Drop the pending reduce-scatters of graph tasks other than ``task`` (a backward that raised
+    never reached its end), keeping their buffers alive."""
+    _ABANDONED.extend(it for it in _InFlight.pending if it[0] != task)
+    _InFlight.pending = [it for it in _InFlight.pending if it[0] == task]
 
 
 def in_flight(param) -> bool:

@@ -104,10 +104,32 @@ def work_registry_case(name: str, layout: dict, steps: int = 2) -> list[int]:
         pm = autopar.compile(ex.model, mesh(), example_inputs=ex.args, example_kwargs=ex.kwargs,
                              loss_fn=ex.loss_fn, target=ex.target, cache_dir=None, quiet=True, layout=layout)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    # Every collective the prefetcher starts is waited for: c10d's registry forgets a Work whose
+    # output tensor is freed, so a gather dropped in flight leaves the registry empty while the
+    # collective still writes into freed memory. Count starts and waits instead.
+    from autopar.runtime import prefetch as P
+
+    counts = {"started": 0, "waited": 0}
+    start, finish = P._start, P._finish
+
+    def counted_start(act):
+        counts["started"] += 1
+        return start(act)
+
+    def counted_finish(t):
+        counts["waited"] += 1
+        return finish(t)
+
+    P._start, P._finish = counted_start, counted_finish
     sizes = []
-    for _ in range(steps):
-        pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
-        sizes.append(int(torch._C._distributed_c10d._get_work_registry_size()))
-        opt.step()
-        opt.zero_grad()
+    try:
+        for _ in range(steps):
+            pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
+            sizes.append((int(torch._C._distributed_c10d._get_work_registry_size()),
+                          counts["started"] - counts["waited"]))
+            opt.step()
+            opt.zero_grad()
+    finally:
+        P._start, P._finish = start, finish
+    sizes.append(counts["started"])
     return sizes
