@@ -18,9 +18,7 @@ free plan's launch carries every PyTorch row of the model, its baseline the fast
 and is timed on the slowest rank; medians over ``--steps`` after 3 warm-up steps. Memory: each
 side's per-rank peak of live tensor bytes over one more step (``autopar.runtime.live_memory``:
 parameters, gradients, optimizer state and every tensor an op makes; the same counter for every
-side), the largest rank. ``predicted``: the plan's step time (autopar rows). (Two autopar
-modules alternating in one process have crashed gloo's I/O thread intermittently, hence one
-autopar module per launch; docs/limitations.md.)
+side), the largest rank. ``predicted``: the plan's step time (autopar rows).
 
 RATIO per row: autopar / PyTorch's own, in time and in peak memory (the free plan: against the
 fastest PyTorch row); target <= 1.0 for each. ``--quick`` (2 layers, hidden 64, vocab 512, batch 4 x 32,

@@ -4,7 +4,8 @@
 
 Forward: the codegen emits a :class:`GatherLaunch` per prefetched copy before the node its
 ``Prefetch.launch`` names (the start of the layer before the weight's own); it starts the
-all-gather asynchronously (a functional collective, waited lazily) and returns a
+all-gather asynchronously (a c10d collective and its Work, waited lazily: ``_launch_gather``)
+and returns a
 :class:`Gathering` token. The weight's :class:`autopar.codegen.modules.ReshardModule` takes the
 token with the shard and waits for the gather instead of running it; a second call (a
 checkpointed region recomputing in backward) finds the token spent and gathers synchronously.
@@ -21,20 +22,51 @@ the synchronous collectives: the same collectives on the same tensors, only wait
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from autopar.runtime import collectives as C
 
 
-def _start(act) -> torch.Tensor:
-    """The collective's output, not yet waited for, without funcol's ``AsyncCollectiveTensor``
-    wrapper (a second tensor object over the same storage while it is in flight)."""
-    return act.elem if isinstance(act, funcol.AsyncCollectiveTensor) else act
+def _pg(dm, axes: tuple[int, ...]):
+    """The process group of mesh ``axes`` together (row-major)."""
+    return dm.get_group(axes[0]) if len(axes) == 1 else C.axes_group(dm, axes)
 
 
-def _finish(t: torch.Tensor) -> torch.Tensor:
-    return torch.ops._c10d_functional.wait_tensor(t)
+def _launch_gather(inp: torch.Tensor, pg, n: int):
+    """Start the all-gather of ``inp`` along dim 0 over ``pg`` (n ranks): (output, Work).
+
+    A c10d collective with its Work, not a functional one: with several functional collectives in
+    flight at once on one gloo group (a unit's gathers started ahead while the layer before
+    computes), gloo's I/O thread crashed intermittently (a ZeRO-3 GPT-2 on 4 processes, within 40
+    steps); the c10d path, which gradient buckets and chunked matmuls also leave in flight, has
+    not. The caller keeps ``inp`` and the output referenced until :func:`_finish_work`."""
+    import torch.distributed as dist
+
+    out = inp.new_empty((inp.shape[0] * n, *inp.shape[1:]))
+    work = dist.all_gather_into_tensor(out, inp, group=pg, async_op=True)
+    return _launched(out), work
+
+
+def _launch_reduce_scatter(rows: torch.Tensor, pg, n: int):
+    """Start the sum-reduce-scatter of ``rows`` along dim 0 over ``pg`` (n ranks): (output, Work)."""
+    import torch.distributed as dist
+
+    out = rows.new_empty((rows.shape[0] // n, *rows.shape[1:]))
+    work = dist.reduce_scatter_tensor(out, rows, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+    return _launched(out), work
+
+
+def _launched(out: torch.Tensor) -> torch.Tensor:
+    return out  # (a seam: tests count the collectives started here against those waited for)
+
+
+def _finish_work(work, out: torch.Tensor, *keep) -> torch.Tensor:
+    work.wait()
+    return _finish_plain(out)
+
+
+def _finish_plain(out: torch.Tensor) -> torch.Tensor:
+    return out  # (a seam: see _launched)
 
 
 class Gathering:
@@ -52,11 +84,6 @@ class Gathering:
             return None
         out = pend()
         return out if self.dim == 0 else C._rows_to_dim(out, self.n, self.dim)
-
-
-def _group(dm, axes: tuple[int, ...]):
-    """The functional collectives' group of mesh ``axes`` together (row-major)."""
-    return (dm, axes[0]) if len(axes) == 1 else C.axes_group(dm, axes)
 
 
 def _size(dm, axes) -> int:
@@ -97,10 +124,12 @@ class GatherLaunch(nn.Module):
         dm, a = self.ctx.device_mesh, self.axes
         if self.dtype is not None and x.dtype != self.dtype:
             x = x.to(self.dtype)
-        act = _start(funcol.all_gather_single(x.detach().contiguous(), 0, _group(dm, a)))
+        inp = x.detach().contiguous()
+        out, work = _launch_gather(inp, _pg(dm, a), _size(dm, a))
         GatherLaunch.launched += 1
         where = f"prefetched gather of {self.what}"
-        return Gathering(lambda: C.run_collective("all_gather", x, dm, a[0], where, lambda: _finish(act)),
+        return Gathering(lambda: C.run_collective("all_gather", inp, dm, a[0], where,
+                                                  lambda: _finish_work(work, out, inp)),
                          self.dim, _size(dm, a))
 
 
@@ -203,11 +232,11 @@ def reduce_async(param: torch.Tensor, grad: torch.Tensor, axes: tuple[int, ...],
     n = _size(dm, axes)
     C._check_divides(grad, dim, n, "reduce_scatter")
     rows = grad.contiguous() if dim == 0 else C._dim_to_rows(grad, n, dim)
-    act = _start(funcol.reduce_scatter_single(rows, "sum", 0, _group(dm, axes)))
+    out, work = _launch_reduce_scatter(rows, _pg(dm, axes), n)  # c10d, as the gathers (_launch_gather)
     _InFlight.started += 1
     at = f"backward of {where or 'a prefetched gather'} (prefetch unit {unit})"
     _InFlight.pending.append((task, unit, param, lambda: C.run_collective("reduce_scatter", rows, dm, axes[0], at,
-                                                                     lambda: _finish(act))))
+                                                                     lambda: _finish_work(work, out, rows))))
     if _InFlight.queued != task:
         torch.autograd.Variable._execution_engine.queue_callback(_InFlight.flush)
         _InFlight.queued = task

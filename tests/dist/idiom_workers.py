@@ -110,17 +110,17 @@ def work_registry_case(name: str, layout: dict, steps: int = 2) -> list[int]:
     from autopar.runtime import prefetch as P
 
     counts = {"started": 0, "waited": 0}
-    start, finish = P._start, P._finish
+    start, finish = P._launched, P._finish_plain
 
-    def counted_start(act):
+    def counted_start(out):
         counts["started"] += 1
-        return start(act)
+        return start(out)
 
-    def counted_finish(t):
+    def counted_finish(out):
         counts["waited"] += 1
-        return finish(t)
+        return finish(out)
 
-    P._start, P._finish = counted_start, counted_finish
+    P._launched, P._finish_plain = counted_start, counted_finish
     sizes = []
     try:
         for _ in range(steps):
@@ -130,6 +130,6 @@ def work_registry_case(name: str, layout: dict, steps: int = 2) -> list[int]:
             opt.step()
             opt.zero_grad()
     finally:
-        P._start, P._finish = start, finish
+        P._launched, P._finish_plain = start, finish
     sizes.append(counts["started"])
     return sizes
