@@ -43,7 +43,7 @@ def _launch_gather(inp: torch.Tensor, pg, n: int):
     import torch.distributed as dist
 
     out = inp.new_empty((inp.shape[0] * n, *inp.shape[1:]))
-    work = dist.all_gather_into_tensor(out, inp, group=pg, async_op=True)
+    work = dist.all_gather_single(out, inp, group=pg, async_op=True)
     return _launched(out), work
 
 
@@ -52,7 +52,7 @@ def _launch_reduce_scatter(rows: torch.Tensor, pg, n: int):
     import torch.distributed as dist
 
     out = rows.new_empty((rows.shape[0] // n, *rows.shape[1:]))
-    work = dist.reduce_scatter_tensor(out, rows, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+    work = dist.reduce_scatter_single(out, rows, op=dist.ReduceOp.SUM, group=pg, async_op=True)
     return _launched(out), work
 
 
