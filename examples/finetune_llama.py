@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from train_gpt2 import batches  # the same counting sequences (examples/ is on the path of its scripts)
 
 
 def make_random_llama(path: str) -> None:
@@ -29,15 +30,6 @@ def make_random_llama(path: str) -> None:
                       bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="2MB")
-
-
-def batches(vocab: int, batch: int, seq: int, seed: int = 0):
-    """Counting sequences (a random start and stride, modulo the vocabulary): the same on every rank."""
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        start = torch.randint(0, vocab, (batch, 1), generator=g)
-        stride = torch.randint(1, 5, (batch, 1), generator=g)
-        yield (start + stride * torch.arange(seq)) % vocab
 
 
 def main():
