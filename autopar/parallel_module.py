@@ -176,6 +176,11 @@ class ParallelModule(nn.Module):
                 raise NotImplementedError("inputs_sharded=True is not supported with gradient accumulation: pass the "
                                           "global batch (train_step cuts the micro-batches)")
             self._microbatch_checks(accumulate, "this plan accumulates")
+        if sig.dtensor_random:  # CUDA: DTensor's random generator set up now, one seed per stage
+            from autopar.runtime import rng
+
+            stage = sig.ctx.full_mesh.get_local_rank(self._pipe.axis) if self._pipe is not None else 0
+            rng.prepare_dtensor_rng(sig.ctx.device_mesh, rng.RandomStream.synced(sig.ctx.device).base, stage)
         self._materialise()  # a model built on meta: this rank's shards, allocated here
         # The original module tree, for init_weights (a meta model costs nothing to keep; a real
         # one is not kept alive by this module).

@@ -85,6 +85,9 @@ class LocalSignature:
     causal: list[str] = dataclasses.field(default_factory=list)
     """Attention nodes that run ``is_causal=True`` because capture proved their mask causal
     (``Captured.causal``, :mod:`profiler.causal`)."""
+    dtensor_random: list[str] = dataclasses.field(default_factory=list)
+    """Random nodes that draw through DTensor's offset-based generator (CUDA meshes,
+    :func:`autopar.runtime.rng.uses_dtensor_rng`): the module seeds it when it is built."""
 
 
 #: Ops whose output is a fresh tensor that their own backward never saves (it reads the inputs,
@@ -98,6 +101,7 @@ class _Lowering:
 
     def __init__(self, captured, plan, ctx: MeshContext, *, debug: bool, executor: str):
         self.cap, self.plan, self.ctx, self.debug, self.mode = captured, plan, ctx, debug, executor
+        self.dtensor_random: list[str] = []
         self.n = len(ctx.shape)
         self.graph = fx.Graph()
         self.root: dict[str, Any] = {}
@@ -482,6 +486,7 @@ class _Lowering:
         if random and rng.uses_dtensor_rng(self.ctx.device.type, node.target):
             # DTensor's offset-based generator draws each shard's slice of the one-device numbers.
             mod, kind, (args_t, kwargs_t) = self._dtensor_exec(node)
+            self.dtensor_random.append(node.name)
         else:
             mod, kind, (args_t, kwargs_t) = self.make_exec(node)
         self.executors[node.name] = kind
@@ -639,5 +644,6 @@ def build(captured, plan, device_mesh, *, debug: bool = False, executor: str = "
     gm.meta["autopar"] = LocalSignature(slots=low.sig_slots, param_grads={low.kinds[k][1]: v for k, v in low.pgrads.items()},
                                         ctx=ctx, executors=low.executors, reshards=low.reshards,
                                         chunking=low.chunking, regions=low.regions,
-                                        causal=sorted(getattr(captured, "causal", {})))
+                                        causal=sorted(getattr(captured, "causal", {})),
+                                        dtensor_random=list(low.dtensor_random))
     return gm

@@ -70,6 +70,24 @@ def uses_dtensor_rng(device_type: str, op=None) -> bool:
     return op is None or op in dtensor_random_ops()
 
 
+def prepare_dtensor_rng(device_mesh, base: int, stage: int = 0) -> int:
+    """Set up DTensor's offset-based generator now, when the module is built, not lazily inside a
+    step: left to itself, DTensor builds its tracker at the first random op and broadcasts rank
+    0's generator state over the world, which a pipeline stage without random ops never joins
+    (the job hangs). The tracker is built without that broadcast (``run_state_sync=False``), and
+    the device's generator of every rank is seeded with ``mix(base, stage)``: the same seed on the
+    ranks of one pipeline stage (their shards draw one device's numbers by offset), another on
+    the next stage (stages do not repeat each other's masks), as torchtitan's ``set_determinism``
+    does. ``base``: the stream's shared base seed (:meth:`RandomStream.synced`). Returns the seed."""
+    from torch.distributed.tensor import _random
+
+    if _random._rng_tracker is None:
+        _random._rng_tracker = _random.OffsetBasedRNGTracker(device_mesh, run_state_sync=False)
+    seed = _mix(base, stage)
+    generator_of(torch.device(device_mesh.device_type)).manual_seed(seed)
+    return seed
+
+
 def _mix(*values: int) -> int:
     """splitmix64 over ``values``: a well-spread 63-bit seed (non-negative for ``manual_seed``)."""
     h = 0x9E3779B97F4A7C15

@@ -44,3 +44,36 @@ def test_the_stream_seeds_the_generator_of_its_device():
     stream.counter = 0
     b = op(torch.ones(64))
     assert torch.equal(a, b) and torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_dtensor_generator_is_set_up_at_build_without_a_broadcast(monkeypatch):
+    """DTensor builds its offset-based tracker lazily at the first random op, broadcasting rank
+    0's state over the world: a pipeline stage without random ops never joins and the job hangs.
+    ``prepare_dtensor_rng`` (called by the module at build when a random node runs on DTensors)
+    builds it with ``run_state_sync=False`` and seeds the device generator per stage: the same
+    seed on the ranks of one stage, another on the next. (CUDA stand-ins: no GPU here.)"""
+    from torch.distributed.tensor import _random
+
+    made, seeded = [], []
+
+    class Tracker:
+        def __init__(self, device_mesh, run_state_sync=True):
+            made.append((device_mesh, run_state_sync))
+
+    class Gen:
+        def manual_seed(self, seed):
+            seeded.append(seed)
+
+    class Mesh:
+        device_type = "cuda"
+
+    monkeypatch.setattr(_random, "_rng_tracker", None)
+    monkeypatch.setattr(_random, "OffsetBasedRNGTracker", Tracker)
+    monkeypatch.setattr(rng, "generator_of", lambda device: Gen() if device.type == "cuda" else None)
+    mesh = Mesh()
+    s0 = rng.prepare_dtensor_rng(mesh, 1234, stage=0)
+    assert made == [(mesh, False)] and isinstance(_random._rng_tracker, Tracker)
+    s0_again = rng.prepare_dtensor_rng(mesh, 1234, stage=0)  # another module: the tracker is kept
+    s1 = rng.prepare_dtensor_rng(mesh, 1234, stage=1)
+    assert len(made) == 1 and seeded == [s0, s0_again, s1]
+    assert s0 == s0_again and s0 != s1 and 0 <= s0 < 2 ** 63
