@@ -25,9 +25,9 @@ Optimizer state: the parameters are DTensors (``autopar.parallel_module``), and 
 an optimizer keeps for them. Each state tensor placed like its parameter (Adam's
 ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``) is saved as that DTensor; other DTensor
 statistics (Adafactor's row and column factors) are saved whole and loaded replicated; plain
-tensors (Adam's 0-d ``step``) are the same on every rank and are saved once. Under a pipeline the
-parameters are local tensors and their state is wrapped as before: per parameter, each state
-tensor shaped like the local shard is saved as a DTensor with the parameter's placements.
+tensors (Adam's 0-d ``step``) are the same on every rank and are saved once. Under a pipeline
+each stage's ranks save their stages' state; the param groups saved are the stages' groups merged
+(group ``i`` of every rank), so the checkpoint loads under any plan.
 """
 from __future__ import annotations
 
@@ -254,7 +254,7 @@ def _template(pm, optimizer, layout: dict) -> tuple[dict[str, torch.Tensor], dic
     names = _param_names(pm)
     mine = {names[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in names}
     saved = set(layout["state"])
-    extra = sorted(saved - mine)
+    extra = sorted(n for n in saved - mine if _held(pm, n))  # (under a pipeline, this rank's stages')
     if extra:
         raise CheckpointError(f"the checkpoint has optimizer state for {extra[:6]}, which this optimizer does not "
                               f"hold; build the optimizer over pm.parameters()")
@@ -285,9 +285,12 @@ def _template(pm, optimizer, layout: dict) -> tuple[dict[str, torch.Tensor], dic
 def _load_groups(pm, optimizer, groups: list[dict]) -> None:
     names = _param_names(pm)
     by_params = {tuple(sorted(g["params"])): g["hyper"] for g in groups}
+    staged = getattr(pm, "_pipe", None) is not None
     for gi, group in enumerate(optimizer.param_groups):
         key = tuple(sorted(names[id(p)] for p in group["params"]))
         hyper = by_params.get(key)
+        if hyper is None and staged and key:  # a stage's group: its part of a saved group
+            hyper = next((g["hyper"] for g in groups if set(key) <= set(g["params"])), None)
         if hyper is None:
             raise CheckpointError(f"optimizer param group {gi} ({len(key)} parameters, e.g. {list(key[:2])}) has no "
                                   f"group with the same parameters in the checkpoint; build the param groups as "
@@ -347,12 +350,18 @@ def save(path: str, pm, optimizer: torch.optim.Optimizer | None = None, *, extra
     if optimizer is not None:
         tensors, layout = optimizer_state_dict(pm, optimizer)
         state[_OPTIM] = {k: v for k, v in tensors.items() if _held(pm, k.rsplit(".", 1)[0])}
-        if getattr(pm, "_pipe", None) is not None:  # each stage's ranks know their own state
-            merged = {}
-            for other in _gather_json({k: v for k, v in layout["state"].items() if _held(pm, k)},
-                                      _signature(pm).ctx.device):
-                merged.update(other)
+        if getattr(pm, "_pipe", None) is not None:  # each stage's ranks know their own state and groups
+            merged, groups = {}, [dict(g, params=set(g["params"])) for g in layout["groups"]]
+            for other in _gather_json({"state": {k: v for k, v in layout["state"].items() if _held(pm, k)},
+                                       "groups": layout["groups"]}, _signature(pm).ctx.device):
+                merged.update(other["state"])
+                if len(other["groups"]) != len(groups):
+                    raise CheckpointError(f"the optimizer has {len(groups)} param groups on this rank and "
+                                          f"{len(other['groups'])} on another; build the same groups on every rank")
+                for mine, theirs in zip(groups, other["groups"]):
+                    mine["params"] |= set(theirs["params"])
             layout["state"] = merged
+            layout["groups"] = [dict(g, params=sorted(g["params"])) for g in groups]
         side["optimizer"] = layout
     _clear_sidecar(path)
     dcp.save(state, checkpoint_id=path)

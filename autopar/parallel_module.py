@@ -19,9 +19,9 @@ DTensor's storage (no copy): an optimizer's in-place update is what the next ste
 backward, each parameter's ``.grad`` is a DTensor over the reduced local gradient (same storage,
 placed like the parameter); a gradient the user clears (``zero_grad``) or edits in place is what
 the next step accumulates into. Tied weights are one ``Parameter`` under both names. Under a
-pipeline the parameters stay local tensors (a stage holds its own layers' shards only): use
-``pm.clip_grad_norm_``, which sums over the stages, and elementwise optimizers there
-(docs/limitations.md).
+pipeline a rank lists its stages' parameters only (DTensors on the stage's mesh; the stages
+together are the model), and ``torch.nn.utils.clip_grad_norm_`` sums its norm over the stages
+(``_watch_stage_norms``; docs/runtime.md).
 
 Inputs: every rank passes the same global batch and the module keeps its slice per the plan's
 input placements; with ``inputs_sharded=True`` each rank passes its own slice already.
@@ -81,6 +81,73 @@ def _watch_optimizer_steps(pm) -> None:
 
         register_optimizer_step_post_hook(stepped)
     _STEPPED.add(pm)
+
+
+_PIPELINED: "weakref.WeakSet" = None  # pipelined ParallelModules whose gradients torch may norm
+_TORCH_TOTAL_NORM = None  # torch.nn.utils.get_total_norm as torch defines it
+
+
+def _watch_stage_norms(pm) -> None:
+    """Under a pipeline each rank holds its stages' parameters only, so a norm torch computes over
+    ``pm.parameters()`` is its stage's. Once a pipelined module exists, ``torch.nn.utils``'s
+    ``get_total_norm`` (which ``clip_grad_norm_`` calls) sums the norm of such a module's
+    gradients over the pipeline axis; for any other tensors it is torch's own."""
+    global _PIPELINED, _TORCH_TOTAL_NORM
+    import functools
+    import weakref
+
+    import torch.nn.utils as U
+    import torch.nn.utils.clip_grad as C
+
+    if _PIPELINED is None:
+        _PIPELINED = weakref.WeakSet()
+        _TORCH_TOTAL_NORM = C._get_total_norm
+        over_stages = functools.wraps(_TORCH_TOTAL_NORM)(_total_norm_over_stages)
+        C._get_total_norm = U.get_total_norm = over_stages
+    _PIPELINED.add(pm)
+
+
+@torch.no_grad()
+def _total_norm_over_stages(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None):
+    """``torch.nn.utils.get_total_norm``, with the gradients of a pipelined ``ParallelModule``
+    normed over every stage: this stage's norm (torch's own, over the DTensors), then combined
+    over the pipeline axis (a tensor several stages hold is counted on its first stage only).
+    Every rank of the pipeline axis calls it, as every rank runs the training script."""
+    import torch.distributed as dist
+
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    ids = {id(t) for t in tensors}
+    pm = next((m for m in list(_PIPELINED or ()) if any(id(p.grad) in ids for p, _ in m._dt_pairs)), None)
+    if pm is None:
+        return _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
+    skip = {id(p.grad) for p, _ in pm._dt_pairs if not pm._counted[id(p)] and p.grad is not None}
+    mine = [t for t in tensors if id(t) not in skip]
+    p = float(norm_type)
+    ctx = pm._sig.ctx
+    dtype = next((t.dtype for t in tensors), torch.float32)
+    if mine:
+        total = _TORCH_TOTAL_NORM(mine, p, False, foreach)
+        total = total.full_tensor() if isinstance(total, DTensor) else total
+    else:
+        total = torch.zeros((), dtype=dtype, device=ctx.device)
+    total = total.to(ctx.device)
+    if p == math.inf:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pm._pipe.group)
+    elif p == -math.inf:
+        dist.all_reduce(total, op=dist.ReduceOp.MIN, group=pm._pipe.group)
+    elif p == 0:
+        dist.all_reduce(total, group=pm._pipe.group)
+    else:
+        total = total.pow(p)
+        dist.all_reduce(total, group=pm._pipe.group)
+        total = total.pow(1.0 / p)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"The total norm of order {p} for gradients from `parameters` is non-finite, so it cannot "
+                           f"be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+                           f"set `error_if_nonfinite=False`")
+    if any(isinstance(t, DTensor) for t in tensors):  # as torch's: a DTensor, for the DTensor gradients' scaling
+        total = DTensor.from_local(total, ctx.device_mesh, _R(ctx.device_mesh.ndim), run_check=False)
+    return total
 
 
 def _dtensor(local: torch.Tensor, placements, shape, device_mesh) -> DTensor:
@@ -607,20 +674,31 @@ class ParallelModule(nn.Module):
         dm = self._sig.ctx.device_mesh
         wrapped: dict[int, nn.Parameter] = {}
         pairs = []
+        hidden: set[int] = set()
+        counted: dict[int, bool] = {}
         for name, local in self.__dict__.get("_locals", {}).items():
             p = wrapped.get(id(local))
             if p is None:
                 s = slots.get(canon.get(name, name))
-                if self._pipe is None and s is not None:
+                if s is not None and self._holds(name):
                     p = nn.Parameter(_dtensor(local, self.storage_placements(s), s.shape, dm),
                                      requires_grad=local.requires_grad)
                     pairs.append((p, local))
-                else:
+                    # under a pipeline, a parameter several stages read (a tied embedding) counts
+                    # in a norm on the rank of the first stage that reads it only
+                    uses = self._stage_uses.get(name, ()) if self._pipe is not None else ()
+                    counted[id(p)] = len(uses) <= 1 or owns(self, name)
+                else:  # another pipeline stage's parameter: a numel-0 placeholder, not listed
                     p = local if isinstance(local, nn.Parameter) else nn.Parameter(local, local.requires_grad)
+                    hidden.add(id(p))
                 wrapped[id(local)] = p
             mod, leaf = self._holder(name)
             mod.register_parameter(leaf, p)
         object.__setattr__(self, "_dt_pairs", pairs)
+        object.__setattr__(self, "_hidden", hidden)
+        object.__setattr__(self, "_counted", counted)
+        if self._pipe is not None and pairs:
+            _watch_stage_norms(self)  # torch's clip_grad_norm_ sums its norm over the stages
         if self._zero_lay and pairs:
             # A foreach optimizer's in-place ops on DTensors bump no version counter: an
             # optimizer step over these parameters marks the shards changed instead.
@@ -683,9 +761,11 @@ class ParallelModule(nn.Module):
                 p.grad = _dtensor(g, p.placements, p.shape, p.device_mesh)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        # The per-rank graph holds no parameters: skip it.
+        # The per-rank graph holds no parameters: skip it; under a pipeline, so are the other
+        # stages' placeholders (a stage lists its own parameters, as torchtitan's stage modules).
+        hidden = self.__dict__.get("_hidden", ())
         for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
-            if not name.startswith("_program."):
+            if not name.startswith("_program.") and id(p) not in hidden:
                 yield name, p
 
     # ------------------------------------------------------------------ inputs

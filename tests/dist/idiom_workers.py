@@ -54,7 +54,7 @@ def _run(model, step, opt_kind: str, clip: str | None, named_model=None):
     return losses, norms
 
 
-def idioms_case(name: str, layout: dict, opt_kind: str, clip: str | None) -> dict:
+def idioms_case(name: str, layout: dict, opt_kind: str, clip: str | None, mesh_spec=None) -> dict:
     """``name`` under ``layout`` with optimizer ``opt_kind`` and clipping ``clip`` ("torch":
     ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_``; "ours": ``pm.clip_grad_norm_``),
     against one device: relative errors of losses, norms and final parameters; the parameters'
@@ -67,10 +67,11 @@ def idioms_case(name: str, layout: dict, opt_kind: str, clip: str | None) -> dic
     count_ref = sum(p.numel() for p in ref.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pm = autopar.compile(ex.model, mesh(), example_inputs=ex.args, example_kwargs=ex.kwargs,
+        pm = autopar.compile(ex.model, mesh(*(mesh_spec or ())), example_inputs=ex.args, example_kwargs=ex.kwargs,
                              loss_fn=ex.loss_fn, target=ex.target, cache_dir=None, quiet=True, layout=layout)
     shapes = {n: (tuple(p.shape), p.dtype) for n, p in pm.named_parameters()}
     count = sum(p.numel() for p in pm.parameters())
+    numels = {n: p.numel() for n, p in pm.named_parameters()}
 
     def step_pm():
         return pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
@@ -90,7 +91,28 @@ def idioms_case(name: str, layout: dict, opt_kind: str, clip: str | None) -> dic
             "param_err": worst, "shapes_equal": shapes == {n: shapes_ref[n] for n in shapes},
             "losses": (losses, ref_losses, norms, ref_norms),
             "names_equal": set(shapes) == set(shapes_ref), "count": count, "count_ref": count_ref,
+            "numels": numels, "names_ref": sorted(shapes_ref),
             "dtensor": all(isinstance(p, DTensor) for p in pm.parameters())}
+
+
+def check_idioms(res: list[dict], pipelined: bool, tol: float = 1e-5) -> None:
+    """The properties every rank's ``idioms_case`` result must have (asserts)."""
+    if pipelined:  # a stage lists its own parameters (global shapes); the stages together, the model's
+        together = {}
+        for r in res:
+            together.update(r["numels"])
+        assert sorted(together) == res[0]["names_ref"], "the stages' parameters are not the model's"
+        assert sum(together.values()) == res[0]["count_ref"], (together, res[0]["count_ref"])
+        assert all(set(r["numels"]) < set(r["names_ref"]) for r in res), "a stage lists another stage's parameters"
+    for r in res:
+        assert r["dtensor"], "parameters are not DTensors"
+        assert r["shapes_equal"], "named_parameters() differ from the model's"
+        if not pipelined:
+            assert r["names_equal"], "named_parameters() differ from the model's"
+            assert r["count"] == r["count_ref"], (r["count"], r["count_ref"])
+        assert r["loss_err"] <= tol, r["losses"]
+        assert r["norm_err"] <= tol, r
+        assert r["param_err"] <= tol, (r["param_err"], r["losses"])
 
 
 def work_registry_case(name: str, layout: dict, steps: int = 2) -> list[int]:

@@ -313,3 +313,13 @@ def test_meta_model_loads_its_slices_on_pp_dp_tp(pool8, tmp_path):
         assert r["start_err"] == 0.0 and r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
         assert r["local_numel"] < 0.5 * r["model_numel"], (r["local_numel"], r["model_numel"])
     assert res[0]["reload_err"] == 0.0
+
+
+def test_training_script_idioms_on_pp_dp_tp(pool8):
+    """torch's ``clip_grad_norm_`` and ``clip_grad_value_``, AdamW with groups by name and ndim
+    under a cosine schedule, on pp 2 x dp 2 x tp 2: one device's numbers. Each stage lists its
+    own parameters as DTensors with global shapes; torch's norm is summed over the stages."""
+    import idiom_workers
+
+    res = pool8.run("idiom_workers:idioms_case", "llama", _PP3, "adamw", "torch", ((2, 2, 2), ("pp", "dp", "tp")))
+    idiom_workers.check_idioms(res, pipelined=True)
