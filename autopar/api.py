@@ -142,11 +142,11 @@ def compile(model, mesh=None, example_inputs=(), *, options: PlanOptions | None 
     ``model`` may be built on the meta device (``with torch.device("meta")``): capture and planning
     are symbolic, and each rank allocates only its own shards. Its weights then come from
     ``weights=`` (HF safetensors file or ``save_pretrained`` folder, or a DCP checkpoint of the full
-    model; each rank reads its slices) or from ``pm.init_weights()`` (:mod:`autopar.weights`).
+    model; each rank reads its slices) or from ``pm.init_weights()`` (:mod:`autopar.module.weights`).
     ``weights=`` also replaces the weights of a model built on a real device.
     """
     import profiler
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     opts = PlanOptions.make("compile", options, **kwargs)
     init_distributed(debug=debug)

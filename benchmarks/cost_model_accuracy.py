@@ -208,7 +208,7 @@ def worker(rank, world, shape, families, warmup, steps):
     from autopar.calibrate import calibrate, combine
     from autopar.plan import Plan
     from autopar.planner.comms import plan_collectives
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
     from profiler.capture import capture
 
     names = ("dp", "tp")[-len(shape):]

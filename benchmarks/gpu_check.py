@@ -135,7 +135,7 @@ def _peak(step, pm, opt, device) -> int:
 
 def check_model(name, ex, mesh, dm, device, precision: str, steps: int, inductor: bool) -> dict:
     import autopar
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
     from profiler.capture import capture
 
     model = ex.model.to(device)

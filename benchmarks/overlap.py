@@ -194,7 +194,7 @@ def _autopar_modules(model, x, y, dm, ks):
     import profiler
     from autopar.calibrate import calibrate, combine
     from autopar.plan import Plan
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     # Three calibrations, the median of each figure: the compute share of one reads 0.5-0.9 on
     # this host from one minute to the next.

@@ -121,7 +121,7 @@ def single(rank, world, warmup, steps, precision="fp32"):
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.mesh import Mesh
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
     from profiler.capture import capture
 
     ex = _example()
@@ -180,7 +180,7 @@ def pair(rank, world, warmup, steps, precision="fp32"):
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.calibrate import calibrate
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
     from profiler.capture import capture
 
     ex = _example()

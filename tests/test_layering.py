@@ -4,8 +4,8 @@
 - Inside autopar: ``lowering/`` (what a plan means for the per-rank program) sits below the
   planner, the codegen and the runtime and imports none of them; ``planner/`` imports neither
   codegen nor runtime (it prices, it never builds); ``runtime/`` holds primitives and imports no
-  codegen and no planner; ``ParallelModule`` (``autopar/parallel_module.py``) sits above the
-  codegen, which never imports it.
+  codegen and no planner; ``autopar/module/`` (``ParallelModule``, its parameters and state)
+  sits above the codegen and the runtime, which never import it.
 - No module imports another package's underscore names (a package's private parts stay inside it).
 - Module names do not clash: two modules of one name are the same concept at two layers (the
   planner prices what the runtime runs), never two meanings.
@@ -93,12 +93,12 @@ def _targets(mod: str, name) -> set[str]:
 
 #: package -> the autopar modules it must not import (and why).
 FORBIDDEN = {
-    "autopar.lowering": ("autopar.planner", "autopar.codegen", "autopar.runtime", "autopar.parallel_module",
+    "autopar.lowering": ("autopar.planner", "autopar.codegen", "autopar.runtime", "autopar.module",
                          "autopar.api"),
-    "autopar.planner": ("autopar.codegen", "autopar.runtime", "autopar.parallel_module", "autopar.api"),
-    "autopar.runtime": ("autopar.codegen", "autopar.planner", "autopar.parallel_module", "autopar.api"),
-    "autopar.codegen": ("autopar.planner", "autopar.parallel_module", "autopar.api"),
-    "autopar.costs": ("autopar.planner", "autopar.codegen", "autopar.runtime", "autopar.parallel_module"),
+    "autopar.planner": ("autopar.codegen", "autopar.runtime", "autopar.module", "autopar.api"),
+    "autopar.runtime": ("autopar.codegen", "autopar.planner", "autopar.module", "autopar.api"),
+    "autopar.codegen": ("autopar.planner", "autopar.module", "autopar.api"),
+    "autopar.costs": ("autopar.planner", "autopar.codegen", "autopar.runtime", "autopar.module"),
 }
 
 

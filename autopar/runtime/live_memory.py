@@ -195,7 +195,7 @@ def resident_tensors(pm) -> list:
     params = pm._local_parameters() if hasattr(pm, "_local_parameters") else list(pm.parameters())
     out = [*params, *pm.buffers()]
     # ZeRO-1/2: the compute copies the optimizer shards are gathered into (not parameters).
-    out += list({id(t): t for t in getattr(pm, "_zero_full", {}).values() if t.numel()}.values())
+    out += list({id(t): t for t in getattr(getattr(pm, "_zero", None), "full", {}).values() if t.numel()}.values())
     pipe = getattr(pm, "_pipe", None)
     for stage in getattr(pipe, "stages", ()):
         for infos in [*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()]:

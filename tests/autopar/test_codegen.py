@@ -36,7 +36,7 @@ def _setup(name: str, family: str):
 
 
 def _grads(ex, cap, plan, dm, **options):
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     with LocalTensorMode(WORLD):
         pm = ParallelModule(ex.model, cap, plan, dm, **options)
@@ -55,7 +55,7 @@ def _check(ex, loss, grads):
 
 def test_print_code_names_collectives(mesh, capsys):
     ex, cap, plan = _setup("mlp", "zero3")
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     with LocalTensorMode(WORLD):
         pm = ParallelModule(ex.model, cap, plan, mesh)
@@ -68,7 +68,7 @@ def test_print_code_names_collectives(mesh, capsys):
 
 def test_debug_names_the_node_with_a_wrong_local_shape(mesh):
     ex, cap, plan = _setup("mlp", "dp")
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     bad = copy.deepcopy(plan)
     gelu = next(n.name for n in cap.gm.graph.nodes if str(n.target) == "aten.gelu.default")
@@ -82,7 +82,7 @@ def test_debug_names_the_node_with_a_wrong_local_shape(mesh):
 
 def test_plan_of_another_graph_or_mesh_is_rejected(mesh):
     from autopar.plan import PlanError
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
     from torch.distributed.device_mesh import DeviceMesh
 
     ex, cap, plan = _setup("mlp", "dp")
@@ -136,7 +136,7 @@ def test_batchnorm_running_stats_written_back(mesh):
 
 def test_recomputed_regions_save_less(mesh):
     """Recomputing every op keeps only region inputs for backward, with the same gradients."""
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     ex, cap, plan = _setup("gpt2", "megatron-axis1")
     ckpt = copy.deepcopy(plan)

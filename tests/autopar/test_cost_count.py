@@ -76,7 +76,7 @@ class _Count(TorchDispatchMode):
 
 
 def _issued(plan, device_mesh) -> collections.Counter:
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     ex, cap, _ = _model()
     with LocalTensorMode(WORLD):
@@ -172,7 +172,7 @@ def test_bf16_mixed_prices_the_bytes_it_moves(device_mesh):
         if prod in params and m.phase == "backward":
             assert m.nbytes == f.nbytes  # reduced in fp32
     assert halved > 0
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     with LocalTensorMode(WORLD):
         pm = ParallelModule(ex.model, cap, plan, device_mesh)
@@ -211,7 +211,7 @@ def _other(name: str):
 def test_context_and_expert_parallel_collectives_are_issued(device_mesh, name, layout, mark):
     """Balanced CP rows (q gathered, the output reduce-scattered) and EP over stacked experts (the
     slots' all-to-alls): the runtime issues the collectives the plan lists, kind by kind."""
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     ex, cap, gp = _other(name)
     with warnings.catch_warnings():

@@ -24,8 +24,7 @@ import cases  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "autopar"
 #: Code of the per-rank program: the runtime, the code generation, and the launch-side helpers.
 RUN_SIDE = sorted([*(ROOT / "runtime").glob("*.py"), *(ROOT / "codegen").glob("*.py"), *(ROOT / "lowering").glob("*.py"),
-                   ROOT / "api.py", ROOT / "parallel_module.py",
-                   ROOT / "checkpoint.py"])
+                   *(ROOT / "module").glob("*.py"), ROOT / "api.py"])
 
 #: (file, enclosing function) -> why naming the CPU there is right.
 ALLOWED = {
@@ -36,7 +35,8 @@ ALLOWED = {
     ("api.py", "compile"): "a gloo job's device is the CPU (NCCL's is the current CUDA device)",
     ("api.py", "_broadcast_text"): "a plan file's bytes are decoded on the host",
     ("api.py", "warn_if_other_devices"): "compares the job's device type with the plan's",
-    ("checkpoint.py", "full_state_dict"): "a full (unsharded) state dict on the host, when asked for",
+    ("module/dcp.py", "full_state_dict"): "a full (unsharded) state dict on the host, when asked for",
+    ("module/weights.py", "_write_file"): "a safetensors file's bytes are written from the host",
     ("codegen/executors.py", "on_device"): "a subgraph captured on the CPU is left as it is for CPU ranks",
     ("runtime/rng.py", "__init__"): "a random op's default device when none is given",
     ("runtime/rng.py", "generator_of"): "the CPU's generator for CPU ranks (a GPU's own otherwise)",

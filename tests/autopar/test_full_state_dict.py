@@ -89,7 +89,7 @@ def _example(name: str) -> zoo.Example:
 @pytest.mark.parametrize("name", ["distilbert", "gemma", "tied"])
 def test_full_state_dict_loads_strictly_into_a_fresh_model(mesh, name, family):
     from autopar import checkpoint as ckpt
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     ex = _example(name)
     persistent = list(ex.model.state_dict())

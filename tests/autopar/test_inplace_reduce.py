@@ -68,7 +68,7 @@ def _run(model, tp_mesh, steps: int = 2):
     plan that equal one device (loss every step, the first step's gradients, final parameters)."""
     from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
     from profiler.capture import capture
 
     g = torch.Generator().manual_seed(1)

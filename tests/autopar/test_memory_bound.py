@@ -81,7 +81,7 @@ def _measure(ex, cap, plan, dm, *, ranks: bool = False):
     from torch.distributed._local_tensor import LocalTensorMode
 
     from autopar.runtime.live_memory import measure_step
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     with LocalTensorMode(WORLD) if ranks else contextlib.nullcontext():
         pm = ParallelModule(ex.model, cap, plan, dm)

@@ -102,7 +102,7 @@ def test_a_summed_loss_accumulates_as_a_sum():
 
     import autopar
     from autopar.mesh import Mesh
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")

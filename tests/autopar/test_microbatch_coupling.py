@@ -145,7 +145,7 @@ def test_the_module_refuses_a_micro_batched_plan_of_a_coupled_model():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
@@ -183,7 +183,7 @@ def test_accumulation_needs_no_repeated_layers():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")

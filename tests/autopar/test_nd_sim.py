@@ -64,8 +64,8 @@ def test_3d_plans_match_one_device(mesh, name, zero):
     assert cases.compare_state(state, ref["state"])["global"] < TOL
     if zero:
         # The optimizer steps the shards: each split parameter holds 1/replicas of its compute copy.
-        assert pm._zero_lay, "no parameter was split by ZeRO"
-        for fqn, lay in pm._zero_lay.items():
-            shard, full = pm._get(fqn), pm._zero_full[fqn]
+        assert pm._zero.lay, "no parameter was split by ZeRO"
+        for fqn, lay in pm._zero.lay.items():
+            shard, full = pm._get(fqn), pm._zero.full[fqn]
             assert shard.numel() * lay.replicas == full.numel(), fqn
-        assert {id(p) for p in pm.parameters()}.isdisjoint({id(t) for t in pm._zero_full.values()})
+        assert {id(p) for p in pm.parameters()}.isdisjoint({id(t) for t in pm._zero.full.values()})

@@ -61,7 +61,7 @@ def _train(model, cap, plan, tp_mesh, args, kwargs, target, loss_fn, steps=2):
     """Losses, first-step gradients and final parameters of ParallelModule and of one device."""
     from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     r = lambda t: t.reconcile() if isinstance(t, LocalTensor) else t  # noqa: E731
     ref = copy.deepcopy(model)

@@ -180,7 +180,7 @@ def test_plan_json_round_trips_chunks():
 def test_planner_chunked_plan_trains_like_one_device(tp_mesh):
     from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
     from profiler.capture import capture
 
     r = lambda t: t.reconcile() if isinstance(t, LocalTensor) else t  # noqa: E731

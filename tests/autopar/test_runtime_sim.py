@@ -67,7 +67,7 @@ def test_matches_one_device(mesh, name, family):
 def test_names_and_tied_weights(mesh):
     ex, cap, plan = _setup("gpt2", "megatron-axis1")
     with LocalTensorMode(WORLD):
-        from autopar.parallel_module import ParallelModule
+        from autopar.module import ParallelModule
 
         pm = ParallelModule(ex.model, cap, plan, mesh)
     assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ex.model.named_parameters()]
@@ -95,7 +95,7 @@ def test_clip_grad_norm_is_global(mesh):
     want = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
     clipped = {k: p.grad for k, p in model.named_parameters()}
     with LocalTensorMode(WORLD):
-        from autopar.parallel_module import ParallelModule
+        from autopar.module import ParallelModule
 
         pm = ParallelModule(ex.model, cap, plan, mesh)
         pm.train_step(*ex.args, target=ex.target, **ex.kwargs)
@@ -113,7 +113,7 @@ def test_inputs_sharded(mesh):
 
     ids = ex.args[0]
     with LocalTensorMode(WORLD) as mode:
-        from autopar.parallel_module import ParallelModule
+        from autopar.module import ParallelModule
 
         pm = ParallelModule(ex.model, cap, plan, mesh, inputs_sharded=True)
         slots = {s.name: s.placements for s in pm.signature.slots if s.kind == "input"}

@@ -205,7 +205,7 @@ def train_local(ex, cap, plan, dm, *, world: int, steps: int = STEPS, **options)
     (module, losses, first-step full gradients, full state after the last step)."""
     from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     def full(t):
         return t.reconcile() if isinstance(t, LocalTensor) else t

@@ -53,7 +53,7 @@ def resume_nd(name: str, plan_a: str, plans_b: list[str], root: str, steps: int)
 
     from autopar import checkpoint as ckpt
     from autopar.plan import Plan
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     ex, cap = example(name)
 
@@ -133,7 +133,7 @@ def padded_case(name: str, plan_json: str) -> str:
     """One train_step of a pipelined plan on labels whose second micro-batch is half padding:
     the error message (it must stop, not train on the mean of unequal means)."""
     from autopar.plan import Plan
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     ex, cap = example(name)
     plan = Plan.from_json(plan_json)

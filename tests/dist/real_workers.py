@@ -136,7 +136,7 @@ def mixed_case(name: str, plan_json: str, steps: int = cases.STEPS) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from autopar.plan import Plan
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
     from workers import _example
 
     class Kernels(TorchDispatchMode):

@@ -1,5 +1,5 @@
 """Every idiom of a training script gives one device's numbers on the emitted module, whose
-parameters are DTensors (``autopar.parallel_module``): torch's ``clip_grad_norm_`` and
+parameters are DTensors (``autopar.module``): torch's ``clip_grad_norm_`` and
 ``clip_grad_value_``, non-elementwise optimizers (Adafactor's row and column statistics),
 AdamW with parameter groups by name and ndim under a cosine schedule, SGD with Nesterov momentum,
 Adagrad, RMSprop; ``named_parameters()`` with the model's global shapes and dtypes and the

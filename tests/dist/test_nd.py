@@ -304,7 +304,7 @@ def test_unequal_micro_batch_targets_stop_the_pipeline(pool8):
 def test_meta_model_loads_its_slices_on_pp_dp_tp(pool8, tmp_path):
     """A Llama built on meta, its weights read from a sharded ``save_pretrained`` folder on pp 2 x
     dp 2 x tp 2 (each rank its stage's tensor shards only), trains like one device and saves a
-    folder that ``from_pretrained`` opens with the trained weights (``autopar.weights``)."""
+    folder that ``from_pretrained`` opens with the trained weights (``autopar.module.weights``)."""
     src = tmp_path / "hf"
     cases.example("llama").model.save_pretrained(src, max_shard_size="40KB")
     res = pool8.run("weights_workers:meta_case", "llama", {"pp": 2, "dp": 2, "tp": 2}, str(src),

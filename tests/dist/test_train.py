@@ -202,7 +202,7 @@ def pipeline_state_case(name: str, plan_json: str) -> dict:
 
     import workers
     from autopar.plan import Plan
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     ex, cap = workers._example(name)
     plan = Plan.from_json(plan_json)

@@ -1,4 +1,4 @@
-"""Models bigger than one host (``autopar.weights``): built on the meta device, each rank
+"""Models bigger than one host (``autopar.module.weights``): built on the meta device, each rank
 allocates and reads only its own shards, from HF safetensors (one file, a sharded folder with its
 index, bf16 into fp32), from a DCP checkpoint of the full model, or from the model's own
 initialisation (one device's values exactly, same seed); three AdamW steps equal one device's at

@@ -93,7 +93,7 @@ def meta_case(name: str, layout: dict, source: str, out: str, bf16_file: bool = 
 
 def bad_weights_case(folder: str) -> dict:
     """Each bad input raises one clear error, and the module keeps what it held."""
-    from autopar.weights import WeightsError
+    from autopar.module import WeightsError
 
     ex = cases.example("llama")
     pm = _compile("llama", {"dp": 2, "tp": 2}, cases.example("llama", device="meta").model, ex,

@@ -37,7 +37,7 @@ def train_case(name: str, plan_json: str, *, steps: int = cases.STEPS, lr: float
     full state (they must agree)."""
     from autopar.plan import Plan
     from autopar.runtime.live_memory import LiveMemory, resident_tensors
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     ex, cap = _example(name)
     plan = Plan.from_json(plan_json)
@@ -87,7 +87,7 @@ class _null:
 def grads_case(name: str, plan_json: str, *, options: dict | None = None) -> dict:
     """Loss and full gradients of one train_step (rank 0 returns them)."""
     from autopar.plan import Plan
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     ex, cap = _example(name)
     plan = Plan.from_json(plan_json)

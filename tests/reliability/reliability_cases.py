@@ -112,7 +112,7 @@ def _mesh(shape):
 
 def _module(name: str, plan_json: str):
     from autopar.plan import Plan
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     ex, cap = captured(name)
     plan = Plan.from_json(plan_json)

@@ -182,7 +182,7 @@ def _reference(model, x, y):
 
 
 def _parallel(model, x, y, family, dm):
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
     from profiler.capture import capture
 
     plan = autopar.plan(model, Mesh(MESH, cluster="cpu"), (x,), loss_fn=F.cross_entropy, target=y, force=family)

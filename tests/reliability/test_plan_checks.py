@@ -126,7 +126,7 @@ def test_hostile_plan_is_refused_naming_the_field(net, case):
 
 
 def test_hostile_plan_never_trains(net, sim):
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     m, x, y, plan, cap = net
     bad = _edit(plan, HOSTILE["dim the weight lacks"][0])
@@ -160,7 +160,7 @@ def test_state_dict_is_dtensors_of_the_stored_placements(net, sim):
     from torch.distributed.tensor import DTensor
 
     from autopar import placement as pl
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
 
     m, x, y, plan, cap = net
     assert {"RR", "RS(0)"} <= set(plan.params.values())
@@ -199,7 +199,7 @@ class TiedWithConstant(nn.Module):
 
 
 def test_full_state_dict_loads_into_the_original_model(sim):
-    from autopar.parallel_module import ParallelModule
+    from autopar.module import ParallelModule
     from profiler.capture import capture
 
     torch.manual_seed(0)

@@ -165,9 +165,9 @@ def init_weights(pm, fn: Callable[[nn.Module], None] | None = None, *, only: set
 def _expected(pm) -> dict[str, tuple]:
     """``canonical name -> (slot, names, shape)`` of the tensors a weights file holds: parameters
     (a tied weight once, under any of its names) and persistent buffers."""
-    from autopar.checkpoint import _non_persistent
+    from autopar.module.dcp import non_persistent
 
-    skip = _non_persistent(pm)
+    skip = non_persistent(pm)
     out = {}
     for name, s in pm._slots_by_name().items():
         key = pm._key(s)
@@ -325,10 +325,11 @@ def _load_dcp(pm, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from autopar.checkpoint import SIDECAR, as_dtensor
+    from autopar.module.dcp import SIDECAR
+    from autopar.module.params import as_dtensor
 
     if os.path.isfile(os.path.join(path, SIDECAR)):  # autopar's own checkpoint (model and optimizer)
-        from autopar.checkpoint import load
+        from autopar.module.dcp import load
 
         load(path, pm)  # marks what it wrote
         return
@@ -373,9 +374,9 @@ def load_weights(pm, path: str) -> None:
         _load_dcp(pm, path)
     else:
         _load_safetensors(pm, path)
-    from autopar.checkpoint import _non_persistent
+    from autopar.module.dcp import non_persistent
 
-    left = pm._unset & _non_persistent(pm)
+    left = pm._unset & non_persistent(pm)
     if left and pm._model_ref() is not None:
         init_weights(pm, only=set(left))
 
