@@ -179,7 +179,7 @@ def cmd_plan(a) -> int:
 
 def cmd_show(a) -> int:
     p = _load_plan(a.plan)
-    print(p.summary())
+    print(p.summary(full=a.full))
     if a.html:
         from autopar.html import render
 
@@ -245,6 +245,7 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("show", help="print a plan file (optionally an HTML report)")
     sp.add_argument("plan", help="plan JSON file")
     sp.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report")
+    sp.add_argument("--full", action="store_true", help="every parameter placement of a layer, uncut")
     sp.set_defaults(fn=cmd_show)
 
     sp = sub.add_parser("explain", help="the strategies considered for a node or layer and the costs that decided")

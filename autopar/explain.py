@@ -6,7 +6,7 @@ import re
 from collections import Counter
 
 from autopar.plan import Plan
-from autopar.report import human_bytes, human_seconds, table
+from autopar.report import ROLE_WORDS, axis_roles, human_bytes, human_seconds, table
 
 
 def explain(plan: Plan, key: str) -> str:
@@ -20,7 +20,10 @@ def explain(plan: Plan, key: str) -> str:
         if not names:
             raise KeyError(f"no node or layer {key!r} in the plan; {_suggest(plan, key)}")
         names.sort(key=lambda n: _position(plan, n))
-    out = []
+    out = [f"mesh axis {a} ({n} ranks): {r} - " + "; ".join(ROLE_WORDS.get(x, x) for x in r.split("+"))
+           for a, n, r in axis_roles(plan)]
+    if out:
+        out.append("")
     for name in names:
         np_ = plan.nodes.get(name)
         head = f"{name}: chose {np_.strategy!r} -> {', '.join(np_.outputs)}" if np_ else name

@@ -198,10 +198,11 @@ class Plan:
     def __str__(self) -> str:
         return self.summary()
 
-    def summary(self) -> str:
+    def summary(self, full: bool = False) -> str:
+        """The plan in words (``full``: every parameter placement, uncut)."""
         from autopar.report import plan_summary
 
-        return plan_summary(self)
+        return plan_summary(self, full=full)
 
 
 def _reject_constant(name: str):

@@ -44,6 +44,34 @@ def plan_family(plan: "Plan") -> str:
     return "pipeline" if plan.pipeline else "sharded"
 
 
+ROLE_WORDS = {"dp": "data parallel (the batch split, weights whole)",
+              "fsdp": "fully sharded data parallel (the batch split, weights stored sharded and gathered)",
+              "tp": "tensor parallel (weights used split)",
+              "cp": "context parallel (the sequence split, weights whole)",
+              "ep": "expert parallel (each rank its own experts)",
+              "pp": "pipeline (each rank its own stages)",
+              "replicated": "replicated (every rank does the same work)"}
+
+
+def axis_roles(plan: "Plan") -> list[tuple[int, int, str]]:
+    """``(mesh axis, ranks, role)`` of every mesh axis with more than one rank, as the plan runs
+    it (``Plan.options["axis_roles"]``, read off its placements); empty for a plan file that
+    does not record them."""
+    roles = plan.options.get("axis_roles")
+    if not isinstance(roles, list):
+        return []
+    shape = [int(x) for x in plan.mesh.get("shape", [])]
+    by_axis = dict(zip(plan.sharding_axes, roles))
+    if plan.pipeline is not None:
+        by_axis[plan.pipeline.axis] = "pp"
+    return [(a, shape[a], by_axis.get(a, "replicated")) for a in range(len(shape)) if shape[a] > 1]
+
+
+def axes_text(plan: "Plan") -> str:
+    """``"pp(8) x cp(8)"``: each mesh axis by what it does (empty when the plan does not say)."""
+    return " x ".join(f"{r}({n})" for _, n, r in axis_roles(plan))
+
+
 def _precision_text(plan) -> str:
     zero = getattr(plan, "zero", 0)
     tail = f"   ZeRO-{zero} (optimizer state{' and gradients' if zero == 2 else ''} split)" if zero else ""
@@ -52,29 +80,139 @@ def _precision_text(plan) -> str:
     return "fp32" + tail
 
 
-def plan_summary(plan: "Plan") -> str:
+#: Breakdown keys of the predicted step (seconds) -> the words a summary uses, in print order;
+#: each is a term of the step (a negative one: time overlap or sharing took off).
+STEP_TERMS = (
+    ("compute", "compute"),
+    ("recompute", "recompute"),
+    ("comm", "communication inside ops"),
+    ("reshard", "resharding"),
+    ("reshard_unshared", "copies paid again"),
+    ("reshard_shared", "copies shared"),
+    ("grad_sync", "gradient sync"),
+    ("regather", "parameter regathers"),
+    ("recompute_regather", "recompute's regathers"),
+    ("prefetch_hidden", "gathers hidden"),
+    ("grad_sync_hidden", "gradient sync hidden"),
+    ("bubble", "pipeline bubble"),
+)
+#: Keys whose seconds the step does not pay (taken off by overlap or sharing).
+_SUBTRACTED = {"reshard_shared", "prefetch_hidden", "grad_sync_hidden"}
+
+
+def step_terms(plan: "Plan") -> tuple[list[tuple[str, float]], float]:
+    """The predicted step as terms that add up to it: ``([(words, seconds)], rest)``, where
+    ``rest`` is what the breakdown does not name (zero when it is complete). In a flat plan the
+    gradients' all-reduces and the ZeRO gathers are edges of the graph: ``resharding`` holds
+    them (pipelined and accumulated plans name ``gradient sync`` apart). In a pipelined plan the
+    stages' terms are the busiest device's, the prefetch it hid already taken off them."""
+    bd = plan.breakdown or {}
+    pipelined = plan.pipeline is not None
+    terms = []
+    for key, words in STEP_TERMS:
+        if key not in bd or not bd[key]:
+            continue
+        if pipelined and key in ("prefetch_hidden", "recompute_regather"):
+            continue  # inside the busiest device's stage times already
+        v = float(bd[key])
+        if key == "reshard" and "grad_sync" not in bd:
+            words = "resharding, gathers and gradient sync"
+        terms.append((words, -v if key in _SUBTRACTED else v))
+    return terms, float(plan.step_time) - sum(v for _, v in terms)
+
+
+def memory_terms(plan: "Plan") -> tuple[list[tuple[str, float]], float]:
+    """The predicted peak per device as terms that add up to it: ``([(words, bytes)], rest)``.
+    Parameters count with their gradients and optimizer state (the split of those is named in
+    words when known); a pipelined plan's are the busiest rank's at its peak."""
+    bd = plan.breakdown or {}
+    stages = plan.options.get("stage_memory") if plan.pipeline else None
+    if stages and all(isinstance(r, dict) for r in stages):
+        worst = max(stages, key=lambda r: r.get("params", 0.0) + r.get("activations", 0.0))
+        terms = [("parameters with gradients and optimizer state", float(worst.get("params", 0.0))),
+                 ("activations", float(worst.get("activations", 0.0)))]
+    else:
+        own = [("parameters with gradients and optimizer state", float(bd.get("mem_params", 0.0)))]
+        if "peak_grads" in bd and "peak_optimizer" in bd:
+            own = [("parameters", float(bd.get("mem_params", 0.0) - bd["peak_grads"] - bd["peak_optimizer"])),
+                   ("gradients", float(bd["peak_grads"])), ("optimizer state", float(bd["peak_optimizer"]))]
+        terms = own + [("activations", float(bd.get("mem_activations", 0.0))),
+                       ("transient", float(bd.get("mem_transient", 0.0))),
+                       ("inputs and buffers", float(bd.get("mem_inputs_buffers", 0.0)))]
+    terms = [(w, v) for w, v in terms if v]
+    return terms, float(plan.peak_bytes) - sum(v for _, v in terms)
+
+
+def _cut(placements: str, keep: int = 4) -> str:
+    parts = placements.split(", ") if placements else []
+    return ", ".join(parts[:keep]) + (f" ... ({len(parts) - keep} more: show --full)" if len(parts) > keep else "")
+
+
+def grouped_layers(plan: "Plan") -> list[dict]:
+    """The plan's layer rows with runs of identical repeated layers as one row: ``layers 0-31
+    x32`` when they differ only in their index (placements, recompute, time, comm and memory
+    the same to 4 digits, as printed); a pipeline's stages as a range. Each row: name, placements (in full), recompute,
+    stage (text), time, comm, memory (of one layer), count."""
+    import re
+
+    out: list[dict] = []
+    for r in plan.layers:
+        name = str(r.get("name", "?"))
+        m = re.fullmatch(r"(.*?)(\d+)", name)
+        key = (m.group(1) if m else None, r.get("placements", ""), bool(r.get("recompute")),
+               *(f"{float(r.get(k, 0.0)):.4g}" for k in ("time", "comm", "memory")))  # equal as printed
+        stage = r.get("stage", "")
+        last = out[-1] if out else None
+        if m and last is not None and last["_key"] == key and int(m.group(2)) == last["_last"] + 1:
+            last["_last"] += 1
+            last["count"] += 1
+            last["_stages"].append(stage)
+            continue
+        out.append({"_key": key, "_first": int(m.group(2)) if m else None, "_last": int(m.group(2)) if m else None,
+                    "_prefix": m.group(1) if m else name, "_stages": [stage], "count": 1, "name": name,
+                    "placements": str(r.get("placements", "")), "recompute": bool(r.get("recompute")),
+                    "time": float(r.get("time", 0.0)), "comm": float(r.get("comm", 0.0)),
+                    "memory": float(r.get("memory", 0.0))})
+    for g in out:
+        if g["count"] > 1:
+            g["name"] = f"{g['_prefix']}{g['_first']}-{g['_last']} x{g['count']}"
+        st = [x for x in g["_stages"] if x != ""]
+        g["stage"] = "" if not st else (str(st[0]) if min(st) == max(st) else f"{min(st)}-{max(st)}")
+        for k in ("_key", "_first", "_last", "_prefix", "_stages"):
+            g.pop(k)
+    return out
+
+
+def plan_summary(plan: "Plan", full: bool = False) -> str:
     mesh = plan.mesh
     shape = "x".join(str(s) for s in mesh.get("shape", ()))
     names = ",".join(mesh.get("axis_names", ()) or ())
     out = [f"autopar plan for {plan.model} on mesh {shape} ({names})  family: {plan_family(plan)}"]
+    if axis_roles(plan):
+        out.append("mesh axes: " + "; ".join(f"axis {a} ({n} ranks): {r}" for a, n, r in axis_roles(plan))
+                   + f"  [{axes_text(plan)}]")
     budget = "none" if plan.memory_budget is None else human_bytes(plan.memory_budget)
     out.append(f"predicted step time {human_seconds(plan.step_time)}   peak memory/device "
                f"{human_bytes(plan.peak_bytes)}   budget {budget}   precision {_precision_text(plan)}")
     bd = plan.breakdown
     if bd:
-        t = [f"{k} {human_seconds(bd[k])}" for k in ("compute", "comm", "reshard", "recompute", "bubble") if k in bd]
-        mem = {k: bd["mem_" + k] for k in ("params", "grads", "optimizer", "activations", "transient")
-               if "mem_" + k in bd}
-        stages = plan.options.get("stage_memory") if plan.pipeline else None
-        if stages and all(isinstance(r, dict) for r in stages):
-            # what one device holds: the busiest pipeline rank at its peak, not every stage's sum
-            worst = max(stages, key=lambda r: r.get("params", 0.0) + r.get("activations", 0.0))
-            mem = {"params": worst.get("params", 0.0), "activations": worst.get("activations", 0.0)}
-        m = [f"{k} {human_bytes(v)}" for k, v in mem.items()]
+        terms, rest = step_terms(plan)
+        if abs(rest) > 1e-9 * max(1.0, plan.step_time):
+            terms.append(("other", rest))
+        t = [f"{w} {'-' if v < 0 else ''}{human_seconds(abs(v))}" for w, v in terms]
+        mterms, mrest = memory_terms(plan)
+        if abs(mrest) > 1e-6 * max(1.0, plan.peak_bytes):
+            mterms.append(("other", mrest))
+        m = [f"{w} {human_bytes(v)}" for w, v in mterms]
         if t:
-            out.append("time:   " + ", ".join(t))
+            out.append(f"time:   {human_seconds(plan.step_time)} = " + " + ".join(t).replace("+ -", "- "))
+        hid = [f"{what} {human_seconds(bd[c])} of collectives, {human_seconds(bd[h])} hidden behind compute"
+               for what, c, h in (("gathers", "prefetch_comm", "prefetch_hidden"),
+                                  ("gradient sync", "grad_sync_comm", "grad_sync_hidden")) if bd.get(c)]
+        if hid:
+            out.append("overlap: " + "; ".join(hid))
         if m:
-            out.append("memory/device: " + ", ".join(m))
+            out.append(f"memory/device: {human_bytes(plan.peak_bytes)} = " + " + ".join(m))
     if plan.pipeline:
         p = plan.pipeline
         out.append(f"pipeline: {len(p.stages)} stages on axis {p.axis}, {p.microbatches} micro-batches, "
@@ -84,9 +222,9 @@ def plan_summary(plan: "Plan") -> str:
                    f"{plan.options.get('microbatch_size', '?')}, gradients reduced once after the last")
     if plan.layers:
         rows = []
-        for r in plan.layers:
-            rows.append([r.get("name", "?"), r.get("placements", ""), "yes" if r.get("recompute") else "",
-                         str(r.get("stage", "")), human_seconds(r.get("time", 0.0)), human_seconds(r.get("comm", 0.0)),
+        for r in grouped_layers(plan):
+            rows.append([r["name"], r["placements"] if full else _cut(r["placements"]), "yes" if r.get("recompute") else "",
+                         r["stage"], human_seconds(r.get("time", 0.0)), human_seconds(r.get("comm", 0.0)),
                          human_bytes(r.get("memory", 0.0))])
         out.append("")
         out.append(table(rows, ["layer", "parameter placements", "recompute", "stage", "time", "comm", "memory"]))

@@ -98,6 +98,8 @@ def solve_accumulated(gp, cfg: Config, m: int, beat: float | None = None):
     for n in built.order:
         members.setdefault(built.leader[n], []).append(n)
 
+    estimates: dict[int, object] = {}  # id(solution) -> its replay's memory estimate at the peak
+
     def priced(sol, slower_than: float | None = None):
         """(solution, step seconds, gradient sums, peak bytes) of a solution; the peak is None
         (not replayed) when the step is slower than ``slower_than``."""
@@ -118,6 +120,7 @@ def solve_accumulated(gp, cfg: Config, m: int, beat: float | None = None):
                                Pipeline(axis=0, stages=[nodes], microbatches=m, schedule="1f1b"),
                                recompute=recompute, zero=zero_spec(cfg), optimizer=cfg.optimizer, dtype=cfg.dtype,
                                chunks=chunk_counts(built.overlap, pick))
+        estimates[id(sol)] = peaks[0]
         return sol, step, float(once.sum()), float(peaks[0].peak)
 
     budget = cfg.memory_budget
@@ -150,5 +153,20 @@ def solve_accumulated(gp, cfg: Config, m: int, beat: float | None = None):
     plan.accumulate = m
     plan.memory_budget = cfg.memory_budget
     plan.options["microbatch_size"] = batch // m
-    plan.breakdown["grad_sync"] = sync
+    # The solution's split is of one micro-batch (the gradient sums in it once): rescale its
+    # shares to the step's m micro-batches, so that the parts add up to the step time.
+    bd = plan.breakdown
+    parts = ("compute", "comm", "reshard", "recompute")
+    busy = step - sync - bd.get("regather", 0.0)
+    total = sum(bd.get(k, 0.0) for k in parts)
+    for k in parts:
+        bd[k] = float(bd.get(k, 0.0) * busy / total) if total > 0 else 0.0
+    bd["grad_sync"] = sync
+    e = estimates.get(id(sol))
+    if e is not None:  # the memory split of the replay whose peak this is (it sums to the peak)
+        bd.update(mem_params=float(e.params + e.grads + e.optimizer_state), mem_activations=float(e.activations),
+                  mem_transient=float(e.peak - (e.params + e.grads + e.optimizer_state + e.activations + e.inputs
+                                                + e.buffers)),
+                  mem_inputs_buffers=float(e.inputs + e.buffers), peak_grads=float(e.grads),
+                  peak_optimizer=float(e.optimizer_state))
     return plan

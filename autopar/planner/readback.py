@@ -24,6 +24,13 @@ def _family_name(cfg: Config, gp, plan_nodes, params) -> str:
     return f"searched {'x'.join(map(str, shape))}" + (" (sharded params)" if sharded_params else "")
 
 
+def _roles(gp, nodes, params, n_axes: int) -> list[str]:
+    """What each sharding axis does in the plan (``autopar.planner.labels``)."""
+    from autopar.planner.labels import axis_roles
+
+    return axis_roles(gp.captured, nodes, params, n_axes)
+
+
 def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=0.0, pipeline=None,
             step_time=None, peak_bytes=None, family=None) -> Plan:
     """Read the solution back into a plain-data :class:`Plan`."""
@@ -84,7 +91,8 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
              peak_bytes=float(sol.peak_bytes if peak_bytes is None else peak_bytes), breakdown=bd,
              solver={"status": str(sol.status), "gap": float(sol.gap), "variables": int(sol.num_variables),
                      "constraints": int(sol.num_constraints), "checkpointed": list(sol.checkpointed)},
-             options={"family": family or _family_name(cfg, gp, nodes, params)})
+             options={"family": family or _family_name(cfg, gp, nodes, params),
+                      "axis_roles": _roles(gp, nodes, params, n_axes)})
     lowered = None
     if pipeline is None:  # the flat plan's lowered program (the replay above lowered it already)
         from autopar.planner.build import zero_spec

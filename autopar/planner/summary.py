@@ -71,6 +71,6 @@ def layer_rows(gp, plan: Plan, built: Built, pick) -> list[dict]:
     out = []
     for r in rows.values():
         pls = r["placements"]
-        r["placements"] = ", ".join(f"{k} {v}" for k, v in list(pls.items())[:4]) + (" ..." if len(pls) > 4 else "")
+        r["placements"] = ", ".join(f"{k} {v}" for k, v in pls.items())  # in full (the table cuts them)
         out.append(r)
     return out
