@@ -139,5 +139,8 @@ def runner_ups(best: Plan, others: list, top: int = 5) -> list[dict]:
         if fam in seen:
             continue
         seen.add(fam)
-        out.append({"family": fam, "step_time": c.step_time, "peak_bytes": c.peak_bytes})
+        from autopar.report import axes_text, step_terms
+
+        out.append({"family": fam, "step_time": c.step_time, "peak_bytes": c.peak_bytes, "axes": axes_text(c),
+                    "terms": [[w, v] for w, v in step_terms(c)[0]]})
     return out[:top]

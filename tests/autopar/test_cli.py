@@ -59,29 +59,83 @@ def test_explain_and_diff(plans):
     assert "step time" in r.stdout and "->" in r.stdout
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed")
-def test_html_report_renders_in_a_browser_with_the_plan_numbers(plans, tmp_path):
-    from autopar.html import render
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pp") / "pp.json"
+    assert main(["plan", "mlp", "--mesh", "2x2", "--cluster", "a100", "--batch", "64", "--layout",
+                 "pp=2,dp=2,microbatches=4,schedule=1f1b", "-o", str(path)]) == 0
+    assert Plan.load(str(path)).pipeline is not None
+    return path
 
-    a, _ = plans
-    p = Plan.load(str(a))
-    page = tmp_path / "report.html"
-    page.write_text(render(p))
-    r = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                        "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-                        "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
-    dom = r.stdout
-    assert "<svg" in dom, r.stderr[-2000:]
-    assert f"data-value=\"{p.step_time!r}\"" in dom and f"data-value=\"{p.peak_bytes!r}\"" in dom
-    # The memory bars add up to the plan's memory breakdown.
+
+SECTIONS = ("summary", "mesh", "schedule", "memory", "layers", "collectives", "alternatives")
+
+
+def _check_report(dom: str, p: Plan) -> None:
+    """The report's sections, its figures and what its pictures say, in the page as rendered."""
     import re
 
+    assert "<svg" in dom
+    for sid in SECTIONS:
+        body = re.search(rf'<section id="{sid}">(.*?)</section>', dom, re.S)
+        assert body and ("<table" in body.group(1) or "<svg" in body.group(1)), f"section #{sid} is missing or empty"
+    assert f"data-value=\"{p.step_time!r}\"" in dom and f"data-value=\"{p.peak_bytes!r}\"" in dom
+    # The summary's terms add up to the step.
+    terms = [float(x) for x in re.findall(r'data-term="[^"]*" data-value="([^"]+)"', dom)]
+    assert terms and sum(terms) == pytest.approx(p.step_time, rel=1e-9), (terms, p.step_time)
+    # The memory bars add up to the plan's memory breakdown.
     shown = [float(x) for x in re.findall(r'data-total="([^"]+)"', dom)]
-    if p.pipeline:  # one bar per stage; the fullest stage is the plan's peak
+    if p.pipeline:  # one bar per pipeline rank; the fullest is the plan's peak
         assert len(shown) == len(p.pipeline.stages) and max(shown) == pytest.approx(p.peak_bytes, rel=1e-9)
+        # The timeline's blocks are the schedule's: every rank runs each micro-batch's forward and
+        # backward once, a forward after the rank before ran it, a backward after the rank after;
+        # under 1F1B rank d runs (ranks - d - 1) forwards before its first backward.
+        blocks = [(int(d), k, int(mb), float(s), float(e)) for d, k, mb, s, e in re.findall(
+            r'data-stage="(\d+)" data-kind="([FB])" data-mb="(\d+)" data-start="([^"]+)" data-end="([^"]+)"', dom)]
+        ranks, m = len(p.options["stage_times"]), p.pipeline.microbatches
+        end = {(k, d, mb): e for d, k, mb, s, e in blocks}
+        assert len(blocks) == 2 * m * ranks and len(end) == len(blocks)
+        for d, k, mb, s, e in blocks:
+            dep = ("F", d - 1, mb) if k == "F" and d > 0 else ("B", d + 1, mb) if k == "B" and d < ranks - 1 else \
+                ("F", d, mb) if k == "B" else None
+            assert dep is None or end[dep] <= s + 1e-15, (d, k, mb)
+        for d in range(ranks):
+            mine = sorted((s, k) for dd, k, mb, s, e in blocks if dd == d)
+            first_b = [k for _, k in mine].index("B")
+            assert first_b == min(ranks - d, m) if p.pipeline.schedule == "1f1b" else first_b == m
     else:
         total = sum(v for k, v in p.breakdown.items() if k.startswith("mem_"))
         assert shown and shown[0] == pytest.approx(total, rel=1e-9), (shown, total)
+        assert 'id="flat-timeline"' in dom
+
+
+def test_html_report_has_every_section_and_its_numbers_add_up(plans, pipelined):
+    from autopar.html import render
+
+    for path in (*plans, pipelined):
+        p = Plan.load(str(path))
+        _check_report(render(p).replace("'", '"'), p)
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed")
+def test_html_report_renders_in_a_browser_with_the_plan_numbers(plans, pipelined, tmp_path):
+    from autopar.html import render
+
+    for i, path in enumerate((plans[0], pipelined)):
+        p = Plan.load(str(path))
+        page = tmp_path / f"report{i}.html"
+        page.write_text(render(p))
+        common = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"]
+        r = subprocess.run([*common, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+        assert "<svg" in r.stdout, r.stderr[-2000:]
+        _check_report(r.stdout, p)
+        # A laptop's screen: the page draws at 1366x768 and 1280x800.
+        for w, h in ((1366, 768), (1280, 800)):
+            shot = tmp_path / f"report{i}-{w}.png"
+            subprocess.run([*common, f"--window-size={w},{h}", f"--screenshot={shot}", page.as_uri()],
+                           capture_output=True, text=True, timeout=120)
+            assert shot.exists() and shot.stat().st_size > 10_000, f"no screenshot at {w}x{h}"
 
 
 @pytest.mark.parametrize("argv, message", [
