@@ -9,7 +9,8 @@ scripts, no external files, inline CSS and SVG only. Sections, with stable ids:
   row and communication row, with what overlap hides under compute;
 - ``#memory``: memory per device (per pipeline rank) by kind against the budget;
 - ``#layers``: the layer table, identical layers grouped, placements in full on demand;
-- ``#collectives``: communication by kind, exposed and hidden;
+- ``#collectives``: a flat plan's collectives by mesh axis, kind and phase (count, bytes, seconds:
+  ``Plan.options["collectives"]``), and communication by kind, exposed and hidden;
 - ``#alternatives``: the runner-up plans side by side with the terms that made them lose.
 """
 from __future__ import annotations
@@ -297,16 +298,42 @@ def _collectives(plan: Plan) -> list[str]:
              bd.get("prefetch_hidden", 0.0)),
             ("parameter regathers (reshard after forward)", bd.get("regather", 0.0), 0.0),
             ("pipeline sends and bubble", bd.get("bubble", 0.0), 0.0)]
-    h = ["<section id='collectives'><h2>Communication by kind</h2><table id='collective-rows'>"
-         "<tr><th>kind</th><th>seconds</th><th>hidden behind compute</th></tr>"]
+    h = ["<section id='collectives'><h2>Communication</h2>"]
+    table = plan.options.get("collectives")
+    if isinstance(table, list):
+        roles = {a: r for a, _, r in axis_roles(plan)}
+        names = plan.mesh.get("axis_names") or []
+
+        def axis_text(axis: str) -> str:
+            out = []
+            for part in str(axis).split("+"):
+                a = plan.sharding_axes[int(part)] if part.isdigit() and int(part) < len(plan.sharding_axes) else None
+                out.append(f"{a} ({roles.get(a, names[a] if a is not None and a < len(names) else '?')})"
+                           if a is not None else part)
+            return " + ".join(out)
+
+        h.append("<h3>By mesh axis and kind</h3><table id='collectives-by-axis'><tr><th>axis</th><th>collective</th>"
+                 "<th>when</th><th>count</th><th>bytes per rank</th><th>seconds</th></tr>")
+        for r in table:
+            h.append(f"<tr data-axis='{_E(str(r.get('axis')))}' data-kind='{_E(str(r.get('kind')))}'>"
+                     f"<td>{_E(axis_text(r.get('axis', '?')))}</td><td>{_E(str(r.get('kind')))}</td>"
+                     f"<td>{_E(str(r.get('phase')))}</td><td>{int(r.get('count', 0))}</td>"
+                     f"<td>{human_bytes(float(r.get('bytes', 0.0)))}</td>"
+                     f"<td data-value='{float(r.get('seconds', 0.0))!r}'>{human_seconds(float(r.get('seconds', 0.0)))}"
+                     f"</td></tr>")
+        if not table:
+            h.append("<tr><td colspan='6'>none: every rank computes alone</td></tr>")
+        h.append("</table><p>Each copy's collectives once per step (edges sharing a copy share them), the gradient "
+                 "buckets' reductions once; seconds as the cost model prices each alone, before overlap.</p>")
+    h.append("<h3>By kind, exposed and hidden</h3><table id='collective-rows'>"
+             "<tr><th>kind</th><th>seconds</th><th>hidden behind compute</th></tr>")
     for kind, v, hid in rows:
         if v or hid:
             h.append(f"<tr><td>{_E(kind)}</td><td data-value='{float(v)!r}'>{human_seconds(v)}</td>"
                      f"<td data-value='{float(hid)!r}'>{human_seconds(hid)}</td></tr>")
-    h.append("</table><p>Per the cost model's terms of this plan. A flat plan prices its gradient "
-             "all-reduces and weight gathers as edges of the graph, under resharding (the collectives "
-             "overlap hides are named apart); per-axis bytes and counts are in <code>autopar explain</code>."
-             "</p></section>")
+    h.append("</table><p>The cost model's terms of this plan's step. A flat plan prices its gradient "
+             "all-reduces and weight gathers as edges of the graph, under resharding (the seconds overlap "
+             "hides are named apart). A pipelined plan's per-axis table is not recorded yet.</p></section>")
     return h
 
 

@@ -102,6 +102,10 @@ def to_plan(gp, cfg: Config, built: Built, sol, *, sharding_axes, build_seconds=
                                    recompute=recompute, chunks={n: np_.chunks for n, np_ in nodes.items()
                                                                 if np_.chunks > 1},
                                    dtype=cfg.dtype, zero=zero_spec(cfg))
+    if lowered is not None:  # what the per-rank program sends, by axis and kind (autopar show --html)
+        from autopar.planner.summary import collectives_by_axis
+
+        p.options["collectives"] = collectives_by_axis(gp, cfg, lowered)
     if step_time is None and lowered is not None:  # a flat plan: copies the lowering shares are paid once
         saved = _shared_seconds(gp, cfg, lowered, built.siblings)
         if saved > 0:

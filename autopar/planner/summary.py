@@ -74,3 +74,58 @@ def layer_rows(gp, plan: Plan, built: Built, pick) -> list[dict]:
         r["placements"] = ", ".join(f"{k} {v}" for k, v in pls.items())  # in full (the table cuts them)
         out.append(r)
     return out
+
+
+def collectives_by_axis(gp, cfg, lowered) -> list[dict]:
+    """The collectives of a flat plan's per-rank program (``lowered``), grouped by mesh axis, kind
+    and phase: ``{"axis", "kind", "phase", "count", "bytes", "seconds"}`` per row, bytes the local
+    bytes each rank sends or receives per step as the cost model prices them (the dtype each edge
+    moves in), seconds its price. Each copy's forward steps run once and its gradient's once (the
+    edges that share a copy share both); the gradient buckets' reductions run once per step.
+    ``axis`` is a sharding-mesh index, or several joined by ``+`` (a bucket over several axes)."""
+    from autopar import precision
+    from autopar.costs.collectives import collective_time
+    from autopar.costs.reshard import local_bytes, reshard
+    from autopar.lowering.graph import tensor_vals
+
+    rows: dict[tuple, dict] = {}
+
+    def add(axis, kind, phase, nbytes, seconds):
+        r = rows.setdefault((str(axis), kind, phase), {"axis": str(axis), "kind": kind, "phase": phase, "count": 0,
+                                                      "bytes": 0.0, "seconds": 0.0})
+        r["count"] += 1
+        r["bytes"] += float(nbytes)
+        r["seconds"] += float(seconds)
+
+    nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
+    itemsizes = gp.output_itemsizes(cfg.dtype) if cfg.dtype == "bf16-mixed" else None
+    mesh = cfg.mesh
+    for c in lowered.copies:
+        e = lowered.edges[c.edges[0]]
+        prod, cons = nodes.get(e.producer), nodes.get(e.consumer)
+        fi = bi = e.itemsize
+        vals = tensor_vals(prod) if prod is not None else []
+        t = (vals[e.out_index] if e.out_index < len(vals) else vals[0]) if vals else None
+        if prod is not None and cons is not None and t is not None:
+            fi, bi = precision.edge_itemsizes(cfg.dtype, cfg.grad_reduce, prod, cons, t, itemsizes, e.out_index,
+                                              e.param)
+        for phase, src, dst, item, steps in (("forward", e.src, e.dst, fi, e.forward),
+                                             ("backward", e.grad_dst, e.grad_src, bi, e.backward)):
+            if not steps:
+                continue
+            rp = reshard(src, dst, e.shape, item, mesh)
+            for step, cost, before, after in zip(rp.steps, rp.step_costs, rp.states, rp.states[1:]):
+                if step.kind in ("slice", "zero_partial"):
+                    continue  # local: no communication
+                nbytes = max(local_bytes(e.shape, before, mesh.shape, item), local_bytes(e.shape, after, mesh.shape,
+                                                                                           item))
+                add(step.axis, step.kind, phase, nbytes, cost)
+    for b in lowered.buckets:
+        reduce_axes = tuple(a for a in b.axes if a not in b.scatter)
+        if reduce_axes:
+            add("+".join(map(str, reduce_axes)), "all_reduce", "gradient sync", b.nbytes,
+                collective_time("all_reduce", b.nbytes, mesh, reduce_axes))
+        if b.scatter:
+            add("+".join(map(str, b.scatter)), "reduce_scatter", "gradient sync", b.nbytes,
+                collective_time("reduce_scatter", b.nbytes, mesh, b.scatter))
+    return sorted(rows.values(), key=lambda r: (r["axis"], r["phase"], r["kind"]))

@@ -106,7 +106,7 @@ def _check_report(dom: str, p: Plan) -> None:
     else:
         total = sum(v for k, v in p.breakdown.items() if k.startswith("mem_"))
         assert shown and shown[0] == pytest.approx(total, rel=1e-9), (shown, total)
-        assert 'id="flat-timeline"' in dom
+        assert 'id="flat-timeline"' in dom and 'id="collectives-by-axis"' in dom
 
 
 def test_html_report_has_every_section_and_its_numbers_add_up(plans, pipelined):

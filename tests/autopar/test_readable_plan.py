@@ -103,3 +103,20 @@ def test_explain_names_the_role_of_each_axis():
     text = explain(p, "model.layers.0")
     assert text.startswith("mesh axis 0 (2 ranks): dp - data parallel")
     assert "mesh axis 1 (2 ranks): tp - tensor parallel" in text
+
+
+def test_collectives_are_listed_by_axis_and_kind():
+    """Megatron over dp x tp: the tp axis all-reduces activations forward and their gradients
+    backward, the dp axis all-reduces the gradient buckets; ZeRO-3: weights gathered forward and
+    gradients reduce-scattered backward, no bucket all-reduce."""
+    def kinds(p):
+        return {(r["axis"], r["kind"], r["phase"]): r for r in p.options["collectives"]}
+
+    tp = kinds(_plan((2, 2), (("dp", 2), ("tp", 2))))
+    assert {("1", "all_reduce", "forward"), ("1", "all_reduce", "backward"), ("0", "all_reduce", "gradient sync")} \
+        <= set(tp), sorted(tp)
+    assert tp[("1", "all_reduce", "forward")]["count"] == 2 * 4 + 1  # attention and MLP out per layer, the head's
+    z3 = kinds(_plan((4,), (("dp", 4), ("zero", 3))))
+    assert ("0", "all_gather", "forward") in z3 and ("0", "reduce_scatter", "backward") in z3
+    assert not any(k[2] == "gradient sync" for k in z3), sorted(z3)
+    assert z3[("0", "all_gather", "forward")]["bytes"] > 0 and z3[("0", "all_gather", "forward")]["seconds"] > 0
