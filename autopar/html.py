@@ -1,7 +1,9 @@
 """A self-contained HTML report of a plan (``autopar show plan.json --html plan.html``): no
 scripts, no external files, inline CSS and SVG only. Sections, with stable ids:
 
-- ``#summary``: the figures, and the predicted step and peak as terms that add up
+- ``#summary``: the figures (with a run's measured step and peak beside the predicted ones, when
+  the plan carries them: ``ParallelModule.measured_plan``), and the predicted step and peak as
+  terms that add up
   (:func:`autopar.report.step_terms`, :func:`autopar.report.memory_terms`);
 - ``#mesh``: the mesh as a picture, each axis with its role as the plan runs it and its link;
 - ``#schedule``: one step as a timeline per pipeline rank, forward and backward per micro-batch
@@ -19,7 +21,7 @@ import html
 
 from autopar.plan import Plan
 from autopar.report import (ROLE_WORDS, axis_roles, axes_text, grouped_layers, human_bytes, human_seconds,
-                            memory_terms, plan_family, step_terms)
+                            measured, memory_terms, plan_family, step_terms)
 
 _COLORS = {"params": "#4e79a7", "activations": "#f28e2b", "transient": "#e15759", "inputs_buffers": "#76b7b2",
            "compute": "#59a14f", "comm": "#edc948", "reshard": "#b07aa1", "recompute": "#ff9da7",
@@ -63,6 +65,10 @@ def _summary(plan: Plan) -> list[str]:
          f"<tr><th>predicted peak memory per device</th><td data-key='peak_bytes' data-value='{plan.peak_bytes!r}'>"
          f"{human_bytes(plan.peak_bytes)}</td></tr>",
          f"<tr><th>memory budget</th><td>{budget}</td></tr>"]
+    for what, fmt, v, pred in measured(plan):  # a run's own figures (ParallelModule.measured_plan)
+        key = "step_time" if what == "step time" else "peak_bytes"
+        h.append(f"<tr><th>measured {_E(what)}</th><td data-key='measured_{key}' data-value='{v!r}'>{fmt(v)} "
+                 f"(predicted / measured {pred / v:.2f})</td></tr>")
     h.append("</table>")
     pos = [(w, v) for w, v in terms if v > 0]
     h.append("<h3>The step, term by term</h3>"

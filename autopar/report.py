@@ -183,6 +183,21 @@ def grouped_layers(plan: "Plan") -> list[dict]:
     return out
 
 
+def measured(plan: "Plan") -> list[tuple]:
+    """``(what, fmt, measured, predicted)`` for the step time and the peak a run recorded in the
+    plan (``ParallelModule.measured_plan``), those it measured only."""
+    m = plan.options.get("measured")
+    if not isinstance(m, dict):
+        return []
+    out = []
+    for key, what, fmt, pred in (("step_time", "step time", human_seconds, plan.step_time),
+                                 ("peak_bytes", "peak memory/device", human_bytes, plan.peak_bytes)):
+        v = m.get(key)
+        if isinstance(v, (int, float)) and v > 0:
+            out.append((what, fmt, float(v), float(pred)))
+    return out
+
+
 def plan_summary(plan: "Plan", full: bool = False) -> str:
     mesh = plan.mesh
     shape = "x".join(str(s) for s in mesh.get("shape", ()))
@@ -194,6 +209,12 @@ def plan_summary(plan: "Plan", full: bool = False) -> str:
     budget = "none" if plan.memory_budget is None else human_bytes(plan.memory_budget)
     out.append(f"predicted step time {human_seconds(plan.step_time)}   peak memory/device "
                f"{human_bytes(plan.peak_bytes)}   budget {budget}   precision {_precision_text(plan)}")
+    got = measured(plan)
+    if got:
+        out.append("measured " + ", ".join(f"{what} {fmt(v)} (predicted / measured {pred / v:.2f})"
+                                           for what, fmt, v, pred in got)
+                   + f"   over {plan.options['measured'].get('steps', '?')} steps on "
+                     f"{plan.options['measured'].get('device', '?')}")
     bd = plan.breakdown
     if bd:
         terms, rest = step_terms(plan)

@@ -43,6 +43,7 @@ from autopar.module.params import DTensorParams, _R
 from autopar.module.state import ModuleState, as_rank_local
 from autopar.runtime.grads import GradSync
 from autopar.runtime.reshard import apply_steps
+from autopar.runtime.step_clock import StepClock
 from autopar.runtime.zero_copies import ZeroCopies
 
 
@@ -103,6 +104,7 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
         object.__setattr__(self, "_run", torch.compile(gm, backend="inductor") if backend == "inductor" else gm)
         # ZeRO-1/2 (autopar.zero): name -> compute copy / layout of every parameter split so.
         object.__setattr__(self, "_zero", ZeroCopies(sig.ctx.device_mesh, bucket_bytes))
+        object.__setattr__(self, "_clock", StepClock(sig.ctx.device))
         self._install_state(model, graph, sig)
         object.__setattr__(self, "_pipe", None)
         object.__setattr__(self, "_accumulate", accumulate)
@@ -407,6 +409,7 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
         self._check_ready()
         self._adopt_grads()
         object.__setattr__(self, "_in_step", True)
+        started = self._clock.start()
         try:
             if self._pipe is not None:
                 return self._pipeline_step(args, kwargs, target)
@@ -417,6 +420,7 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
             self._grad_sync.finish()
             return loss.detach()
         finally:
+            self._clock.stop(started)
             object.__setattr__(self, "_in_step", False)
             self._publish_grads()
 
@@ -482,6 +486,22 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
         return loss
 
     # ------------------------------------------------------------------ inspection
+    def measured(self, skip: int = 2) -> dict:
+        """What this rank measured of its ``train_step`` calls: the median step time after the
+        first ``skip``, how many steps, the device's peak allocation (CUDA only; None on the CPU),
+        the device (:class:`autopar.runtime.step_clock.StepClock`)."""
+        return self._clock.summary(skip)
+
+    def measured_plan(self, skip: int = 2):
+        """A copy of the plan with what this rank measured beside what it predicts
+        (``options["measured"]``): ``autopar show`` and its HTML report print both, and their ratio.
+        ``pm.measured_plan().save("plan.json")`` on rank 0 keeps it."""
+        import copy as _copy
+
+        plan = _copy.deepcopy(self.plan)
+        plan.options["measured"] = {k: v for k, v in self.measured(skip).items() if v is not None}
+        return plan
+
     def print_code(self) -> str:
         """The per-rank graph as readable code, resharding steps named (and print it)."""
         from autopar.codegen.printer import render

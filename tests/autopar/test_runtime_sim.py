@@ -127,3 +127,21 @@ def test_inputs_sharded(mesh):
     with LocalTensorMode(WORLD):
         with pytest.raises(ValueError, match="inputs_sharded=True"):
             pm.train_step(ids, labels=ids)  # the global batch is not a shard
+
+
+def test_a_run_records_what_it_measured_beside_the_plan(mesh, tmp_path):
+    """``pm.measured_plan()``: the plan with the run's own median step (and, on a GPU, its peak),
+    which ``autopar show`` and the HTML report print beside the predicted figures."""
+    from autopar.html import render
+    from autopar.plan import Plan
+
+    ex, cap, plan = _setup("gpt2", "dp")
+    pm, losses, _, _ = _train(ex, cap, plan, mesh, steps=4)
+    got = pm.measured()
+    assert got["steps"] == 2 and got["step_time"] > 0 and got["peak_bytes"] is None  # (the CPU: no device peak)
+    path = tmp_path / "measured.json"
+    pm.measured_plan().save(str(path))
+    again = Plan.load(str(path))
+    assert again.options["measured"]["step_time"] == got["step_time"] and "measured" not in plan.options
+    assert "measured step time" in again.summary() and "predicted / measured" in again.summary()
+    assert f"data-key='measured_step_time' data-value='{got['step_time']!r}'" in render(again)
