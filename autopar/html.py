@@ -23,7 +23,7 @@ from autopar.plan import Plan
 from autopar.report import (ROLE_WORDS, axis_roles, axes_text, grouped_layers, human_bytes, human_seconds,
                             measured, memory_terms, plan_family, step_terms)
 
-_COLORS = {"params": "#4e79a7", "activations": "#f28e2b", "transient": "#e15759", "inputs_buffers": "#76b7b2",
+_COLORS = {"params": "#4e79a7", "grads": "#a0cbe8", "optimizer": "#8cd17d", "activations": "#f28e2b", "transient": "#e15759", "inputs_buffers": "#76b7b2",
            "compute": "#59a14f", "comm": "#edc948", "reshard": "#b07aa1", "recompute": "#ff9da7",
            "bubble": "#9c755f", "F": "#59a14f", "B": "#4e79a7", "hidden": "#d4c26a", "exposed": "#e15759"}
 _PALETTE = ["#59a14f", "#ff9da7", "#edc948", "#b07aa1", "#e15759", "#76b7b2", "#f28e2b", "#4e79a7", "#9c755f",
@@ -239,6 +239,13 @@ def _schedule(plan: Plan) -> list[str]:
 
 
 # ---------------------------------------------------------------------- memory
+def _own(params: float, grads, optimizer) -> list[tuple[str, float]]:
+    """A device's parameter bytes (with their gradients and optimizer state) as parts."""
+    if grads is None or optimizer is None:
+        return [("params", params)]
+    return [("params", params - grads - optimizer), ("grads", grads), ("optimizer", optimizer)]
+
+
 def _memory_rows(plan: Plan) -> list[tuple[str, list[tuple[str, float]]]]:
     bd = plan.breakdown
     n_dev = 1
@@ -246,11 +253,13 @@ def _memory_rows(plan: Plan) -> list[tuple[str, list[tuple[str, float]]]]:
         n_dev *= int(s)
     if plan.pipeline:
         stage_mem = plan.options.get("stage_memory") or []
-        rows = [(f"pipeline rank {i}", [("params", m.get("params", 0.0)), ("activations", m.get("activations", 0.0))])
+        rows = [(f"pipeline rank {i}", _own(m.get("params", 0.0), m.get("grads"), m.get("optimizer"))
+                 + [("activations", m.get("activations", 0.0))])
                 for i, m in enumerate(stage_mem) if isinstance(m, dict)]
         if rows:
             return rows
-    parts = [(k[4:], bd[k]) for k in ("mem_params", "mem_activations", "mem_transient", "mem_inputs_buffers") if k in bd]
+    parts = _own(bd.get("mem_params", 0.0), bd.get("peak_grads"), bd.get("peak_optimizer")) + \
+        [(k[4:], bd[k]) for k in ("mem_activations", "mem_transient", "mem_inputs_buffers") if k in bd]
     # Every device of a single-stage plan holds the same shard sizes (even sharding).
     return [(f"each of {n_dev} devices", parts)]
 
@@ -259,8 +268,8 @@ def _memory(plan: Plan) -> list[str]:
     rows = _memory_rows(plan)
     top = max([sum(v for _, v in p) for _, p in rows] + [plan.memory_budget or 0.0, 1.0])
     h = ["<section id='memory'><h2>Memory per device</h2>",
-         _legend(["params", "activations", "transient", "inputs_buffers"]),
-         "<p>params: parameters with their gradients and optimizer state"
+         _legend(["params", "grads", "optimizer", "activations", "transient", "inputs_buffers"]),
+         "<p>params, grads, optimizer: the parameters, their gradients and the optimizer state held at the peak"
          + (f"; the line marks the budget, {human_bytes(plan.memory_budget)}" if plan.memory_budget else "")
          + "</p><table id='memory-rows'>"]
     for label, parts in rows:

@@ -129,8 +129,11 @@ def memory_terms(plan: "Plan") -> tuple[list[tuple[str, float]], float]:
     stages = plan.options.get("stage_memory") if plan.pipeline else None
     if stages and all(isinstance(r, dict) for r in stages):
         worst = max(stages, key=lambda r: r.get("params", 0.0) + r.get("activations", 0.0))
-        terms = [("parameters with gradients and optimizer state", float(worst.get("params", 0.0))),
-                 ("activations", float(worst.get("activations", 0.0)))]
+        own = [("parameters with gradients and optimizer state", float(worst.get("params", 0.0)))]
+        if isinstance(worst.get("grads"), (int, float)) and isinstance(worst.get("optimizer"), (int, float)):
+            own = [("parameters", float(worst["params"] - worst["grads"] - worst["optimizer"])),
+                   ("gradients", float(worst["grads"])), ("optimizer state", float(worst["optimizer"]))]
+        terms = own + [("activations", float(worst.get("activations", 0.0)))]
     else:
         own = [("parameters with gradients and optimizer state", float(bd.get("mem_params", 0.0)))]
         if "peak_grads" in bd and "peak_optimizer" in bd:

@@ -804,7 +804,8 @@ def _replayed_peak(gp, cfg: Config, built, sol, units, bounds, sched: str, m: in
                            optimizer=cfg.optimizer, dtype=cfg.dtype, chunks=chunk_counts(built.overlap, pick),
                            stop_above=cfg.memory_budget)
     split = [{"params": float(e.params + e.buffers + e.grads + e.optimizer_state),
-              "activations": float(e.activations + e.inputs)} for e in peaks]
+              "activations": float(e.activations + e.inputs),
+              "grads": float(e.grads), "optimizer": float(e.optimizer_state)} for e in peaks]  # (two parts of params)
     return float(max(e.peak for e in peaks)), split
 
 

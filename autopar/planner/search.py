@@ -139,8 +139,10 @@ def runner_ups(best: Plan, others: list, top: int = 5) -> list[dict]:
         if fam in seen:
             continue
         seen.add(fam)
-        from autopar.report import axes_text, step_terms
+        entry = {"family": fam, "step_time": c.step_time, "peak_bytes": c.peak_bytes}
+        if isinstance(c, Plan):  # what it runs, and its step term by term (why it lost: autopar show --html)
+            from autopar.report import axes_text, step_terms
 
-        out.append({"family": fam, "step_time": c.step_time, "peak_bytes": c.peak_bytes, "axes": axes_text(c),
-                    "terms": [[w, v] for w, v in step_terms(c)[0]]})
+            entry.update(axes=axes_text(c), terms=[[w, v] for w, v in step_terms(c)[0]])
+        out.append(entry)
     return out[:top]

@@ -120,3 +120,21 @@ def test_collectives_are_listed_by_axis_and_kind():
     assert ("0", "all_gather", "forward") in z3 and ("0", "reduce_scatter", "backward") in z3
     assert not any(k[2] == "gradient sync" for k in z3), sorted(z3)
     assert z3[("0", "all_gather", "forward")]["bytes"] > 0 and z3[("0", "all_gather", "forward")]["seconds"] > 0
+
+
+def test_runner_ups_carry_what_they_run_and_the_terms_they_lost_on():
+    from autopar.html import render
+
+    p = _plan((2, 2))
+    assert p.alternatives, "the free search priced no other family"
+    for a in p.alternatives:
+        assert a["axes"] and sum(v for _, v in a["terms"]) == pytest.approx(a["step_time"], rel=1e-9), a
+    page = render(p)
+    slower = [a for a in p.alternatives if a["step_time"] > p.step_time]
+    assert all(f"+{_secs(a['step_time'] - p.step_time)}" in page for a in slower)
+
+
+def _secs(s):
+    from autopar.report import human_seconds
+
+    return human_seconds(s)
