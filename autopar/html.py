@@ -125,37 +125,51 @@ def _mesh(plan: Plan) -> list[str]:
 
 
 # ---------------------------------------------------------------------- schedule
+def _orders(p: int, m: int, v: int, schedule: str) -> list[list[tuple[str, int, int]]]:
+    """Each pipeline rank's ops in order, ``(kind, chunk, micro-batch)``: GPipe every forward then
+    every backward; 1F1B ``p - rank - 1`` forwards to warm up, then one forward and one backward
+    in turn; interleaved 1F1B (``v`` chunks a rank, Megatron-LM's order) micro-batches in groups of
+    ``p`` through the chunks, ``(p - rank - 1) * 2 + (v - 1) * p`` forwards to warm up."""
+    out = []
+    for d in range(p):
+        if v == 1 and schedule == "gpipe":
+            out.append([("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)])
+            continue
+        total = m * v
+
+        def op(kind: str, k: int) -> tuple[str, int, int]:
+            group, within = divmod(k, p * v)
+            chunk = within // p
+            return kind, (chunk if kind == "F" else v - 1 - chunk), group * p + within % p
+
+        warm = min(p - d - 1 if v == 1 else (p - d - 1) * 2 + (v - 1) * p, total)
+        ops = [op("F", k) for k in range(warm)]
+        for k in range(total - warm):
+            ops += [op("F", warm + k), op("B", k)]
+        ops += [op("B", k) for k in range(total - warm, total)]
+        out.append(ops)
+    return out
+
+
 def pipeline_schedule(plan: Plan) -> list[list[dict]]:
     """One step of a pipelined plan, per pipeline rank: its blocks in time order, each
-    ``{"kind": "F" or "B", "mb": micro-batch, "start", "end"}`` in seconds. Each rank's time per
-    micro-batch is its stage time over the micro-batches (``options["stage_times"]``), a third
-    forward and two thirds backward; GPipe runs every forward then every backward, 1F1B warms up
-    with ``ranks - rank - 1`` forwards then alternates (an interleaved schedule is drawn as 1F1B
-    over each rank's stages together). A forward waits for the rank before, a backward for the
-    rank after."""
+    ``{"kind": "F" or "B", "chunk", "mb": micro-batch, "start", "end"}`` in seconds, in the order
+    of the plan's schedule (:func:`_orders`). Each rank's time per micro-batch and chunk is its
+    stage time (``options["stage_times"]``) over the micro-batches and chunks, a third forward and
+    two thirds backward. A forward waits for the virtual stage before it, a backward for the one
+    after it (the last for its own forward); virtual stage ``chunk * ranks + rank``."""
     times = plan.options.get("stage_times") or []
     p = len(times)
     m = int(plan.pipeline.microbatches) if plan.pipeline else 0
+    v = max(1, int(getattr(plan.pipeline, "virtual_stages", 1) or 1)) if plan.pipeline else 1
+    if plan.pipeline is not None and plan.pipeline.schedule != "interleaved-1f1b":
+        v = 1
     if not p or not m:
         return []
-    fwd = [float(t) / m / 3 for t in times]
+    fwd = [float(t) / m / v / 3 for t in times]
     bwd = [2 * f for f in fwd]
-    gpipe = plan.pipeline.schedule == "gpipe"
-    order = []
-    for d in range(p):
-        if gpipe:
-            ops = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-        else:
-            warm = min(p - d - 1, m)
-            ops = [("F", i) for i in range(warm)]
-            nf, nb = warm, 0
-            while nb < m:
-                if nf < m:
-                    ops.append(("F", nf))
-                    nf += 1
-                ops.append(("B", nb))
-                nb += 1
-        order.append(ops)
+    order = _orders(p, m, v, plan.pipeline.schedule)
+    last = p * v - 1
     end: dict[tuple, float] = {}
     free = [0.0] * p
     nxt = [0] * p
@@ -164,19 +178,21 @@ def pipeline_schedule(plan: Plan) -> list[list[dict]]:
         progressed = False
         for d in range(p):
             while nxt[d] < len(order[d]):
-                kind, i = order[d][nxt[d]]
-                dep = (("F", d - 1, i) if d > 0 else None) if kind == "F" else \
-                    (("B", d + 1, i) if d < p - 1 else ("F", d, i))
+                kind, c, i = order[d][nxt[d]]
+                s = c * p + d
+                dep = (("F", s - 1, i) if s > 0 else None) if kind == "F" else \
+                    (("B", s + 1, i) if s < last else ("F", s, i))
                 if dep is not None and dep not in end:
                     break
                 start = max(free[d], end[dep] if dep is not None else 0.0)
                 stop = start + (fwd[d] if kind == "F" else bwd[d])
-                end[(kind, d, i)] = free[d] = stop
-                out[d].append({"kind": kind, "mb": i, "start": start, "end": stop})
+                end[(kind, s, i)] = free[d] = stop
+                out[d].append({"kind": kind, "chunk": c, "mb": i, "start": start, "end": stop})
                 nxt[d] += 1
                 progressed = True
-        if not progressed:  # (cannot happen with these orders: every dependency is earlier in time)
-            raise RuntimeError("pipeline schedule has a cycle")
+        if not progressed:
+            raise ValueError(f"the {plan.pipeline.schedule} order of {m} micro-batches over {p} ranks x {v} chunks "
+                             f"cannot run (a rank waits for itself)")
     return out
 
 
@@ -189,7 +205,8 @@ def _schedule(plan: Plan) -> list[str]:
             span = max(b["end"] for r in rows for b in r) or 1e-12
             busy = [sum(b["end"] - b["start"] for b in r) for r in rows]
             h.append(f"<p>{plan.pipeline.schedule}, {plan.pipeline.microbatches} micro-batches over {len(rows)} "
-                     f"pipeline ranks; each block one micro-batch's forward (F) or backward (B), gaps the bubble "
+                     f"pipeline ranks; each block one micro-batch's forward (F) or backward (B) through one of "
+                     f"the rank's stages, gaps the bubble "
                      f"({human_seconds(span)} drawn; the plan prices bubble {human_seconds(plan.breakdown.get('bubble', 0.0))})."
                      f"</p>" + _legend(["F", "B"]))
             svg = [f"<svg id='pipeline-timeline' width='{width + 150}' height='{len(rows) * 26 + 10}' role='img'>"]
@@ -199,9 +216,11 @@ def _schedule(plan: Plan) -> list[str]:
                 for b in blocks:
                     x0, x1 = 80 + b["start"] / span * width, 80 + b["end"] / span * width
                     svg.append(f"<rect class='block' data-stage='{d}' data-kind='{b['kind']}' data-mb='{b['mb']}' "
+                               f"data-chunk='{b['chunk']}' "
                                f"data-start='{b['start']!r}' data-end='{b['end']!r}' x='{x0:.2f}' y='{y}' "
                                f"width='{max(x1 - x0 - 0.5, 0.5):.2f}' height='20' fill='{_COLORS[b['kind']]}'>"
-                               f"<title>{b['kind']}{b['mb']}: {human_seconds(b['end'] - b['start'])}</title></rect>")
+                               f"<title>{b['kind']}{b['mb']} chunk {b['chunk']}: {human_seconds(b['end'] - b['start'])}"
+                               f"</title></rect>")
                 svg.append(f"<text x='{80 + width + 4}' y='{y + 16}' font-size='11'>idle "
                            f"{100 * (1 - busy[d] / span):.0f}%</text>")
             svg.append("</svg>")

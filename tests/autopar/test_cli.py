@@ -90,19 +90,26 @@ def _check_report(dom: str, p: Plan) -> None:
         # The timeline's blocks are the schedule's: every rank runs each micro-batch's forward and
         # backward once, a forward after the rank before ran it, a backward after the rank after;
         # under 1F1B rank d runs (ranks - d - 1) forwards before its first backward.
-        blocks = [(int(d), k, int(mb), float(s), float(e)) for d, k, mb, s, e in re.findall(
-            r'data-stage="(\d+)" data-kind="([FB])" data-mb="(\d+)" data-start="([^"]+)" data-end="([^"]+)"', dom)]
-        ranks, m = len(p.options["stage_times"]), p.pipeline.microbatches
-        end = {(k, d, mb): e for d, k, mb, s, e in blocks}
-        assert len(blocks) == 2 * m * ranks and len(end) == len(blocks)
-        for d, k, mb, s, e in blocks:
-            dep = ("F", d - 1, mb) if k == "F" and d > 0 else ("B", d + 1, mb) if k == "B" and d < ranks - 1 else \
-                ("F", d, mb) if k == "B" else None
-            assert dep is None or end[dep] <= s + 1e-15, (d, k, mb)
+        ranks = len(p.options["stage_times"])
+        blocks = [(int(d), k, int(c) * ranks + int(d), int(mb), float(s), float(e)) for d, k, mb, c, s, e in re.findall(
+            r'data-stage="(\d+)" data-kind="([FB])" data-mb="(\d+)" data-chunk="(\d+)" data-start="([^"]+)" '
+            r'data-end="([^"]+)"', dom)]
+        m = p.pipeline.microbatches
+        v = p.pipeline.virtual_stages if p.pipeline.schedule == "interleaved-1f1b" else 1
+        end = {(k, st, mb): e for d, k, st, mb, s, e in blocks}
+        assert len(blocks) == 2 * m * ranks * v and len(end) == len(blocks)
+        last = ranks * v - 1
+        for d, k, st, mb, s, e in blocks:
+            dep = ("F", st - 1, mb) if k == "F" and st > 0 else ("B", st + 1, mb) if k == "B" and st < last else \
+                ("F", st, mb) if k == "B" else None
+            assert dep is None or end[dep] <= s + 1e-15, (d, k, st, mb)
         for d in range(ranks):
-            mine = sorted((s, k) for dd, k, mb, s, e in blocks if dd == d)
+            mine = sorted((s, k) for dd, k, st, mb, s, e in blocks if dd == d)
             first_b = [k for _, k in mine].index("B")
-            assert first_b == min(ranks - d, m) if p.pipeline.schedule == "1f1b" else first_b == m
+            if p.pipeline.schedule == "1f1b":
+                assert first_b == min(ranks - d, m)
+            elif p.pipeline.schedule == "gpipe":
+                assert first_b == m
     else:
         total = sum(v for k, v in p.breakdown.items() if k.startswith("mem_"))
         assert shown and shown[0] == pytest.approx(total, rel=1e-9), (shown, total)

@@ -138,3 +138,36 @@ def _secs(s):
     from autopar.report import human_seconds
 
     return human_seconds(s)
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4)])
+def test_the_pipeline_timeline_follows_its_schedule(schedule, v):
+    """Every rank runs each micro-batch through each of its stages forward and backward once, a
+    forward after the stage before, a backward after the stage after; more chunks a rank leave
+    less bubble than 1F1B (the interleaved schedule's point)."""
+    from types import SimpleNamespace
+
+    from autopar.html import pipeline_schedule
+
+    p, m = 4, 8
+    plan = SimpleNamespace(options={"stage_times": [1.0] * p},
+                           pipeline=SimpleNamespace(microbatches=m, schedule=schedule, virtual_stages=v))
+    rows = pipeline_schedule(plan)
+    end = {(b["kind"], b["chunk"] * p + d, b["mb"]): b["end"] for d, r in enumerate(rows) for b in r}
+    assert len(end) == 2 * p * v * m
+    for d, r in enumerate(rows):
+        assert all(a["end"] <= b["start"] + 1e-12 for a, b in zip(r, r[1:]))  # one op at a time
+        for b in r:
+            s = b["chunk"] * p + d
+            dep = ("F", s - 1, b["mb"]) if b["kind"] == "F" else ("B", s + 1, b["mb"]) if s < p * v - 1 \
+                else ("F", s, b["mb"])
+            assert dep not in end or end[dep] <= b["start"] + 1e-12 or (b["kind"] == "F" and s == 0)
+    span = max(b["end"] for r in rows for b in r)
+    busy = sum(b["end"] - b["start"] for b in rows[0])
+    assert busy == pytest.approx(1.0)  # the rank's stage time
+    bubble = 1 - busy / span
+    flat = (p - 1) / (m + p - 1)  # 1F1B's bubble fraction
+    if schedule == "interleaved-1f1b":
+        assert bubble < flat - 1e-9, (bubble, flat)
+    else:
+        assert bubble == pytest.approx(flat, rel=1e-9), (bubble, flat)
