@@ -57,8 +57,7 @@ class CheckpointError(ValueError):
 def _signature(pm):
     sig = getattr(pm, "signature", None)
     if sig is None or not hasattr(sig, "slots"):
-        raise TypeError(f"expected an autopar ParallelModule, got {type(pm).__name__}; checkpoints of pipelined "
-                        f"plans are not supported yet")
+        raise TypeError(f"expected an autopar ParallelModule (autopar.compile's module), got {type(pm).__name__}")
     return sig
 
 

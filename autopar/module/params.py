@@ -133,7 +133,8 @@ class DTensorParams:
     def _register_params(self) -> None:
         """Register the parameters a user holds (module docstring): a DTensor ``nn.Parameter``
         over each local tensor, placed as stored, under every name of the tensor; under a pipeline
-        the local tensors themselves."""
+        those of this rank's stages (the others stay numel-0 placeholders that
+        ``named_parameters()`` leaves out)."""
         from autopar.lowering.graph import canonical_fqns
 
         canon = canonical_fqns(self._captured)
