@@ -73,8 +73,8 @@ def _summary(plan: Plan) -> list[str]:
     pos = [(w, v) for w, v in terms if v > 0]
     h.append("<h3>The step, term by term</h3>"
              f"<p>{human_seconds(plan.step_time)} = "
-             + _E(" + ".join(f"{w} {human_seconds(v)}" for w, v in terms if v >= 0)
-                  + "".join(f" - {w} {human_seconds(-v)}" for w, v in terms if v < 0)) + "</p>"
+             + _E(" + ".join(f"{w} {human_seconds(v)}" for w, v in terms if v >= 5e-8)
+                  + "".join(f" - {w} {human_seconds(-v)}" for w, v in terms if v <= -5e-8)) + "</p>"
              + f"<div id='step-terms'>{_bar(pos, sum(v for _, v in pos), 720, human_seconds)}</div>")
     h.append("<table id='terms'>" + "".join(f"<tr><td>{_E(w)}</td><td class='num' data-term='{_E(w)}' "
                                              f"data-value='{v!r}'>{'-' if v < 0 else ''}{human_seconds(abs(v))}</td>"

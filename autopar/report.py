@@ -223,7 +223,8 @@ def plan_summary(plan: "Plan", full: bool = False) -> str:
         terms, rest = step_terms(plan)
         if abs(rest) > 1e-9 * max(1.0, plan.step_time):
             terms.append(("other", rest))
-        t = [f"{w} {'-' if v < 0 else ''}{human_seconds(abs(v))}" for w, v in terms]
+        # (terms below the printed precision left out of the line; they count in step_terms)
+        t = [f"{w} {'-' if v < 0 else ''}{human_seconds(abs(v))}" for w, v in terms if abs(v) >= 5e-8]
         mterms, mrest = memory_terms(plan)
         if abs(mrest) > 1e-6 * max(1.0, plan.peak_bytes):
             mterms.append(("other", mrest))
