@@ -226,8 +226,8 @@ class _Lowering:
         name = _attr_name(mod.label, self.taken)
         token = self.tokens.get(e.copy) if own_value else None
         if token is not None:
-            f = self.lowered.prefetch[e.copy]
-            mod.async_grad = (f.axes, f.dim, f.unit)
+            f, member = self.lowered.prefetch[e.copy], self.launchers[e.copy]
+            mod.async_grad = (member.launch.reduce, member.index, f.dim)
             mod.label += " (prefetched)"
             if e.region is not None or mod.reshard_after_forward:
                 # gathered again in backward (its region recomputes, or reshard after forward
@@ -389,8 +389,7 @@ class _Lowering:
         if node.target in _SKIP:
             self.env[node] = None
             return
-        for cid in self.launch_at.get(node.name, ()):  # before `last`: never inside a region
-            self._launch_gather(cid)
+        self._launch_gathers(self.launch_at.get(node.name, ()))  # before `last`: never inside a region
         last = self.graph._root._prev  # the per-rank nodes emitted for `node` follow this one
         self._lower_call(node)
         v = self.env.get(node)
@@ -403,20 +402,31 @@ class _Lowering:
             n = n._next
         self._tag_region(node, last)
 
-    def _launch_gather(self, cid: int) -> None:
-        """Start the prefetched gather of copy ``cid`` (:mod:`autopar.runtime.prefetch`)."""
+    def _launch_gathers(self, cids) -> None:
+        """Start the prefetched gathers of copies ``cids`` (:mod:`autopar.runtime.prefetch`): one
+        flat all-gather per unit, mesh axes, gather dtype and stored dtype (FSDP2's per-layer
+        gather), whose gradients are reduce-scattered flat the same way."""
+
         from autopar.runtime.prefetch import GatherLaunch
 
-        f, e = self.lowered.prefetch[cid], self.lowered.edges[self.lowered.copies[cid].edges[0]]
-        mod = GatherLaunch(self.ctx, f.axes, f.dim, self.compute_dtype if e.cast else None,
-                           f"{e.producer} -> {e.consumer}", unit=f.unit)
-        if self.lowered.stages:  # a stage's forward runs once per micro-batch: not the step's start
-            mod.new_step = False
-        name = _attr_name(f"prefetch_{e.producer}", self.taken)
-        self.root[name] = mod
-        self.tokens[cid] = self.graph.call_module(name, (self.env[self.nodes[e.producer]],))
-        self.tokens[cid].meta["autopar_origin"] = f.launch  # a pipeline runs it in the launch's stage
-        self.launchers[cid] = mod
+        groups: dict[tuple, list] = {}
+        for cid in cids:
+            f, e = self.lowered.prefetch[cid], self.lowered.edges[self.lowered.copies[cid].edges[0]]
+            t = tensor_vals(self.nodes[e.producer])[e.out_index]
+            groups.setdefault((f.unit, f.axes, bool(e.cast), t.dtype), []).append((cid, f, e))
+        for (unit, axes, cast, _), members in groups.items():
+            mod = GatherLaunch(self.ctx, axes, [f.dim for _, f, _ in members], self.compute_dtype if cast else None,
+                               [f"{e.producer} -> {e.consumer}" for _, _, e in members], unit=unit)
+            if self.lowered.stages:  # a stage's forward runs once per micro-batch: not the step's start
+                mod.new_step = False
+            name = _attr_name(f"prefetch_unit{unit}", self.taken)
+            self.root[name] = mod
+            call = self.graph.call_module(name, tuple(self.env[self.nodes[e.producer]] for _, _, e in members))
+            call.meta["autopar_origin"] = members[0][1].launch  # a pipeline runs it in the launch's stage
+            for i, (cid, f, _) in enumerate(members):
+                self.tokens[cid] = self.graph.call_function(operator.getitem, (call, i))
+                self.tokens[cid].meta["autopar_origin"] = f.launch
+                self.launchers[cid] = mod.member(i)
 
     def _tag_region(self, node, last) -> None:
         """Tag the per-rank nodes of a recomputed plan node with its checkpoint region, as the

@@ -39,11 +39,12 @@ class ReshardModule(nn.Module):
     reshard_after_forward = False
 
     #: Set by the codegen on a prefetched ZeRO-3 gather (``autopar.lowering.program.Prefetch``):
-    #: ``(axes, dim, unit)``; its gradient's reduce-scatter then runs asynchronously.
+    #: ``(UnitReduce, index, dim)``; its gradient joins its unit's flat reduce-scatter, which runs
+    #: asynchronously (``autopar.runtime.prefetch``).
     async_grad = None
 
-    #: Set by the codegen on a prefetched gather inside a checkpointed region: its
-    #: ``[GatherLaunch]``, which the region's backward prefetch starts again.
+    #: Set by the codegen on a prefetched gather gathered again in backward: ``[Member]`` (its
+    #: place in its unit's ``GatherLaunch``), which the backward prefetch starts again.
     launcher = None
     in_region = False
     """Inside a checkpointed region: its recomputation gathers again (``BackwardGathers``)."""
@@ -53,22 +54,24 @@ class ReshardModule(nn.Module):
     def forward(self, x, token=None):
         # token: the gather started ahead (autopar.runtime.prefetch.GatherLaunch), if any.
         grad = self.async_grad if x.requires_grad and x.is_leaf else None
+        if grad is not None:
+            grad[0].register(grad[1], x)  # the shard's shape: its slot in the unit's reduce-scatter
         recomputing = False
         if token is not None and self.launcher is not None and self.in_region:
             from autopar.runtime.prefetch import BackwardGathers
 
             if token.pending is not None:  # the forward: backward recomputes this region
-                BackwardGathers.register(self.async_grad[2], self, x)
+                BackwardGathers.register(self.async_grad[0].unit, self, x)
             else:  # the recomputation: the gather backward started, if it did
                 token, self.bwd_gather, recomputing = self.bwd_gather, None, True
         out = Reshard.apply(x, self.fwd, self.bwd, self.ctx.device_mesh, self.shape, None,
                             self.owned_fwd, self.owned_bwd, self.fwd_dtype, self.bwd_dtype, token, grad)
         if recomputing:
-            BackwardGathers.start(self.async_grad[2] - 1)  # the unit recomputed next
+            BackwardGathers.start(self.async_grad[0].unit - 1)  # the unit recomputed next
         if self.reshard_after_forward and Gathered.active is not None:
             if self.launcher is not None:  # prefetched: gathered again ahead in backward, too
                 launch = self.launcher[0]
-                Gathered.active.add(out, lambda: self.regather(x), self.async_grad[2], lambda: launch.start(x))
+                Gathered.active.add(out, lambda: self.regather(x), self.async_grad[0].unit, lambda: launch.start(x))
             else:
                 Gathered.active.add(out, lambda: self.regather(x))
         return out

@@ -21,6 +21,9 @@ the synchronous collectives: the same collectives on the same tensors, only wait
 """
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import torch.nn as nn
 
@@ -93,44 +96,106 @@ def _size(dm, axes) -> int:
     return n
 
 
+class _FlatGather:
+    """One all-gather of several shards at once (FSDP2's copy-in / copy-out): the shards are
+    copied into one flat buffer (cast to the gather dtype on the way), gathered, and on the first
+    :meth:`piece` asked for, waited for and copied out into one tensor per shard (rank-major rows:
+    what a dim-0 gather of that shard alone returns); the flat buffers die then."""
+
+    __slots__ = ("shapes", "sizes", "n", "inp", "out", "work", "pieces", "where", "dm", "axis")
+
+    def __init__(self, shards, dtype, dm, axes, where: str):
+        self.shapes = [tuple(x.shape) for x in shards]
+        self.sizes = [x.numel() for x in shards]
+        self.n, self.dm, self.axis, self.where = _size(dm, axes), dm, axes[0], where
+        dtype = dtype or shards[0].dtype
+        if len(shards) == 1 and shards[0].dtype == dtype:
+            inp = shards[0].detach().reshape(-1).contiguous()
+        else:
+            inp = shards[0].new_empty(sum(self.sizes), dtype=dtype)
+            off = 0
+            for x, k in zip(shards, self.sizes):
+                inp[off:off + k].copy_(x.detach().reshape(-1))  # (copy_ casts)
+                off += k
+        self.inp = inp
+        self.out, self.work = _launch_gather(inp, _pg(dm, axes), self.n)
+        self.pieces = None
+
+    def piece(self, i: int) -> torch.Tensor:
+        if self.pieces is None:
+            inp, out, work = self.inp, self.out, self.work
+            out = C.run_collective("all_gather", inp, self.dm, self.axis, self.where,
+                                   lambda: _finish_work(work, out, inp))
+            rows, total, off, pieces = out.view(self.n, -1), inp.numel(), 0, []
+            for shape, k in zip(self.shapes, self.sizes):
+                # (one shard alone: the buffer itself, no copy)
+                pieces.append(rows[:, off:off + k].reshape(self.n * shape[0], *shape[1:]) if k < total
+                              else out.view(self.n * shape[0], *shape[1:]))
+                off += k
+            self.pieces, self.inp = pieces, None
+            self.out = self.work = None
+        p, self.pieces[i] = self.pieces[i], None
+        return p
+
+
 class GatherLaunch(nn.Module):
-    """Start the all-gather of a ZeRO-3 weight's shard over mesh ``axes`` (together) along
-    ``dim`` (cast to ``dtype`` first, as its gather does under mixed precision); returns a
-    :class:`Gathering`."""
+    """Start the all-gathers of one prefetch unit's ZeRO-3 weights (those sharing mesh ``axes``,
+    their gather dtype ``dtype`` and their stored dtype) as ONE flat all-gather, as FSDP2 gathers
+    a layer; the call returns one :class:`Gathering` per weight (``dims``: the dim each is split
+    along). ``what``: the weights' edges, for reports and errors."""
 
     launched = 0
-    """Gathers this process started ahead (a count for tests and reports)."""
+    """Weight gathers this process started ahead (a count for tests and reports)."""
+    collectives = 0
+    """The flat all-gathers they ran in."""
 
     new_step = True
     """Unit 0's forward starts a step (a flat plan). A pipeline's stages run their forward once per
     micro-batch: the step resets the backward prefetch itself (``autopar.runtime.pipeline``)."""
 
-    def __init__(self, ctx, axes: tuple[int, ...], dim: int, dtype=None, what: str = "", unit: int = 0):
+    def __init__(self, ctx, axes: tuple[int, ...], dims, dtype=None, what=(), unit: int = 0):
         super().__init__()
-        self.ctx, self.axes, self.dim, self.dtype, self.what, self.unit = ctx, tuple(axes), dim, dtype, what, unit
+        self.ctx, self.axes, self.dims, self.dtype, self.unit = ctx, tuple(axes), tuple(dims), dtype, unit
+        self.what = tuple(what)
+        self.reduce = UnitReduce(self.axes, len(self.dims), unit)
+        """The flat reduce-scatter of the same weights' gradients (:func:`reduce_async`)."""
 
     def extra_repr(self) -> str:
-        return f"{self.what}: start all_gather[{','.join(self.ctx.axis_names[a] for a in self.axes)}]"
+        axes = ",".join(self.ctx.axis_names[a] for a in self.axes)
+        return f"unit {self.unit}: start one all_gather[{axes}] of {len(self.dims)} weights ({', '.join(self.what)})"
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor) -> Gathering:
+    def forward(self, *shards: torch.Tensor) -> tuple[Gathering, ...]:
         if self.unit == 0 and self.new_step:  # a new forward: what the last one left for backward is dropped
             BackwardGathers.reset()
-        return self.start(x)
+        return self.start(shards, range(len(self.dims)))
 
     @torch.no_grad()
+    def start(self, shards, members) -> tuple[Gathering, ...]:
+        """Start one flat gather of ``shards``, the weights ``members`` (indices) of this unit."""
+        members = list(members)
+        dm, n = self.ctx.device_mesh, _size(self.ctx.device_mesh, self.axes)
+        where = f"prefetched gather of unit {self.unit} ({', '.join(self.what[i] for i in members)})"
+        flat = _FlatGather(list(shards), self.dtype, dm, self.axes, where)
+        GatherLaunch.launched += len(members)
+        GatherLaunch.collectives += 1
+        return tuple(Gathering(functools.partial(flat.piece, j), self.dims[i], n) for j, i in enumerate(members))
+
+    def member(self, i: int) -> "Member":
+        return Member(self, i)
+
+
+class Member:
+    """Weight ``i`` of a :class:`GatherLaunch`: what a module gathering it again in backward holds."""
+
+    __slots__ = ("launch", "index")
+
+    def __init__(self, launch: GatherLaunch, index: int):
+        self.launch, self.index = launch, index
+
     def start(self, x: torch.Tensor) -> Gathering:
-        """Start the gather of ``x`` (the weight's shard) now."""
-        dm, a = self.ctx.device_mesh, self.axes
-        if self.dtype is not None and x.dtype != self.dtype:
-            x = x.to(self.dtype)
-        inp = x.detach().contiguous()
-        out, work = _launch_gather(inp, _pg(dm, a), _size(dm, a))
-        GatherLaunch.launched += 1
-        where = f"prefetched gather of {self.what}"
-        return Gathering(lambda: C.run_collective("all_gather", inp, dm, a[0], where,
-                                                  lambda: _finish_work(work, out, inp)),
-                         self.dim, _size(dm, a))
+        """Start this weight's gather alone."""
+        return self.launch.start([x], [self.index])[0]
 
 
 class BackwardGathers:
@@ -160,14 +225,21 @@ class BackwardGathers:
 
     @classmethod
     def start(cls, unit: int) -> None:
-        """Start the gathers of ``unit``, once in a backward (each of the next unit's modules asks)."""
+        """Start the gathers of ``unit``, once in a backward (each of the next unit's modules asks):
+        one flat gather per :class:`GatherLaunch` its weights came from, as in the forward."""
         if unit in cls.begun:
             return
         cls.begun.add(unit)
+        by_launch: dict[int, list] = {}
         for mod, x in cls.units.get(unit, {}).values():
-            mod.bwd_gather = mod.launcher[0].start(x)
-            cls.started.append(mod)
-            cls.launched += 1
+            by_launch.setdefault(id(mod.launcher[0].launch), []).append((mod, x))
+        for group in by_launch.values():
+            launch = group[0][0].launcher[0].launch
+            tokens = launch.start([x for _, x in group], [mod.launcher[0].index for mod, _ in group])
+            for (mod, _), token in zip(group, tokens):
+                mod.bwd_gather = token
+                cls.started.append(mod)
+            cls.launched += len(group)
 
     @classmethod
     def drop_started(cls) -> None:
@@ -183,10 +255,42 @@ class BackwardGathers:
         cls.units = {}
 
 
+class UnitReduce:
+    """The flat reduce-scatter of one :class:`GatherLaunch`'s gradients (FSDP2's reduce-scatter
+    of a layer): each weight's gradient is copied into one (ranks, total) buffer as it arrives
+    (row ``r``: rank ``r``'s slices, in the reduction dtype) and freed; when the last arrives the
+    buffer is reduce-scattered in one collective, left in flight (:class:`_InFlight`). A backward
+    in which some weight gets no gradient launches the rest at its end, and only the weights that
+    got one receive a sum."""
+
+    def __init__(self, axes: tuple[int, ...], count: int, unit: int):
+        self.axes, self.unit = tuple(axes), unit
+        self.shapes: list = [None] * count
+        """The shards' shapes (:meth:`register`, in the forward)."""
+
+    def register(self, i: int, shard: torch.Tensor) -> None:
+        self.shapes[i] = tuple(shard.shape)
+
+
+class _Filling:
+    """One :class:`UnitReduce`'s buffer in this backward, until launched."""
+
+    __slots__ = ("group", "task", "buf", "offsets", "arrived", "dm")
+
+    def __init__(self, group: UnitReduce, task, n: int, dtype, like: torch.Tensor, dm):
+        self.group, self.task, self.dm = group, task, dm
+        sizes = [math.prod(s) if s is not None else 0 for s in group.shapes]
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self.buf = like.new_empty((n, self.offsets[-1]), dtype=dtype)
+        self.arrived: dict[int, tuple] = {}  # member -> (parameter, where)
+
+
 class _InFlight:
-    """The reduce-scatters started by this process and not yet waited for."""
+    """The reduce-scatters started by this process and not yet waited for, and the unit buffers
+    still filling."""
 
     pending: list = []
+    filling: list = []
     started = 0
     """Reduce-scatters this process started asynchronously (a count for tests and reports)."""
     queued = None
@@ -194,49 +298,80 @@ class _InFlight:
 
     @classmethod
     def wait(cls) -> None:
-        """Wait for every pending reduce-scatter, adding each sum into its parameter's ``.grad``."""
+        """Wait for every pending reduce-scatter, adding each weight's sum into its parameter's ``.grad``."""
         pending, cls.pending = cls.pending, []
-        for item in pending:
-            _, _, param, finish = item
-            g = finish()
-            if g.dtype != param.dtype:
-                g = g.to(param.dtype)
-            if param.grad is None:
-                param.grad = g
-            else:
-                param.grad.add_(g)
-            # What autograd's accumulation would do next: the parameter's post-accumulate hooks
-            # (HSDP: its gradient bucket, which all-reduces the shard across the replicas).
-            for hook in tuple((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
-                hook(param)
+        for _, _, members, finish in pending:
+            out = finish()
+            for param, off, shape in members:
+                g = out[off:off + math.prod(shape)].view(shape)
+                if g.dtype != param.dtype:
+                    g = g.to(param.dtype)
+                if param.grad is None:
+                    param.grad = g
+                else:
+                    param.grad.add_(g)
+                # What autograd's accumulation would do next: the parameter's post-accumulate hooks
+                # (HSDP: its gradient bucket, which all-reduces the shard across the replicas).
+                for hook in tuple((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
+                    hook(param)
+
+    @classmethod
+    def launch(cls, fill: _Filling) -> None:
+        """Reduce-scatter ``fill``'s buffer, once the one in flight before it is waited for."""
+        cls.filling = [f for f in cls.filling if f is not fill]
+        cls.wait()  # one reduce-scatter in flight: the one before is waited for now
+        g, buf = fill.group, fill.buf
+        for i in range(len(g.shapes)):
+            if i not in fill.arrived:  # no gradient this backward: its slot sums zeros, and is not added
+                buf[:, fill.offsets[i]:fill.offsets[i + 1]].zero_()
+        n = buf.shape[0]
+        out, work = _launch_reduce_scatter(buf.view(-1), _pg(fill.dm, g.axes), n)  # c10d, as the gathers
+        cls.started += 1
+        members = [(p, fill.offsets[i], g.shapes[i]) for i, (p, _) in sorted(fill.arrived.items())]
+        names = ", ".join(w for _, w in fill.arrived.values() if w)
+        at = f"backward of prefetch unit {g.unit} ({names or 'prefetched gathers'})"
+        cls.pending.append((fill.task, g.unit, members,
+                            lambda: C.run_collective("reduce_scatter", buf, fill.dm, g.axes[0], at,
+                                                     lambda: _finish_work(work, out, buf))))
+
+    @classmethod
+    def launch_all(cls) -> None:
+        """Launch the buffers still filling (some weight got no gradient), in the order they began."""
+        for fill in list(cls.filling):
+            cls.launch(fill)
 
     @classmethod
     def flush(cls) -> None:
         cls.queued = None
+        cls.launch_all()
         cls.wait()
         BackwardGathers.drop_started()
 
 
-def reduce_async(param: torch.Tensor, grad: torch.Tensor, axes: tuple[int, ...], dim: int, dm, unit,
+def reduce_async(param: torch.Tensor, grad: torch.Tensor, group: UnitReduce, i: int, dim: int, dm,
                  reduce_dtype=None, where: str | None = None) -> None:
-    """Start the reduce-scatter of ``grad`` (the gathered weight's gradient) over ``axes`` along
-    ``dim``, in ``reduce_dtype``; its sum goes into ``param.grad`` when waited for (see the
-    module docstring; ``unit``: the weight's prefetch unit, for error messages). Call from
-    backward only."""
+    """Hand ``grad`` (weight ``i`` of ``group``, gathered along ``dim``) to its unit's flat
+    reduce-scatter, summed in ``reduce_dtype``; its shard of the sum goes into ``param.grad`` when
+    that is waited for (see the module docstring). Call from backward only."""
     task = torch._C._current_graph_task_id()
     # A backward that raised never reached its end: its sums are dropped, never added later.
     _abandon(task)
-    _InFlight.wait()  # one reduce-scatter in flight: the one before is waited for now
-    if reduce_dtype is not None and grad.dtype != reduce_dtype:
-        grad = grad.to(reduce_dtype)
-    n = _size(dm, axes)
+    n = _size(dm, group.axes)
     C._check_divides(grad, dim, n, "reduce_scatter")
-    rows = grad.contiguous() if dim == 0 else C._dim_to_rows(grad, n, dim)
-    out, work = _launch_reduce_scatter(rows, _pg(dm, axes), n)  # c10d, as the gathers (_launch_gather)
-    _InFlight.started += 1
-    at = f"backward of {where or 'a prefetched gather'} (prefetch unit {unit})"
-    _InFlight.pending.append((task, unit, param, lambda: C.run_collective("reduce_scatter", rows, dm, axes[0], at,
-                                                                     lambda: _finish_work(work, out, rows))))
+    fill = next((f for f in _InFlight.filling if f.group is group), None)
+    if fill is None:
+        fill = _Filling(group, task, n, reduce_dtype or grad.dtype, grad, dm)
+        _InFlight.filling.append(fill)
+    slot = fill.buf[:, fill.offsets[i]:fill.offsets[i + 1]]
+    if dim == 0:
+        slot.copy_(grad.reshape(n, -1))  # (copy_ casts to the reduction dtype)
+    else:
+        shape = group.shapes[i]
+        for r, chunk in enumerate(grad.chunk(n, dim)):
+            slot[r].view(shape).copy_(chunk)
+    fill.arrived[i] = (param, where or "")
+    if len(fill.arrived) == len(group.shapes):
+        _InFlight.launch(fill)
     if _InFlight.queued != task:
         torch.autograd.Variable._execution_engine.queue_callback(_InFlight.flush)
         _InFlight.queued = task
@@ -246,6 +381,7 @@ def drain() -> None:
     """Wait now for the reduce-scatters this backward left in flight (``GradSync.finish`` calls it
     first, so that their shards reach their buckets); those of a backward that raised are dropped."""
     _abandon(torch._C._current_graph_task_id())
+    _InFlight.launch_all()
     _InFlight.wait()
 
 
@@ -259,16 +395,19 @@ def _abandon(task) -> None:
     never reached its end), keeping their buffers alive."""
     _ABANDONED.extend(it for it in _InFlight.pending if it[0] != task)
     _InFlight.pending = [it for it in _InFlight.pending if it[0] == task]
+    _InFlight.filling = [f for f in _InFlight.filling if f.task == task]  # never launched: nothing to keep
 
 
 def in_flight(param) -> bool:
     """Whether a reduce-scatter of ``param``'s gradient is started and not yet waited for."""
-    return any(it[2] is param for it in _InFlight.pending)
+    return any(m[0] is param for it in _InFlight.pending for m in it[2]) or \
+        any(p is param for f in _InFlight.filling for p, _ in f.arrived.values())
 
 
 def pending() -> int:
-    """Reduce-scatters started and not yet waited for (0 after every backward)."""
-    return len(_InFlight.pending)
+    """Reduce-scatters started and not yet waited for, and unit buffers not yet launched (0 after
+    every backward)."""
+    return len(_InFlight.pending) + len(_InFlight.filling)
 
 
 def counts() -> tuple[int, int, int]:

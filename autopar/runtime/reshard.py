@@ -103,9 +103,10 @@ class Reshard(torch.autograd.Function):
     dtype either way.
 
     ``token``: a prefetched gather (:class:`autopar.runtime.prefetch.Gathering`) whose result is
-    the forward's, when not yet taken. ``async_grad``: ``(axes, dim, unit)``: ``local`` is a
-    parameter whose gradient is this reduce-scatter (over those axes together), started asynchronously
-    (:func:`autopar.runtime.prefetch.reduce_async`); autograd then hands it no gradient."""
+    the forward's, when not yet taken. ``async_grad``: ``(group, i, dim)``: ``local`` is weight
+    ``i`` of a prefetch unit's flat reduce-scatter (``autopar.runtime.prefetch.UnitReduce``), which
+    its gradient joins (:func:`autopar.runtime.prefetch.reduce_async`); autograd then hands it no
+    gradient."""
 
     @staticmethod
     def forward(ctx, local, fwd_steps, bwd_steps, device_mesh, global_shape=None, where=None,
@@ -136,8 +137,8 @@ class Reshard(torch.autograd.Function):
         if ctx.async_param is not None:
             from autopar.runtime.prefetch import reduce_async
 
-            param, (axes, dim, unit) = ctx.async_param
-            reduce_async(param, grad, axes, dim, dm, unit, bwd_dtype, where)
+            param, (group, i, dim) = ctx.async_param
+            reduce_async(param, grad, group, i, dim, dm, bwd_dtype, where)
             return (None,) * 12
         if bwd_dtype is not None and grad.dtype != bwd_dtype:
             grad, owned = grad.to(bwd_dtype), True
