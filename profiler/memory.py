@@ -91,6 +91,12 @@ class StepNode:
     """Its backward hands the gradient it receives to a collective left in flight (a ZeRO-3
     weight's reduce-scatter, started asynchronously): that gradient stays alive until the next
     such node's backward (one in flight) or the end of backward."""
+    grad_group: tuple | None = None
+    """With ``grad_in_flight``: ``(group, bytes, weights)`` of the flat reduce-scatter it joins (a
+    prefetch unit's, ``autopar.runtime.prefetch.UnitReduce``): the group's buffer of ``bytes``
+    is allocated when its first gradient arrives (each gradient is copied in and freed), and
+    launched, held in flight, when the last of its ``weights`` has; the one before is waited
+    for then."""
 
 
 def step_replace(n: StepNode, **changes) -> StepNode:
@@ -235,6 +241,8 @@ class ReplayState:
     grads: int = 0
     act_grads: int = 0
     best: dict = dataclasses.field(default_factory=lambda: {"total": -1})
+    filling: dict = dataclasses.field(default_factory=dict)
+    """Flat reduce-scatter group -> its gradients in so far (:attr:`StepNode.grad_group`)."""
 
     def add(self, key: Key, nbytes: int) -> None:
         if key not in self.live:
@@ -359,6 +367,9 @@ def replay_backward(nodes: list[StepNode], placeholders, size: Sizer, state: Rep
         for k in release.get(n.name, ()):  # also after a node without backward (autograd passes it)
             state.free(k)
     state.free(IN_FLIGHT)  # the last collective in flight is waited for at the end of backward
+    for gid in list(state.filling):  # groups some weight gave no gradient: launched, waited for
+        state.free(("<unit gradients filling>", gid))
+    state.filling.clear()
 
 
 def _pass_through(nodes: list[StepNode]) -> dict[str, str]:
@@ -444,7 +455,17 @@ def _node_backward(n: StepNode, placeholders, size: Sizer, state: ReplayState, g
     transient = min(size.alloc(n.bwd_alloc), produced + param_add + size.alloc(n.bwd_max_op))
     state.observe("backward", n.name, transient)
     state.act_grads -= incoming
-    if n.grad_in_flight and incoming:
+    if n.grad_in_flight and incoming and n.grad_group is not None:
+        gid, total, count = n.grad_group
+        key = ("<unit gradients filling>", gid)
+        state.add(key, total)  # (allocated with its first gradient)
+        state.filling[gid] = state.filling.get(gid, 0) + 1
+        if state.filling[gid] >= count:  # launched: the one in flight before it is waited for
+            del state.filling[gid]
+            state.free(IN_FLIGHT)
+            state.free(key)
+            state.add(IN_FLIGHT, total)
+    elif n.grad_in_flight and incoming:
         # the gradient stays with its collective in flight; the one before it is waited for now
         state.free(IN_FLIGHT)
         state.add(IN_FLIGHT, incoming)

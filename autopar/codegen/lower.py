@@ -406,23 +406,22 @@ class _Lowering:
         """Start the prefetched gathers of copies ``cids`` (:mod:`autopar.runtime.prefetch`): one
         flat all-gather per unit, mesh axes, gather dtype and stored dtype (FSDP2's per-layer
         gather), whose gradients are reduce-scattered flat the same way."""
-
         from autopar.runtime.prefetch import GatherLaunch
 
-        groups: dict[tuple, list] = {}
-        for cid in cids:
+        groups: dict[int, list] = {}
+        for cid in cids:  # (Prefetch.group: the lowered program's flat gathers)
             f, e = self.lowered.prefetch[cid], self.lowered.edges[self.lowered.copies[cid].edges[0]]
-            t = tensor_vals(self.nodes[e.producer])[e.out_index]
-            groups.setdefault((f.unit, f.axes, bool(e.cast), t.dtype), []).append((cid, f, e))
-        for (unit, axes, cast, _), members in groups.items():
-            mod = GatherLaunch(self.ctx, axes, [f.dim for _, f, _ in members], self.compute_dtype if cast else None,
-                               [f"{e.producer} -> {e.consumer}" for _, _, e in members], unit=unit)
+            groups.setdefault(f.group, []).append((cid, f, e))
+        for members in groups.values():
+            f, e = members[0][1], members[0][2]
+            mod = GatherLaunch(self.ctx, f.axes, [f.dim for _, f, _ in members], self.compute_dtype if e.cast else None,
+                               [f"{e.producer} -> {e.consumer}" for _, _, e in members], unit=f.unit)
             if self.lowered.stages:  # a stage's forward runs once per micro-batch: not the step's start
                 mod.new_step = False
-            name = _attr_name(f"prefetch_unit{unit}", self.taken)
+            name = _attr_name(f"prefetch_unit{f.unit}", self.taken)
             self.root[name] = mod
             call = self.graph.call_module(name, tuple(self.env[self.nodes[e.producer]] for _, _, e in members))
-            call.meta["autopar_origin"] = members[0][1].launch  # a pipeline runs it in the launch's stage
+            call.meta["autopar_origin"] = f.launch  # a pipeline runs it in the launch's stage
             for i, (cid, f, _) in enumerate(members):
                 self.tokens[cid] = self.graph.call_function(operator.getitem, (call, i))
                 self.tokens[cid].meta["autopar_origin"] = f.launch

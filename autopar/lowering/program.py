@@ -188,6 +188,11 @@ class Prefetch:
     (their ranks flattened in row-major order, which is the order of a dim split on each of them);
     its gradient is reduce-scattered over the same group."""
     dim: int
+    group: int = 0
+    """Its flat gather: the unit's copies over the same ``axes``, in the same gather dtype
+    (``Edge.cast``) and stored dtype, run as ONE all-gather (copied into one buffer and out
+    again), and their gradients as one reduce-scatter, as FSDP2 runs a layer; numbered in launch
+    order (:func:`gather_groups`)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -738,6 +743,7 @@ def prefetches(captured, edges: list[Edge], copies: list[Copy], params: Mapping[
     starts: list[str] = []
     prev = None
     stage_at: list = []  # per unit: its stage
+    groups: dict[tuple, int] = {}
     for _, cid, first, step in cands:
         key = (stages.get(first), unit_key(nodes[first]))
         if not starts or key != prev:
@@ -747,7 +753,19 @@ def prefetches(captured, edges: list[Edge], copies: list[Copy], params: Mapping[
             prev = key
         k = len(starts) - 1
         ahead = k > 0 and stage_at[k - 1] == stage_at[k]
-        out[cid] = Prefetch(copy=cid, unit=k, launch=starts[k - 1] if ahead else starts[k], axes=step[0], dim=step[1])
+        e = edges[copies[cid].edges[0]]
+        kind = (k, step[0], bool(e.cast), tensor_vals(nodes[e.producer])[e.out_index].dtype)
+        group = groups.setdefault(kind, len(groups))
+        out[cid] = Prefetch(copy=cid, unit=k, launch=starts[k - 1] if ahead else starts[k], axes=step[0], dim=step[1],
+                            group=group)
+    return out
+
+
+def gather_groups(prefetch: Mapping[int, Prefetch]) -> dict[int, list[int]]:
+    """Flat gather (``Prefetch.group``) -> its copies, in launch order."""
+    out: dict[int, list[int]] = {}
+    for cid, f in prefetch.items():
+        out.setdefault(f.group, []).append(cid)
     return out
 
 

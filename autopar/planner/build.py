@@ -18,6 +18,7 @@ Pass order (each step a function of the graph and the config):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from collections import OrderedDict, defaultdict
@@ -897,17 +898,19 @@ class _EdgePricer:
         c = table.get(dst, FORBIDDEN)
         return c if math.isfinite(c) else FORBIDDEN
 
-    def matrix(self, outs: list, ins: list, grads: list, t: torch.Tensor, param_uses: int = 0) -> np.ndarray:
+    def matrix(self, outs: list, ins: list, grads: list, t: torch.Tensor, param_uses: int = 0,
+               unit_share: float = 1.0) -> np.ndarray:
         """``outs[s]``: producer output placement per producer choice; ``ins[u]``/``grads[u]``:
         consumer input placement and input-gradient placement per consumer choice.
-        ``param_uses``: for a parameter's edge, how many ops read the parameter (0: not one)."""
+        ``param_uses``: for a parameter's edge, how many ops read the parameter (0: not one);
+        ``unit_share``: its share of its prefetch unit's parameter bytes (:func:`unit_shares`)."""
         shape, itemsize = tuple(t.shape), t.element_size()
         # Under mixed precision forward and gradient may move in different dtypes (_AsRun).
         gsize = t.grad_element_size() if hasattr(t, "grad_element_size") else itemsize
         diff = _differentiable(t)
         o_keys = [self.key(o) for o in outs]
         i_keys = [(self.key(x), self.key(g) if diff else None) for x, g in zip(ins, grads)]
-        key = (tuple(o_keys), tuple(i_keys), shape, itemsize, gsize, param_uses)
+        key = (tuple(o_keys), tuple(i_keys), shape, itemsize, gsize, param_uses, unit_share)
         m = self.cache.get(key)
         # An edge depends on the mesh alone, a parameter's also on the ZeRO stage, the buckets and
         # the gathers' exposed share: shared by every build that agrees on them.
@@ -924,9 +927,15 @@ class _EdgePricer:
             for a, o in enumerate(uo):
                 go = None if o is None else pl.grad_text(o)
                 for b, (x, g) in enumerate(ui):
-                    c = self.one(o, x, shape, itemsize)
+                    flat = _flat_gather(o, x) if param_uses and o is not None and x is not None else None
+                    if flat:  # run in its unit's flat all-gather (``comms.flat_share_seconds``)
+                        c = comms.flat_share_seconds("all_gather", _local_bytes_of(shape, x, self.mesh.shape, itemsize),
+                                                     self.mesh, flat, unit_share)
+                    else:
+                        c = self.one(o, x, shape, itemsize)
                     if g is not None and o is not None and param_uses:
-                        c = c * self.gather_scale + self.param_grad(o, g, shape, gsize, param_uses)
+                        c = c * self.gather_scale + self.param_grad(o, g, shape, gsize, param_uses,
+                                                                   (flat, unit_share) if flat else None, x)
                     elif g is not None and o is not None:
                         c += self.one(g, go, shape, gsize)
                     small[a, b] = c
@@ -939,16 +948,65 @@ class _EdgePricer:
                 _remember(_SHARED_MATRICES, shared, m)
         return m
 
-    def param_grad(self, stored: str, grad: str, shape, itemsize, uses: int) -> float:
+    def param_grad(self, stored: str, grad: str, shape, itemsize, uses: int, flat=None, used=None) -> float:
         """A parameter's gradient on the edge of one of its ``uses``: resharded to the stored
         placement with Partial kept on replicated axes (``comms.param_grad_target``), plus this
-        use's share of the bucketed reduction after backward (``comms.bucket_seconds``)."""
+        use's share of the bucketed reduction after backward (``comms.bucket_seconds``).
+        ``flat``: ``(axes, unit share)`` when the use gathers it in its unit's flat all-gather (read
+        as ``used``): the gradient then goes back in the unit's flat reduce-scatter."""
         try:
             target = comms.param_grad_target(stored, grad)
             bucket = comms.bucket_seconds(stored, grad, shape, itemsize, self.mesh, self.bucket_bytes, self.zero)
         except ValueError:
             return FORBIDDEN
-        return self.one(grad, target, shape, itemsize) * self.gather_scale + bucket / uses
+        if flat is not None and _flat_gather(target, grad.replace("P", "R")) == flat[0]:
+            back = comms.flat_share_seconds("reduce_scatter", _local_bytes_of(shape, used, self.mesh.shape, itemsize),
+                                            self.mesh, flat[0], flat[1])
+        else:
+            back = self.one(grad, target, shape, itemsize)
+        return back * self.gather_scale + bucket / uses
+
+
+def _local_bytes_of(shape, placements: str, mesh_shape, itemsize: int) -> float:
+    return float(itemsize * math.prod(pl.local_shape(tuple(shape), pl.parse(placements), mesh_shape)))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _flat_gather(stored: str, used: str) -> tuple[int, ...] | None:
+    """The mesh axes, when reading a parameter stored ``stored`` as ``used`` gathers one split dim
+    back whole on the axes where they differ, changing nothing else: what the runtime runs in its
+    unit's flat all-gather over those axes together (``autopar.lowering.program.prefetches``)."""
+    src, dst = pl.parse(stored), pl.parse(used)
+    moved = [a for a, (p, q) in enumerate(zip(src, dst)) if p != q]
+    if not moved or any(not isinstance(src[a], Shard) or not isinstance(dst[a], Replicate) for a in moved):
+        return None
+    return tuple(moved) if len({src[a].dim for a in moved}) == 1 else None
+
+
+def unit_shares(gm, params) -> dict[str, float]:
+    """Parameter placeholder -> its share of the parameter bytes of its prefetch unit (as
+    ``autopar.lowering.program.prefetches`` cuts them: runs of weights, in order of first use,
+    whose first reader is in one layer, ``unit_key``): a ZeRO-3 gather runs in its unit's one
+    flat all-gather, so each weight's edge carries that share of the one latency, as a bucket's
+    reduction shares its latency (``comms.bucket_seconds``)."""
+    from autopar.lowering.program import unit_key
+
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    firsts, size = [], {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in params and node.users:
+            first = min(node.users, key=pos.__getitem__)
+            firsts.append((pos[first], node.name, unit_key(first)))
+            size[node.name] = float(sum(t.numel() * t.element_size() for t in tensor_vals(node)))
+    unit_of, run, prev = {}, -1, None
+    for _, ph, key in sorted(firsts):
+        if key != prev:
+            run, prev = run + 1, key
+        unit_of[ph] = run
+    total: dict[int, float] = defaultdict(float)
+    for ph, u in unit_of.items():
+        total[u] += size[ph]
+    return {ph: (size[ph] / total[u] if total[u] > 0 else 1.0) for ph, u in unit_of.items()}
 
 
 def _in_pl(strat: Strategy, j: int):
@@ -1060,6 +1118,7 @@ def edges(gm, priced, leader, follow, mesh: Mesh, micro: "Micro | None" = None, 
     replay's ``GraphProfile.output_itemsizes``): under bf16-mixed each edge is priced in the
     dtypes it runs in. ``gather_scale``: see ``_EdgePricer.gather_scale``."""
     uses = comms.param_uses(gm, priced, params)
+    shares = unit_shares(gm, params)
     pricer = _EdgePricer(mesh, comms.effective_bucket_bytes(gm, params))
     pricer.gather_scale = gather_scale
     pricer.zero = zero_spec(cfg) if cfg is not None else None
@@ -1095,8 +1154,9 @@ def edges(gm, priced, leader, follow, mesh: Mesh, micro: "Micro | None" = None, 
                     t = _AsRun(t, fi, bi)
             # Twins share priced strategies and follow maps: one matrix per distinct (producer, consumer) pair.
             n_uses = uses.get(prod.name, 0)
+            share = shares.get(prod.name, 1.0) if n_uses else 1.0
             ekey = (id(popt), id(opt), idx, j, fs.tobytes(), fu.tobytes(), tuple(t.shape), t.dtype,
-                    t.element_size(), getattr(t, "_bwd", None), micro and micro.kind(prod.name), n_uses)
+                    t.element_size(), getattr(t, "_bwd", None), micro and micro.kind(prod.name), n_uses, share)
             m = edge_memo.get(ekey)
             if m is None:
                 # Another build of this planning priced it: the same priced nodes (shared by
@@ -1113,8 +1173,8 @@ def edges(gm, priced, leader, follow, mesh: Mesh, micro: "Micro | None" = None, 
                     outs = [_out_pl(popt, s, idx) for s in fs]           # per leader(prod) choice
                     ins = [_in_pl(opt.strategies[u], j) for u in fu]     # per leader(node) choice
                     grads = [_in_grad(opt.strategies[u], j) for u in fu]
-                    m = (pricer.matrix(outs, ins, grads, t, n_uses) if micro is None
-                         else micro.matrix(pricer, prod.name, outs, ins, grads, t, n_uses))
+                    m = (pricer.matrix(outs, ins, grads, t, n_uses, share) if micro is None
+                         else micro.matrix(pricer, prod.name, outs, ins, grads, t, n_uses, share))
                     m.setflags(write=False)
                     # (the priced nodes kept with it: their ids key it)
                     _remember(_SHARED_EDGES, skey, (m, micro.once_of(m) if micro else None, popt, opt))

@@ -61,6 +61,8 @@ class Collective:
     ``grad_bucket`` (the bucketed gradient reduction after backward)."""
     where: str
     """The edge, node or bucket it belongs to."""
+    parts: tuple = ()
+    """A prefetch unit's flat gather or reduce-scatter: ``(edge, nbytes)`` of each weight in it."""
 
 
 # ---------------------------------------------------------------------------------- gradients
@@ -98,6 +100,15 @@ def bucket_seconds(stored: str, grad: str, shape: Sequence[int], itemsize: int, 
     local = float(_local_bytes(shape, stored, mesh, itemsize))
     latency = collective_time("all_reduce", 0.0, mesh, axes)
     return collective_time("all_reduce", local, mesh, axes) - latency + latency * local / bucket_bytes
+
+
+def flat_share_seconds(kind: str, nbytes: float, mesh: Mesh, axes, share: float) -> float:
+    """Seconds one weight adds to its prefetch unit's flat ``kind`` (all-gather, or its gradients'
+    reduce-scatter) over ``axes`` together: the bandwidth term of its ``nbytes`` plus ``share`` (its
+    part of the unit's bytes, ``build.unit_shares``) of the collective's one latency. Summed over a
+    unit whose weights all gather alike, the flat collective's seconds."""
+    latency = collective_time(kind, 0.0, mesh, tuple(axes))
+    return collective_time(kind, float(nbytes), mesh, tuple(axes)) - latency * (1.0 - share)
 
 
 def zero_gather_seconds(local_bytes: float, mesh: Mesh, axes, bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:
@@ -165,16 +176,6 @@ def _local_bytes(shape, placements: str, mesh: Mesh, itemsize: int) -> int:
 
 
 # ---------------------------------------------------------------------------------- listing
-def _together(colls: list[Collective], axes) -> list[Collective]:
-    """A prefetched copy's gathers (or reduce-scatters), one per axis, as the one collective over
-    those axes together that the runtime issues (``autopar.runtime.prefetch``); its seconds stay
-    those priced for the steps."""
-    if not colls:
-        return colls
-    return [dataclasses.replace(colls[0], axes=tuple(axes), nbytes=max(c.nbytes for c in colls),
-                                seconds=sum(c.seconds for c in colls))]
-
-
 def _priced(steps, src, shape, itemsize, mesh: Mesh, phase: str, where: str) -> list[Collective]:
     """The collectives among lowered reshard ``steps`` from ``src``, priced at ``itemsize``."""
     out, state = [], tuple(src)
@@ -207,6 +208,10 @@ class _Walk:
         in_regions = {f.unit for c, f in self.low.prefetch.items()
                       if self.low.edges[self.low.copies[c].edges[0]].region is not None}
         self.ahead_in_backward = {u for u in in_regions if u + 1 in in_regions}
+        from autopar.lowering.program import gather_groups
+
+        self.groups = gather_groups(self.low.prefetch)
+        self.listed: set = set()  # (flat gather, phase) already listed
         self.out: list[Collective] = []
         self.region: list[tuple[bool, int]] = []  # (node saves for backward, len(out) after it)
         self.region_id = None
@@ -223,17 +228,41 @@ class _Walk:
         fwd = _priced(e.forward, e.src, e.shape, item, self.mesh, "forward", e.label)
         bwd = _priced(e.backward, e.grad_dst, e.shape, gitem, self.mesh, "backward", e.label)
         f = self.low.prefetch.get(e.copy)
-        if f is not None and len(f.axes) > 1:  # started ahead: one collective over the axes together
-            again = fwd  # a recomputation not gathered ahead runs the steps
-            fwd, bwd = _together(fwd, f.axes), _together(bwd, f.axes)
+        again = fwd  # a recomputation not gathered ahead runs the steps
+        if f is not None:  # started ahead: its unit's flat all-gather and reduce-scatter
+            fwd, bwd = self.flat(f, "forward"), self.flat(f, "backward")
             if f.unit in self.ahead_in_backward:
-                again = fwd
-        else:
-            again = fwd
+                again = [dataclasses.replace(c, phase="recompute") for c in self.flat(f, "recompute")]
         self.out += fwd
         if recompute:
             self.out += [dataclasses.replace(c, phase="recompute") for c in again]
         self.out += bwd
+
+    def flat(self, f, phase: str) -> list[Collective]:
+        """The flat collective of ``f``'s group (``Prefetch.group``) in ``phase``, listed once (at
+        the first of its copies the walk reaches): over the group's axes, of all its bytes."""
+        if (f.group, phase) in self.listed:
+            return []
+        self.listed.add((f.group, phase))
+        kind = "reduce_scatter" if phase == "backward" else "all_gather"
+        nbytes, parts = 0.0, []
+        for cid in self.groups[f.group]:
+            e = self.low.edges[self.low.copies[cid].edges[0]]
+            if phase == "backward" and not e.backward:
+                continue
+            prod = self.nodes[e.producer]
+            cons = self.nodes.get(e.consumer)
+            t = tensor_vals(prod)[e.out_index]
+            item, gitem = precision.edge_itemsizes(self.plan.dtype, getattr(self.plan, "grad_reduce", "fp32"), prod,
+                                                   cons, t, getattr(self, "itemsizes", None), e.out_index, e.param)
+            b = _local_bytes(e.shape, pl.fmt(e.dst), self.mesh, gitem if phase == "backward" else item)
+            nbytes += b
+            parts.append((e.label, float(b)))
+        if not nbytes:
+            return []
+        return [Collective(kind=kind, axes=tuple(f.axes), nbytes=float(nbytes),
+                           seconds=float(collective_time(kind, nbytes, self.mesh, tuple(f.axes))), phase=phase,
+                           where=f"prefetch unit {f.unit}: {len(parts)} weights gathered flat", parts=tuple(parts))]
 
     def node(self, node) -> None:
         from autopar.lowering.program import SKIPPED

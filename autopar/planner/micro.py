@@ -145,18 +145,18 @@ class Micro:
             return "act"
         return "param" if self.leader.get(name, name) in self.params else "const"
 
-    def matrix(self, pricer, name: str, outs, ins, grads, t, param_uses: int = 0) -> np.ndarray:
-        """The resharding matrix of an edge out of node ``name``, per micro-batch (``param_uses``:
-        as ``_EdgePricer.matrix``'s, for a parameter's edge)."""
+    def matrix(self, pricer, name: str, outs, ins, grads, t, param_uses: int = 0, unit_share: float = 1.0) -> np.ndarray:
+        """The resharding matrix of an edge out of node ``name``, per micro-batch (``param_uses``,
+        ``unit_share``: as ``_EdgePricer.matrix``'s, for a parameter's edge)."""
         kind = self.kind(name)
         if kind == "act":
-            return pricer.matrix(outs, ins, grads, _Scaled(t, self.m), param_uses)
-        full = pricer.matrix(outs, ins, grads, t, param_uses)
+            return pricer.matrix(outs, ins, grads, _Scaled(t, self.m), param_uses, unit_share)
+        full = pricer.matrix(outs, ins, grads, t, param_uses, unit_share)
         if kind != "param":
             return full
         # Rows where the parameter is stored replicated: the gradient part is GradSync's sum,
         # once per step.
-        fwd = pricer.matrix(outs, ins, [None] * len(grads), t, param_uses)
+        fwd = pricer.matrix(outs, ins, [None] * len(grads), t, param_uses, unit_share)
         replicated = np.array([[all(isinstance(p, Replicate) for p in o)] for o in outs], dtype=float)
         once = (full - fwd) * replicated
         if not once.any():

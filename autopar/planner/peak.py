@@ -372,6 +372,17 @@ def _insert_copies(ctx: _Ctx, steps: list, placeholders, lowered) -> list:
         ahead = sum(unit_bytes.get(u - 1, {}).values())
         n.bwd_alloc += ahead
         n.bwd_max_op += ahead
+    # A unit's prefetched gradients are reduce-scattered together (Prefetch.group): one buffer
+    # holds them from the first's arrival to the collective's launch (runtime.prefetch.UnitReduce).
+    groups: dict[int, list] = {}
+    for cid, name in made.items():
+        f, node = lowered.prefetch.get(cid), by_name.get(name)
+        if f is not None and node is not None and node.grad_in_flight:
+            groups.setdefault(f.group, []).append(node)
+    for g, nodes in groups.items():
+        total = sum(x.grad_bytes for x in nodes)
+        for x in nodes:
+            x.grad_group = (g, total, len(nodes))
     return out
 
 

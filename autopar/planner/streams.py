@@ -82,6 +82,42 @@ def copy_seconds(gp, cfg, nodes, e, joint=None) -> tuple[float, float]:
     return fwd, bwd
 
 
+def _flat_seconds(gp, cfg, nodes, lowered, cids, shares) -> tuple[tuple[float, float], float]:
+    """((all-gather, reduce-scatter) seconds, seconds saved) of the flat collectives of one
+    prefetch group (``Prefetch.group``: copies ``cids``), as the runtime runs them; saved: what the
+    ILP charged its weights (each its bandwidth and its share of one latency, or its edge's own
+    route where that is cheaper) beyond those, never below 0."""
+    from autopar import precision
+    from autopar.costs.collectives import collective_time
+    from autopar.costs.reshard import local_bytes
+    from autopar.lowering.graph import tensor_vals
+    from autopar.planner.comms import flat_share_seconds
+
+    f0 = lowered.prefetch[cids[0]]
+    axes = tuple(f0.axes)
+    itemsizes = gp.output_itemsizes(cfg.dtype) if cfg.dtype == "bf16-mixed" else None
+    gathered = reduced = charged = 0.0
+    for cid in cids:
+        e = lowered.edges[lowered.copies[cid].edges[0]]
+        prod, cons = nodes[e.producer], nodes.get(e.consumer)
+        if cons is None:
+            continue
+        item, gitem = precision.edge_itemsizes(cfg.dtype, cfg.grad_reduce, prod, cons, tensor_vals(prod)[e.out_index],
+                                               itemsizes, e.out_index, e.param)
+        share = shares.get(e.producer, 1.0)
+        if e.forward:
+            b = float(local_bytes(e.shape, e.dst, cfg.mesh.shape, item))
+            gathered += b
+            charged += flat_share_seconds("all_gather", b, cfg.mesh, axes, share)
+        if e.backward:
+            b = float(local_bytes(e.shape, e.dst, cfg.mesh.shape, gitem))
+            reduced += b
+            charged += flat_share_seconds("reduce_scatter", b, cfg.mesh, axes, share)
+    fwd = float(collective_time("all_gather", gathered, cfg.mesh, axes)) if gathered else 0.0
+    bwd = float(collective_time("reduce_scatter", reduced, cfg.mesh, axes)) if reduced else 0.0
+    return (fwd, bwd), max(0.0, charged - fwd - bwd)
+
+
 def _bucket_sums(gp, cfg, lowered) -> list[tuple[tuple[str, ...], float, float]]:
     """(parameters, seconds, compute share) of every gradient bucket whose all-reduce the runtime
     launches asynchronously once its last gradient is in (``GradSync``; not ZeRO-2's buckets,
@@ -243,22 +279,33 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
             again_point[f.unit] = last
     if not fetch and not buckets:
         return Overlap(0.0, regather)
-    launch_at: dict[str, list[int]] = {}
-    first_use: dict[str, list[int]] = {}
-    secs: dict[int, tuple[float, float]] = {}
+    # A unit's weights are gathered in one flat all-gather per Prefetch.group, and their gradients
+    # reduce-scattered in one flat collective (the runtime's GatherLaunch and UnitReduce).
+    launch_at: dict[str, list[int]] = {}  # node -> flat gathers started before it
+    first_use: dict[str, list[int]] = {}  # node -> copies first read there
+    secs: dict[int, tuple[float, float]] = {}  # flat gather -> (its all-gather, its reduce-scatter)
     stall: dict[int, float] = {}  # the share of a message's time it stalls the compute beside it
+    members: dict[int, list[int]] = {}
     joint_saved = 0.0
+    if "flat" not in shared:
+        from autopar.planner.build import unit_shares
+
+        shared["flat"], shared["shares"] = {}, unit_shares(gp.captured.gm, set(gp.captured.params))
     for cid, f in fetch.items():
         e = lowered.edges[lowered.copies[cid].edges[0]]
-        launch_at.setdefault(f.launch, []).append(cid)
+        if f.group not in members:
+            launch_at.setdefault(f.launch, []).append(f.group)
+        members.setdefault(f.group, []).append(cid)
         first_use.setdefault(e.consumer, []).append(cid)
-        if cid not in shared["secs"]:
-            joint = copy_seconds(gp, cfg, nodes, e, f)
-            # The ILP priced the edge's own steps; the runtime runs the joint collectives instead.
-            shared["secs"][cid] = joint, max(0.0, sum(copy_seconds(gp, cfg, nodes, e)) - sum(joint))
-        secs[cid], saved_here = shared["secs"][cid]
+    for g, cids in members.items():
+        key = (g, tuple(cids))
+        if key not in shared["flat"]:
+            shared["flat"][key] = _flat_seconds(gp, cfg, nodes, lowered, cids, shared["shares"])
+        secs[g], saved_here = shared["flat"][key]
         joint_saved += saved_here
-        stall[cid] = max(float(cfg.mesh.links[a].compute_share) for a in f.axes)
+        stall[g] = max(float(cfg.mesh.links[a].compute_share) for a in fetch[cids[0]].axes)
+    group_of = {cid: f.group for cid, f in fetch.items()}
+    left = {g: len(cids) for g, cids in members.items()}
     # region -> its nodes' forward seconds, recomputed before the region's backward
     region_fwd: dict[int, float] = {}
     last_of_region: dict[int, str] = {}
@@ -275,7 +322,7 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
     again_at: dict[str, list[int]] = {}
     for u, at in sorted(again_point.items(), reverse=True):
         again_at.setdefault(at, []).append(u)
-    unit_stall = {f.unit: stall[cid] for cid, f in fetch.items()}
+    unit_stall = {f.unit: stall[f.group] for cid, f in fetch.items()}
     # A parameter's gradient is in after the backward of its first reader (in forward order), or,
     # prefetched, when its reduce-scatter is done; a bucket's all-reduce starts when all are.
     fetched_param = {lowered.edges[lowered.copies[cid].edges[0]].producer: cid for cid in fetch}
@@ -284,7 +331,8 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
         readers = [u.name for u in nodes[ph].users if u.name in pos] if ph in nodes else []
         if readers and ph not in fetched_param:
             first_reader.setdefault(min(readers, key=pos.__getitem__), []).append(ph)
-    cid_param = {cid: ph for ph, cid in fetched_param.items()}
+    group_params = {g: [lowered.edges[lowered.copies[c].edges[0]].producer for c in cids]
+                    for g, cids in members.items()}
 
     def run(bks) -> float:
         """The step's end on the two streams, with the bucket all-reduces ``bks``."""
@@ -295,18 +343,19 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
         t = comm = 0.0
         done: dict[int, float] = {}
         for n in order:
-            for cid in launch_at.get(n, ()):
-                comm = max(t, comm) + secs[cid][0]
-                done[cid] = comm
-                t += stall[cid] * secs[cid][0]
+            for g in launch_at.get(n, ()):
+                comm = max(t, comm) + secs[g][0]
+                done[g] = comm
+                t += stall[g] * secs[g][0]
             for cid in first_use.get(n, ()):
-                t = max(t, done.get(cid, t))
+                t = max(t, done.get(group_of[cid], t))
             t += fwd[n]
         t = max(t, comm)  # (every launched gather is waited for in the forward)
         # Backward, in reverse: a copy's reduce-scatter starts after its first reader's backward (the
         # last to hand its gradient back), once the one before it is done.
         rs_done = t
-        in_flight = None  # the bucketed parameter whose reduce-scatter is in flight
+        in_flight = ()  # the parameters whose (flat) reduce-scatter is in flight
+        waiting = dict(left)  # flat gather -> its weights whose gradient is not yet in
         bwd_done: dict[int, float] = {}  # unit -> when its gathers, started in backward, are done
         for n in reversed(order):
             for u in again_at.get(n, ()):  # a unit's region recomputes: its gathers, then the next unit's
@@ -317,16 +366,18 @@ def overlap(gp, cfg, built, pick, lowered, *, reshard_after_forward: bool = Fals
                     t += unit_stall[u - 1] * again[u - 1]
             t += recompute_at.get(n, 0.0) + extra_bwd.get(n, 0.0) + bwd[n]
             for cid in first_use.get(n, ()):
-                r = secs[cid][1]
-                if r <= 0.0:
-                    continue
+                g = group_of[cid]
+                waiting[g] -= 1
+                r = secs[g][1]
+                if waiting[g] or r <= 0.0:
+                    continue  # the unit's reduce-scatter starts with its last gradient
                 t = max(t, rs_done)  # the reduce-scatter before is waited for
-                if in_flight is not None:  # its shard is added now, and its bucket may start
-                    ready[in_flight] = t
+                for ph in in_flight:  # its shards are added now, and their buckets may start
+                    ready[ph] = t
                 comm = max(t, comm) + r
                 rs_done = comm
-                t += stall[cid] * r
-                in_flight = cid_param.get(cid)
+                t += stall[g] * r
+                in_flight = group_params[g]
             for ph in first_reader.get(n, ()):
                 ready[ph] = t
             for item in pending:  # buckets complete: their all-reduces start, in order
