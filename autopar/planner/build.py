@@ -959,7 +959,8 @@ class _EdgePricer:
             bucket = comms.bucket_seconds(stored, grad, shape, itemsize, self.mesh, self.bucket_bytes, self.zero)
         except ValueError:
             return FORBIDDEN
-        if flat is not None and _flat_gather(target, grad.replace("P", "R")) == flat[0]:
+        # (Partial kept on a replicated axis, HSDP's: summed there by the bucket, not this collective)
+        if flat is not None and _flat_gather(target.replace("P", "R"), grad.replace("P", "R")) == flat[0]:
             back = comms.flat_share_seconds("reduce_scatter", _local_bytes_of(shape, used, self.mesh.shape, itemsize),
                                             self.mesh, flat[0], flat[1])
         else:

@@ -305,3 +305,64 @@ def test_pipeline_stages_price_their_prefetch(monkeypatch):
         assert "prefetch_hidden" not in blocking.breakdown
         if not again:  # (a recomputed plan priced blocking also leaves out its regathers)
             assert blocking.step_time > plan.step_time, (label, blocking.step_time, plan.step_time)
+
+
+def test_a_unit_runs_one_flat_gather_and_one_flat_reduce_scatter(mesh):
+    """FSDP over both axes of the 2 x 2 mesh, nothing recomputed: each prefetch unit's weights
+    are gathered by ONE all-gather (copied into one buffer, FSDP2's copy-in) and their gradients
+    reduce-scattered by ONE collective per backward, as the lowered program groups them
+    (``Prefetch.group``); fewer collectives than weights, and one device's numbers."""
+    import autopar
+    from autopar.lowering.program import gather_groups
+    from autopar.mesh import Mesh
+    from autopar.runtime import prefetch
+
+    ex = _example("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(ex.model, Mesh((2, 2), axis_names=("dp", "tp"), cluster="cpu"), ex.args,
+                            example_kwargs=ex.kwargs, loss_fn=ex.loss_fn, target=ex.target, force="zero3",
+                            pipeline=False, checkpoint=False)
+    low = lower_plan(_cap("llama"), plan)
+    groups = gather_groups(low.prefetch)
+    assert len(groups) < len(low.prefetch) and any(len(c) > 4 for c in groups.values()), groups
+    gathers, weights, scatters = (prefetch.GatherLaunch.collectives, prefetch.GatherLaunch.launched,
+                                  prefetch._InFlight.started)
+    _, losses, grads, state = cases.train_local(ex, _cap("llama"), plan, mesh, world=4)
+    steps = len(losses)
+    assert prefetch.GatherLaunch.collectives - gathers == steps * len(groups)
+    assert prefetch.GatherLaunch.launched - weights == steps * len(low.prefetch)
+    assert prefetch._InFlight.started - scatters == steps * len(groups)
+    assert prefetch.pending() == 0
+    ref = cases.reference(ex)
+    assert cases.loss_err(losses, ref["losses"]) < TOL
+    assert cases.grad_err(grads, ref["grads"]) < TOL
+    assert cases.compare_state(state, ref["state"])["global"] < TOL
+
+
+def test_a_frozen_weight_in_a_unit_gets_no_gradient(mesh):
+    """A unit whose weights do not all get a gradient (one frozen, as in fine-tuning): its flat
+    reduce-scatter is launched at the end of backward with the others' slots, and the frozen
+    weight gets no ``.grad``; numbers equal one device's with the same weight frozen."""
+    import copy
+
+    import autopar
+    from autopar.mesh import Mesh
+
+    ex = copy.deepcopy(_example("llama"))
+    frozen = ex.model.model.layers[0].mlp.up_proj.weight
+    frozen.requires_grad_(False)
+    cap = cases.capture(ex)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(ex.model, Mesh((2, 2), axis_names=("dp", "tp"), cluster="cpu"), ex.args,
+                            example_kwargs=ex.kwargs, loss_fn=ex.loss_fn, target=ex.target, force="zero3",
+                            pipeline=False, checkpoint=False)
+    assert lower_plan(cap, plan).prefetch
+    pm, losses, grads, state = cases.train_local(ex, cap, plan, mesh, world=4)
+    assert "model.layers.0.mlp.up_proj.weight" not in grads
+    ref = cases.reference(ex)
+    assert "model.layers.0.mlp.up_proj.weight" not in ref["grads"]
+    assert cases.loss_err(losses, ref["losses"]) < TOL
+    assert cases.grad_err(grads, ref["grads"]) < TOL
+    assert cases.compare_state(state, ref["state"])["global"] < TOL
