@@ -11,8 +11,9 @@ scripts, no external files, inline CSS and SVG only. Sections, with stable ids:
   row and communication row, with what overlap hides under compute;
 - ``#memory``: memory per device (per pipeline rank) by kind against the budget;
 - ``#layers``: the layer table, identical layers grouped, placements in full on demand;
-- ``#collectives``: a flat plan's collectives by mesh axis, kind and phase (count, bytes, seconds:
-  ``Plan.options["collectives"]``), and communication by kind, exposed and hidden;
+- ``#collectives``: the plan's collectives by mesh axis, kind and phase (count, bytes, seconds:
+  ``Plan.options["collectives"]``; a pipelined plan's per stage, with its sends on the pipeline
+  axis), and communication by kind, exposed and hidden;
 - ``#alternatives``: the runner-up plans side by side with the terms that made them lose.
 """
 from __future__ import annotations
@@ -25,7 +26,8 @@ from autopar.report import (ROLE_WORDS, axis_roles, axes_text, grouped_layers, h
 
 _COLORS = {"params": "#4e79a7", "grads": "#a0cbe8", "optimizer": "#8cd17d", "activations": "#f28e2b", "transient": "#e15759", "inputs_buffers": "#76b7b2",
            "compute": "#59a14f", "comm": "#edc948", "reshard": "#b07aa1", "recompute": "#ff9da7",
-           "bubble": "#9c755f", "F": "#59a14f", "B": "#4e79a7", "hidden": "#d4c26a", "exposed": "#e15759"}
+           "bubble": "#9c755f", "F": "#59a14f", "B": "#4e79a7", "hidden": "#d4c26a", "exposed": "#e15759",
+           "send": "#f28e2b", "sync": "#b07aa1"}
 _PALETTE = ["#59a14f", "#ff9da7", "#edc948", "#b07aa1", "#e15759", "#76b7b2", "#f28e2b", "#4e79a7", "#9c755f",
             "#bab0ac", "#d37295", "#8cd17d"]
 _E = html.escape
@@ -196,23 +198,70 @@ def pipeline_schedule(plan: Plan) -> list[list[dict]]:
     return out
 
 
+def pipeline_comm(plan: Plan, rows: list[list[dict]]) -> list[list[dict]]:
+    """Each pipeline rank's communication in one step beside :func:`pipeline_schedule`'s blocks
+    ``rows``: after a forward of a stage with a later stage, the send of its activations; after a
+    backward of a stage with an earlier one, the send of their gradients (one micro-batch's share
+    of the stage's ``send`` rows in ``options["collectives"]``); after the rank's last
+    block, its stages' gradient sync. ``{"kind": "send" or "sync", "what", "start", "end"}``."""
+    table = plan.options.get("collectives") or []
+    p = len(rows)
+    last = max((int(r.get("stage", 0)) for r in table), default=p - 1)
+    per: dict[tuple, float] = {}
+    sync: dict[int, float] = {}
+    for r in table:
+        st = int(r.get("stage", 0))
+        if r.get("kind") == "send" and r.get("count"):  # (every value it sends, for one micro-batch)
+            per[(st, r["phase"])] = float(r["seconds"]) / max(1, int(plan.pipeline.microbatches))
+        elif r.get("phase") == "gradient sync":
+            sync[st % p] = sync.get(st % p, 0.0) + float(r["seconds"])
+    out: list[list[dict]] = [[] for _ in range(p)]
+    for d, blocks in enumerate(rows):
+        for b in blocks:
+            s = b["chunk"] * p + d
+            if b["kind"] == "F" and s < last and per.get((s, "forward")):
+                t = per[(s, "forward")]
+                out[d].append({"kind": "send", "what": f"send activations of micro-batch {b['mb']} on",
+                               "start": b["end"], "end": b["end"] + t})
+            if b["kind"] == "B" and s > 0 and per.get((s, "backward")):
+                t = per[(s, "backward")]
+                out[d].append({"kind": "send", "what": f"send gradients of micro-batch {b['mb']} back",
+                               "start": b["end"], "end": b["end"] + t})
+        if blocks and sync.get(d):
+            end = max(b["end"] for b in blocks)
+            out[d].append({"kind": "sync", "what": "gradient sync", "start": end, "end": end + sync[d]})
+    return out
+
+
 def _schedule(plan: Plan) -> list[str]:
     h = ["<section id='schedule'><h2>One step</h2>"]
     width = 860
     if plan.pipeline is not None:
         rows = pipeline_schedule(plan)
         if rows:
-            span = max(b["end"] for r in rows for b in r) or 1e-12
+            comm = pipeline_comm(plan, rows)
+            span = max([b["end"] for r in rows for b in r] + [c["end"] for r in comm for c in r]) or 1e-12
             busy = [sum(b["end"] - b["start"] for b in r) for r in rows]
             h.append(f"<p>{plan.pipeline.schedule}, {plan.pipeline.microbatches} micro-batches over {len(rows)} "
                      f"pipeline ranks; each block one micro-batch's forward (F) or backward (B) through one of "
                      f"the rank's stages, gaps the bubble "
-                     f"({human_seconds(span)} drawn; the plan prices bubble {human_seconds(plan.breakdown.get('bubble', 0.0))})."
-                     f"</p>" + _legend(["F", "B"]))
-            svg = [f"<svg id='pipeline-timeline' width='{width + 150}' height='{len(rows) * 26 + 10}' role='img'>"]
+                     f"({human_seconds(span)} drawn; the plan prices bubble {human_seconds(plan.breakdown.get('bubble', 0.0))}). "
+                     f"Under each rank, its communication: the activations a forward sends on and the "
+                     f"gradients a backward sends back (point-to-point on the pipeline axis, beside the next "
+                     f"block), and its gradient sync after its last backward; the collectives inside a stage "
+                     f"(gathers, tensor-parallel all-reduces) run within its blocks, listed under "
+                     f"<a href='#collectives'>Communication</a>.</p>" + _legend(["F", "B", "send", "sync"]))
+            svg = [f"<svg id='pipeline-timeline' width='{width + 150}' height='{len(rows) * 46 + 10}' role='img'>"]
             for d, blocks in enumerate(rows):
-                y = 4 + d * 26
+                y = 4 + d * 46
                 svg.append(f"<text x='0' y='{y + 16}'>rank {d}</text>")
+                svg.append(f"<text x='0' y='{y + 36}' font-size='10'>comm</text>")
+                for c in comm[d]:
+                    x0, x1 = 80 + c["start"] / span * width, 80 + c["end"] / span * width
+                    svg.append(f"<rect class='comm' data-stage='{d}' data-kind='{c['kind']}' "
+                               f"data-start='{c['start']!r}' data-end='{c['end']!r}' x='{x0:.2f}' y='{y + 26}' "
+                               f"width='{max(x1 - x0, 0.5):.2f}' height='12' fill='{_COLORS[c['kind']]}'>"
+                               f"<title>{_E(c['what'])}: {human_seconds(c['end'] - c['start'])}</title></rect>")
                 for b in blocks:
                     x0, x1 = 80 + b["start"] / span * width, 80 + b["end"] / span * width
                     svg.append(f"<rect class='block' data-stage='{d}' data-kind='{b['kind']}' data-mb='{b['mb']}' "
@@ -346,19 +395,35 @@ def _collectives(plan: Plan) -> list[str]:
                            if a is not None else part)
             return " + ".join(out)
 
-        h.append("<h3>By mesh axis and kind</h3><table id='collectives-by-axis'><tr><th>axis</th><th>collective</th>"
+        staged = any("stage" in r for r in table)
+        pp = plan.pipeline.axis if plan.pipeline is not None else None
+
+        def axis_cell(axis: str) -> str:
+            if axis == "pp" and pp is not None:
+                return f"{pp} (pp)"
+            return axis_text(axis)
+
+        h.append("<h3>By mesh axis and kind</h3><table id='collectives-by-axis'><tr>"
+                 + ("<th>stage</th>" if staged else "") + "<th>axis</th><th>collective</th>"
                  "<th>when</th><th>count</th><th>bytes per rank</th><th>seconds</th></tr>")
         for r in table:
-            h.append(f"<tr data-axis='{_E(str(r.get('axis')))}' data-kind='{_E(str(r.get('kind')))}'>"
-                     f"<td>{_E(axis_text(r.get('axis', '?')))}</td><td>{_E(str(r.get('kind')))}</td>"
+            h.append(f"<tr data-axis='{_E(str(r.get('axis')))}' data-kind='{_E(str(r.get('kind')))}'"
+                     + (f" data-stage='{int(r.get('stage', 0))}'><td>{int(r.get('stage', 0))}</td>" if staged else ">")
+                     + f"<td>{_E(axis_cell(r.get('axis', '?')))}</td><td>{_E(str(r.get('kind')))}</td>"
                      f"<td>{_E(str(r.get('phase')))}</td><td>{int(r.get('count', 0))}</td>"
                      f"<td>{human_bytes(float(r.get('bytes', 0.0)))}</td>"
                      f"<td data-value='{float(r.get('seconds', 0.0))!r}'>{human_seconds(float(r.get('seconds', 0.0)))}"
                      f"</td></tr>")
         if not table:
             h.append("<tr><td colspan='6'>none: every rank computes alone</td></tr>")
-        h.append("</table><p>Each copy's collectives once per step (edges sharing a copy share them), the gradient "
-                 "buckets' reductions once; seconds as the cost model prices each alone, before overlap.</p>")
+        h.append("</table><p>" + ("Per stage, what each of its ranks runs in one step: its copies' collectives "
+                                  "once per micro-batch forward and backward, its gradient sync once, and the "
+                                  "values (forward) and gradients (backward) it sends to other stages on the "
+                                  "pipeline axis" if staged else
+                                  "Each copy's collectives once per step (edges sharing a copy share them), "
+                                  "the gradient buckets' reductions once")
+                 + "; a ZeRO-3 unit's weights in one flat all-gather and one flat reduce-scatter; seconds as the "
+                 "cost model prices each alone, before overlap.</p>")
     h.append("<h3>By kind, exposed and hidden</h3><table id='collective-rows'>"
              "<tr><th>kind</th><th>seconds</th><th>hidden behind compute</th></tr>")
     for kind, v, hid in rows:
@@ -367,7 +432,7 @@ def _collectives(plan: Plan) -> list[str]:
                      f"<td data-value='{float(hid)!r}'>{human_seconds(hid)}</td></tr>")
     h.append("</table><p>The cost model's terms of this plan's step. A flat plan prices its gradient "
              "all-reduces and weight gathers as edges of the graph, under resharding (the seconds overlap "
-             "hides are named apart). A pipelined plan's per-axis table is not recorded yet.</p></section>")
+             "hides are named apart).</p></section>")
     return h
 
 

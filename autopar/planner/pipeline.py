@@ -397,6 +397,7 @@ def _finish(gp, cfg: Config, units, axis: int, best: dict):
     if best.get("own_sharding"):  # each device's layers solved under its own memory row
         plan.options["stage_sharding"] = "per device"
     plan.options["stage_memory"] = best["split"]
+    plan.options["collectives"] = _stage_collectives(gp, cfg, built, best["sol"], stages, axis, m)
     # The memory split is what one device holds: the busiest pipeline rank at its peak (to_plan
     # summed the resident bytes of every stage, which no device holds).
     worst = max(best["split"], key=lambda r: r["params"] + r["activations"])
@@ -777,6 +778,23 @@ def _stage_streams(gp, cfg: Config, built, sol, units, bounds, axis: int):
     while len(_STREAMS) > 32:
         _STREAMS.pop(next(iter(_STREAMS)))
     return out
+
+
+def _stage_collectives(gp, cfg: Config, built, sol, stages: list[list[str]], axis: int, m: int) -> list[dict]:
+    """What each stage's ranks send per step, by axis and kind (``summary.pipeline_collectives``;
+    ``autopar show --html``'s table)."""
+    from autopar.planner.build import zero_spec
+    from autopar.planner.overlap import chunk_counts
+    from autopar.planner.peak import lower_strategies
+    from autopar.planner.summary import pipeline_collectives
+
+    pick = choices(built, sol)
+    sub = _sub_mesh(cfg.mesh, axis)[1]
+    plan_stage = {n: c for c, st in enumerate(stages) for n in st}
+    low = lower_strategies(gp, {n: built.priced[n].strategies[pick[n]] for n in built.order}, sub,
+                           recompute=_recompute_marks(gp, built, sol), chunks=chunk_counts(built.overlap, pick),
+                           dtype=cfg.dtype, zero=zero_spec(cfg), stages=plan_stage)
+    return pipeline_collectives(gp, dataclasses.replace(cfg, mesh=sub), low, stages, m, pp=(cfg.mesh, axis))
 
 
 _STREAMS: dict[tuple, tuple] = {}

@@ -76,13 +76,15 @@ def layer_rows(gp, plan: Plan, built: Built, pick) -> list[dict]:
     return out
 
 
-def collectives_by_axis(gp, cfg, lowered) -> list[dict]:
+def collectives_by_axis(gp, cfg, lowered, only=None, times: int = 1, buckets: bool = True) -> list[dict]:
     """The collectives of a flat plan's per-rank program (``lowered``), grouped by mesh axis, kind
     and phase: ``{"axis", "kind", "phase", "count", "bytes", "seconds"}`` per row, bytes the local
     bytes each rank sends or receives per step as the cost model prices them (the dtype each edge
     moves in), seconds its price. Each copy's forward steps run once and its gradient's once (the
     edges that share a copy share both); the gradient buckets' reductions run once per step.
-    ``axis`` is a sharding-mesh index, or several joined by ``+`` (a bucket over several axes)."""
+    ``axis`` is a sharding-mesh index, or several joined by ``+`` (a bucket over several axes).
+    ``only``: the copies read by these nodes alone (a pipeline stage's), each forward and backward
+    run ``times`` (its micro-batches); ``buckets``: the gradient buckets' rows too."""
     from autopar import precision
     from autopar.costs.collectives import collective_time
     from autopar.costs.reshard import local_bytes, reshard
@@ -91,17 +93,36 @@ def collectives_by_axis(gp, cfg, lowered) -> list[dict]:
     rows: dict[tuple, dict] = {}
 
     def add(axis, kind, phase, nbytes, seconds):
+        k = 1 if phase == "gradient sync" else times
         r = rows.setdefault((str(axis), kind, phase), {"axis": str(axis), "kind": kind, "phase": phase, "count": 0,
                                                       "bytes": 0.0, "seconds": 0.0})
-        r["count"] += 1
-        r["bytes"] += float(nbytes)
-        r["seconds"] += float(seconds)
+        r["count"] += k
+        r["bytes"] += float(nbytes) * k
+        r["seconds"] += float(seconds) * k
 
     nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
     itemsizes = gp.output_itemsizes(cfg.dtype) if cfg.dtype == "bf16-mixed" else None
     mesh = cfg.mesh
+    # A prefetch unit's weights run in one flat all-gather, and their gradients in one flat
+    # reduce-scatter, per group (``Prefetch.group``): one collective each, of all their bytes.
+    flat: dict[tuple, list] = {}
     for c in lowered.copies:
         e = lowered.edges[c.edges[0]]
+        if only is not None and e.consumer not in only:
+            continue
+        f = lowered.prefetch.get(c.id)
+        if f is not None:
+            prod, cons = nodes.get(e.producer), nodes.get(e.consumer)
+            if prod is None or cons is None:
+                continue
+            fi, bi = precision.edge_itemsizes(cfg.dtype, cfg.grad_reduce, prod, cons, tensor_vals(prod)[e.out_index],
+                                              itemsizes, e.out_index, e.param)
+            for phase, kind, item, steps in (("forward", "all_gather", fi, e.forward),
+                                             ("backward", "reduce_scatter", bi, e.backward)):
+                if steps:
+                    g = flat.setdefault((f.group, phase), [f.axes, kind, 0.0])
+                    g[2] += float(local_bytes(e.shape, e.dst, mesh.shape, item))
+            continue
         prod, cons = nodes.get(e.producer), nodes.get(e.consumer)
         fi = bi = e.itemsize
         vals = tensor_vals(prod) if prod is not None else []
@@ -120,7 +141,9 @@ def collectives_by_axis(gp, cfg, lowered) -> list[dict]:
                 nbytes = max(local_bytes(e.shape, before, mesh.shape, item), local_bytes(e.shape, after, mesh.shape,
                                                                                            item))
                 add(step.axis, step.kind, phase, nbytes, cost)
-    for b in lowered.buckets:
+    for (_, phase), (axes, kind, nbytes) in flat.items():
+        add("+".join(map(str, axes)), kind, phase, nbytes, collective_time(kind, nbytes, mesh, tuple(axes)))
+    for b in lowered.buckets if buckets else ():
         reduce_axes = tuple(a for a in b.axes if a not in b.scatter)
         if reduce_axes:
             add("+".join(map(str, reduce_axes)), "all_reduce", "gradient sync", b.nbytes,
@@ -129,3 +152,66 @@ def collectives_by_axis(gp, cfg, lowered) -> list[dict]:
             add("+".join(map(str, b.scatter)), "reduce_scatter", "gradient sync", b.nbytes,
                 collective_time("reduce_scatter", b.nbytes, mesh, b.scatter))
     return sorted(rows.values(), key=lambda r: (r["axis"], r["phase"], r["kind"]))
+
+
+def pipeline_collectives(gp, cfg, lowered, stages: list[list[str]], microbatches: int, pp=None) -> list[dict]:
+    """:func:`collectives_by_axis` of a pipelined plan, per stage (``"stage"`` in each row): a
+    stage's copies once per micro-batch forward and backward (``cfg``: the sharding mesh's), the
+    gradient sync of its own parameters once per step, and the pipeline's sends on the pipeline
+    axis (``axis`` ``"pp"``): each value a stage hands a later one, forward, and its gradient,
+    backward, once per micro-batch, at the bytes of its local placement, priced as sends on
+    ``pp`` = (the whole mesh, the pipeline axis)."""
+    from autopar.costs.collectives import collective_time
+    from autopar.costs.reshard import local_bytes
+    from autopar.lowering.graph import tensor_vals
+
+    mesh = cfg.mesh
+    stage_of = {n: k for k, st in enumerate(stages) for n in st}
+    nodes = {n.name: n for n in gp.captured.gm.graph.nodes}
+    first_stage: dict[str, int] = {}  # parameter placeholder -> the stage of its first reader
+    for ph in lowered.params:
+        users = [stage_of[u.name] for u in nodes[ph].users if u.name in stage_of] if ph in nodes else []
+        if users:
+            first_stage[ph] = min(users)
+    # Each value a stage hands a later stage: sent forward by its stage, its gradient sent back by
+    # the reader's, once per micro-batch.
+    sent = [({"axis": "pp", "kind": "send", "phase": "forward", "count": 0, "bytes": 0.0, "seconds": 0.0},
+             {"axis": "pp", "kind": "send", "phase": "backward", "count": 0, "bytes": 0.0, "seconds": 0.0})
+            for _ in stages]
+    for k, st in enumerate(stages):
+        for name in st:
+            node = nodes.get(name)
+            later = sorted({stage_of[u.name] for u in node.users if stage_of.get(u.name, k) > k}) if node else []
+            pls = lowered.outputs.get(name) or []
+            for i, t in enumerate(tensor_vals(node) if later else ()):
+                if i >= len(pls) or pls[i] is None:
+                    continue
+                nbytes = float(local_bytes(tuple(t.shape), pls[i], mesh.shape, t.element_size()))
+                secs = float(collective_time("send", nbytes, pp[0], (pp[1],))) if pp is not None else 0.0
+                for j in later:
+                    for r in (sent[k][0], sent[j][1]) if t.is_floating_point() else (sent[k][0],):
+                        r["count"] += microbatches
+                        r["bytes"] += nbytes * microbatches
+                        r["seconds"] += secs * microbatches
+    out = []
+    for k, st in enumerate(stages):
+        rows = collectives_by_axis(gp, cfg, lowered, only=set(st), times=microbatches, buckets=False)
+        sync: dict[tuple, dict] = {}
+        for b in lowered.buckets:
+            mine = [ph for ph in b.params if first_stage.get(ph) == k]
+            reduce_axes = tuple(a for a in b.axes if a not in b.scatter and mesh.shape[a] > 1)
+            if not mine or not reduce_axes:
+                continue
+            nbytes = sum(float(local_bytes(lowered.params[ph].shape, lowered.params[ph].stored, mesh.shape,
+                                           lowered.params[ph].itemsize)) for ph in mine)
+            key = "+".join(map(str, reduce_axes))
+            r = sync.setdefault(key, {"axis": key, "kind": "all_reduce", "phase": "gradient sync", "count": 0,
+                                      "bytes": 0.0, "seconds": 0.0})
+            r["count"] += 1
+            r["bytes"] += nbytes
+            r["seconds"] += float(collective_time("all_reduce", nbytes, mesh, reduce_axes))
+        sends, grads = sent[k]
+        for r in (*rows, *sync.values(), sends, grads):
+            if r["count"]:
+                out.append(dict(r, stage=k))
+    return out

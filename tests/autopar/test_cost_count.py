@@ -47,9 +47,8 @@ def _plan(family: str):
         warnings.simplefilter("ignore")
         if family in ("zero1", "zero2"):  # data parallel over both axes with ZeRO-1/2
             return plan_profile(gp, MESH, force="dp", pipeline=False, zero=int(family[-1]))
-        if family == "free@0.5":  # a budget under the free plan's peak: weights sharded, layers recomputed
-            peak = plan_profile(gp, MESH, pipeline=False).peak_bytes
-            return plan_profile(gp, MESH, pipeline=False, memory_budget=0.5 * peak)
+        if family == "zero3 recomputed":  # every layer recomputed: the regions gather again in backward
+            return plan_profile(gp, MESH, force="zero3", pipeline=False, checkpoint="all")
         return plan_profile(gp, MESH, force=None if family == "free" else family, pipeline=False)
 
 
@@ -92,14 +91,14 @@ def _issued(plan, device_mesh) -> collections.Counter:
     return count.kinds
 
 
-@pytest.mark.parametrize("family", ["dp", "zero3", "megatron", "atp-col-first", "free", "free@0.5", "zero1", "zero2"])
+@pytest.mark.parametrize("family", ["dp", "zero3", "megatron", "atp-col-first", "free", "zero3 recomputed", "zero1", "zero2"])
 def test_priced_collectives_are_issued(device_mesh, family):
     plan = _plan(family)
     priced = comms.plan_collectives(_model()[1], plan)
     issued = _issued(plan, device_mesh)
     assert collections.Counter(c.kind for c in priced) == issued, [str(c) for c in priced]
-    if family == "free@0.5":
-        assert plan.solver["checkpointed"], "the budget should make the solver checkpoint a layer"
+    if family == "zero3 recomputed":
+        assert plan.solver["checkpointed"] and any(c.phase == "recompute" and c.parts for c in priced)
     if family == "dp":
         assert any(c.phase == "grad_bucket" for c in priced)
     if family in ("zero1", "zero2"):

@@ -122,6 +122,41 @@ def test_collectives_are_listed_by_axis_and_kind():
     assert z3[("0", "all_gather", "forward")]["bytes"] > 0 and z3[("0", "all_gather", "forward")]["seconds"] > 0
 
 
+def test_a_pipelined_plan_lists_its_collectives_per_stage():
+    """pp(2) x dp(2) x zero-3: each stage gathers its own weights and reduce-scatters their
+    gradients once per micro-batch; each stage but the last sends its activations on, and each
+    but the first sends their gradients back, on the pipeline axis, once per micro-batch, the
+    same bytes both ways; the timeline's communication row draws each send after its block."""
+    p = _plan((2, 2), (("pp", 2), ("dp", 2), ("zero", 3)))
+    n, m = len(p.pipeline.stages), p.pipeline.microbatches
+    assert n >= 2
+    by = {(r["stage"], r["axis"], r["kind"], r["phase"]): r for r in p.options["collectives"]}
+    for st in range(n):
+        assert ((st, "pp", "send", "forward") in by) == (st < n - 1)
+        assert ((st, "pp", "send", "backward") in by) == (st > 0)
+        for phase in ("forward", "backward"):
+            r = by.get((st, "pp", "send", phase))
+            assert r is None or (r["count"] % m == 0 and r["bytes"] > 0)
+        gather = by[(st, "0", "all_gather", "forward")]
+        assert gather["count"] % m == 0 and gather["seconds"] > 0
+        assert (st, "0", "reduce_scatter", "backward") in by
+    from autopar.html import pipeline_comm, pipeline_schedule, render
+
+    rows = pipeline_schedule(p)
+    comm = pipeline_comm(p, rows)
+    ends = {(d, b["end"]) for d, r in enumerate(rows) for b in r}
+    sends = [c for d, r in enumerate(comm) for c in r if c["kind"] == "send" and (d, c["start"]) in ends]
+    assert len(sends) == sum(len(r) for r in comm) - sum(1 for r in comm for c in r if c["kind"] == "sync")
+    assert len(sends) == 2 * (n - 1) * m  # per micro-batch: each stage but the last forward, but the first back
+    assert sum(c["end"] - c["start"] for c in sends) == pytest.approx(
+        sum(r["seconds"] for k, r in by.items() if k[2] == "send"))
+    fwd = sum(r["bytes"] for k, r in by.items() if k[2:] == ("send", "forward"))
+    bwd = sum(r["bytes"] for k, r in by.items() if k[2:] == ("send", "backward"))
+    assert 0 < bwd <= fwd
+    page = render(p)
+    assert "data-stage='1'" in page and "0 (pp)" in page and "class='comm'" in page
+
+
 def test_runner_ups_carry_what_they_run_and_the_terms_they_lost_on():
     from autopar.html import render
 
