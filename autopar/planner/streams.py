@@ -10,9 +10,11 @@ their edges; here one step is replayed on two streams:
   again before its backward, and every blocking collective: the gathers a recomputed region makes
   again where they were not started ahead (the last unit's, and those of weights not prefetched),
   reshard-after-forward's gathers in backward;
-- the communication stream runs the prefetched gathers in launch order, each started at its
-  launch node (or when the stream is free), the reduce-scatters, each started after its weight's
-  last reader's backward, and in backward the gathers a recomputed unit (layer) makes again,
+- the communication stream runs the prefetched gathers in launch order, one flat all-gather per
+  group (``Prefetch.group``: a unit's weights over the same axes and dtypes, as the runtime's
+  ``GatherLaunch`` runs them), each started at its launch node (or when the stream is free), the
+  reduce-scatters, one flat one per group started after its last weight's last reader's
+  backward, and in backward the gathers a recomputed unit (layer) makes again,
   started when the unit after it recomputes (the runtime's ``BackwardGathers``); the compute
   stream waits for a gather at its first use, for the reduce-scatter before when it starts the
   next (one in flight), and for the last at the end of backward. Where messages cost the compute
