@@ -111,6 +111,26 @@ def flat_share_seconds(kind: str, nbytes: float, mesh: Mesh, axes, share: float)
     return collective_time(kind, float(nbytes), mesh, tuple(axes)) - latency * (1.0 - share)
 
 
+def flat_parts(nodes, lowered, cids, dtype: str, grad_reduce: str, itemsizes, mesh_shape) -> list[tuple]:
+    """``(edge, bytes it gathers, bytes its gradient reduce-scatters)`` of each copy of one flat
+    gather group (``Prefetch.group``: copies ``cids``), in the dtypes they move in
+    (``precision.edge_itemsizes``; 0 where the edge has no such steps); the part each weight has
+    in its group's one all-gather and one reduce-scatter. ``nodes``: the graph's, by name."""
+    from autopar.costs.reshard import local_bytes
+
+    out = []
+    for cid in cids:
+        e = lowered.edges[lowered.copies[cid].edges[0]]
+        prod, cons = nodes.get(e.producer), nodes.get(e.consumer)
+        if prod is None or cons is None:
+            continue
+        item, gitem = precision.edge_itemsizes(dtype, grad_reduce, prod, cons, tensor_vals(prod)[e.out_index],
+                                               itemsizes, e.out_index, e.param)
+        out.append((e, float(local_bytes(e.shape, e.dst, mesh_shape, item)) if e.forward else 0.0,
+                    float(local_bytes(e.shape, e.dst, mesh_shape, gitem)) if e.backward else 0.0))
+    return out
+
+
 def zero_gather_seconds(local_bytes: float, mesh: Mesh, axes, bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:
     """ZeRO-1/2: seconds one parameter adds to the bucketed all-gather of the optimizer shards
     into the compute copies after the step (``local_bytes``: the compute copy's), latency shared
@@ -245,19 +265,12 @@ class _Walk:
             return []
         self.listed.add((f.group, phase))
         kind = "reduce_scatter" if phase == "backward" else "all_gather"
-        nbytes, parts = 0.0, []
-        for cid in self.groups[f.group]:
-            e = self.low.edges[self.low.copies[cid].edges[0]]
-            if phase == "backward" and not e.backward:
-                continue
-            prod = self.nodes[e.producer]
-            cons = self.nodes.get(e.consumer)
-            t = tensor_vals(prod)[e.out_index]
-            item, gitem = precision.edge_itemsizes(self.plan.dtype, getattr(self.plan, "grad_reduce", "fp32"), prod,
-                                                   cons, t, getattr(self, "itemsizes", None), e.out_index, e.param)
-            b = _local_bytes(e.shape, pl.fmt(e.dst), self.mesh, gitem if phase == "backward" else item)
-            nbytes += b
-            parts.append((e.label, float(b)))
+        parts = [(e.label, r if phase == "backward" else g)
+                 for e, g, r in flat_parts(self.nodes, self.low, self.groups[f.group], self.plan.dtype,
+                                           getattr(self.plan, "grad_reduce", "fp32"), getattr(self, "itemsizes", None),
+                                           self.mesh.shape)]
+        parts = [(w, b) for w, b in parts if b]
+        nbytes = sum(b for _, b in parts)
         if not nbytes:
             return []
         return [Collective(kind=kind, axes=tuple(f.axes), nbytes=float(nbytes),

@@ -89,32 +89,17 @@ def _flat_seconds(gp, cfg, nodes, lowered, cids, shares) -> tuple[tuple[float, f
     prefetch group (``Prefetch.group``: copies ``cids``), as the runtime runs them; saved: what the
     ILP charged its weights (each its bandwidth and its share of one latency, or its edge's own
     route where that is cheaper) beyond those, never below 0."""
-    from autopar import precision
     from autopar.costs.collectives import collective_time
-    from autopar.costs.reshard import local_bytes
-    from autopar.lowering.graph import tensor_vals
-    from autopar.planner.comms import flat_share_seconds
+    from autopar.planner.comms import flat_parts, flat_share_seconds
 
-    f0 = lowered.prefetch[cids[0]]
-    axes = tuple(f0.axes)
+    axes = tuple(lowered.prefetch[cids[0]].axes)
     itemsizes = gp.output_itemsizes(cfg.dtype) if cfg.dtype == "bf16-mixed" else None
     gathered = reduced = charged = 0.0
-    for cid in cids:
-        e = lowered.edges[lowered.copies[cid].edges[0]]
-        prod, cons = nodes[e.producer], nodes.get(e.consumer)
-        if cons is None:
-            continue
-        item, gitem = precision.edge_itemsizes(cfg.dtype, cfg.grad_reduce, prod, cons, tensor_vals(prod)[e.out_index],
-                                               itemsizes, e.out_index, e.param)
+    for e, g, r in flat_parts(nodes, lowered, cids, cfg.dtype, cfg.grad_reduce, itemsizes, cfg.mesh.shape):
         share = shares.get(e.producer, 1.0)
-        if e.forward:
-            b = float(local_bytes(e.shape, e.dst, cfg.mesh.shape, item))
-            gathered += b
-            charged += flat_share_seconds("all_gather", b, cfg.mesh, axes, share)
-        if e.backward:
-            b = float(local_bytes(e.shape, e.dst, cfg.mesh.shape, gitem))
-            reduced += b
-            charged += flat_share_seconds("reduce_scatter", b, cfg.mesh, axes, share)
+        gathered, reduced = gathered + g, reduced + r
+        charged += (flat_share_seconds("all_gather", g, cfg.mesh, axes, share) if g else 0.0) + \
+            (flat_share_seconds("reduce_scatter", r, cfg.mesh, axes, share) if r else 0.0)
     fwd = float(collective_time("all_gather", gathered, cfg.mesh, axes)) if gathered else 0.0
     bwd = float(collective_time("reduce_scatter", reduced, cfg.mesh, axes)) if reduced else 0.0
     return (fwd, bwd), max(0.0, charged - fwd - bwd)

@@ -105,23 +105,14 @@ def collectives_by_axis(gp, cfg, lowered, only=None, times: int = 1, buckets: bo
     mesh = cfg.mesh
     # A prefetch unit's weights run in one flat all-gather, and their gradients in one flat
     # reduce-scatter, per group (``Prefetch.group``): one collective each, of all their bytes.
-    flat: dict[tuple, list] = {}
+    flat: dict[int, list[int]] = {}
     for c in lowered.copies:
         e = lowered.edges[c.edges[0]]
         if only is not None and e.consumer not in only:
             continue
         f = lowered.prefetch.get(c.id)
         if f is not None:
-            prod, cons = nodes.get(e.producer), nodes.get(e.consumer)
-            if prod is None or cons is None:
-                continue
-            fi, bi = precision.edge_itemsizes(cfg.dtype, cfg.grad_reduce, prod, cons, tensor_vals(prod)[e.out_index],
-                                              itemsizes, e.out_index, e.param)
-            for phase, kind, item, steps in (("forward", "all_gather", fi, e.forward),
-                                             ("backward", "reduce_scatter", bi, e.backward)):
-                if steps:
-                    g = flat.setdefault((f.group, phase), [f.axes, kind, 0.0])
-                    g[2] += float(local_bytes(e.shape, e.dst, mesh.shape, item))
+            flat.setdefault(f.group, []).append(c.id)
             continue
         prod, cons = nodes.get(e.producer), nodes.get(e.consumer)
         fi = bi = e.itemsize
@@ -141,8 +132,15 @@ def collectives_by_axis(gp, cfg, lowered, only=None, times: int = 1, buckets: bo
                 nbytes = max(local_bytes(e.shape, before, mesh.shape, item), local_bytes(e.shape, after, mesh.shape,
                                                                                            item))
                 add(step.axis, step.kind, phase, nbytes, cost)
-    for (_, phase), (axes, kind, nbytes) in flat.items():
-        add("+".join(map(str, axes)), kind, phase, nbytes, collective_time(kind, nbytes, mesh, tuple(axes)))
+    from autopar.planner.comms import flat_parts
+
+    for cids in flat.values():
+        axes = tuple(lowered.prefetch[cids[0]].axes)
+        parts = flat_parts(nodes, lowered, cids, cfg.dtype, cfg.grad_reduce, itemsizes, mesh.shape)
+        for phase, kind, nbytes in (("forward", "all_gather", sum(g for _, g, _ in parts)),
+                                    ("backward", "reduce_scatter", sum(r for _, _, r in parts))):
+            if nbytes:
+                add("+".join(map(str, axes)), kind, phase, nbytes, collective_time(kind, nbytes, mesh, axes))
     for b in lowered.buckets if buckets else ():
         reduce_axes = tuple(a for a in b.axes if a not in b.scatter)
         if reduce_axes:
