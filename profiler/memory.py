@@ -27,7 +27,9 @@ Two options describe a distributed runtime's step (the caller gives per-rank siz
   parallel reduction). A gradient is copied into its bucket by the post-accumulate-grad hook,
   which autograd runs once every use of the parameter has contributed (a tied weight: at the
   backward of its earliest use); until then it is a buffer of its own. The bucket (their summed
-  gradient bytes) is allocated with the first gradient copied into it.
+  gradient bytes) is kept from one step to the next (resident from the start of the step), except
+  a ZeRO-2 bucket (its parameters' ``grad_share`` < 1), allocated with the first gradient copied
+  into it and reduce-scattered to its shard once complete.
 
 Precision: the sizes are those of the run the nodes come from (fp32 as traced, or the
 mixed-precision replay of :mod:`profiler.mixed`, whose 16-bit parameter copies are activations
@@ -200,9 +202,11 @@ def simulate(nodes: list[StepNode], placeholders: dict[str, Placeholder], loss: 
     size = Sizer(normalize_precision(precision))
     static = static_bytes(placeholders, size, optimizer)
     state = ReplayState(static=static)
+    bucket_of = _bucket_of(placeholders, size, buckets)
+    state.grads = sum(_kept(placeholders, bucket_of).values())  # buckets kept from the last step
     ck = Checkpoints(nodes, placeholders, regions, early)
     acts = replay_forward(nodes, placeholders, loss, size, state, ck)
-    replay_backward(nodes, placeholders, size, state, ck, _bucket_of(placeholders, size, buckets))
+    replay_backward(nodes, placeholders, size, state, ck, bucket_of)
     transient = optimizer_transient(placeholders, size, optimizer, foreach)
     state.observe("optimizer", "optimizer.step", transient)
     best = state.best
@@ -342,6 +346,16 @@ def _bucket_of(placeholders, size: Sizer, buckets) -> dict[str, tuple[int, int]]
     return out
 
 
+def _kept(placeholders, bucket_of: dict[str, tuple[int, int]]) -> dict[int, int]:
+    """Buckets kept between steps (bucket -> bytes): every bucket but a ZeRO-2 one, whose buffer
+    is reduce-scattered and freed (``autopar.runtime.grads``, DDP's persistent buckets)."""
+    out = {b: total for _, (b, total) in bucket_of.items()}
+    for a, (b, _) in bucket_of.items():
+        if placeholders[a].grad_share < 1:
+            out.pop(b, None)
+    return out
+
+
 def replay_backward(nodes: list[StepNode], placeholders, size: Sizer, state: ReplayState, ck: Checkpoints,
                     bucket_of: dict[str, tuple[int, int]]) -> None:
     """Run the backward of ``nodes`` (forwarded by :func:`replay_forward`) through ``state``."""
@@ -403,7 +417,7 @@ class _ParamGrads:
                 for a in _read_in_backward(n, through):
                     self.uses_left[a] += 1
         self.done: set[str] = set()
-        self.buckets_done: set[int] = set()
+        self.buckets_done: set[int] = set(_kept(placeholders, bucket_of))  # resident from the start
         self.bucket_left: dict[int, int] = defaultdict(int)  # parameters still to arrive per bucket
         for a, (b, _) in bucket_of.items():
             self.bucket_left[b] += 1
@@ -423,7 +437,7 @@ class _ParamGrads:
         self.uses_left[a] -= 1
         if self.uses_left[a] > 0:
             return add, 0  # the hook waits for the parameter's last contribution
-        if b not in self.buckets_done:  # the bucket's buffer comes with the first copy into it
+        if b not in self.buckets_done:  # a ZeRO-2 bucket's buffer comes with the first copy into it
             self.buckets_done.add(b)
             add += bucket
         free = own  # copied into its slot: the separate gradient is freed

@@ -7,10 +7,12 @@ need one sum each, as DDP does:
 
 - parameters are put in buckets of about ``bucket_bytes`` in reverse registration order (the
   order backward produces gradients), one bucket list per set of Partial axes;
-- a post-accumulate-grad hook marks a parameter ready: the bucket's flat buffer is allocated
-  with its first gradient, each gradient is copied into its slot and ``.grad`` becomes a view
-  of that slot (so a gradient is never held twice, as DDP's ``gradient_as_bucket_view``); when a
-  bucket is complete the sum over its first axis is launched asynchronously, in place;
+- a post-accumulate-grad hook marks a parameter ready: each gradient is copied into its slot of
+  the bucket's flat buffer and ``.grad`` becomes a view of that slot (so a gradient is never held
+  twice, as DDP's ``gradient_as_bucket_view``); when a bucket is complete the sum over its first
+  axis is launched asynchronously, in place. The flat buffer is kept from one step to the next,
+  as DDP keeps its buckets, and reused whenever nothing but its own slots still reads it
+  (:meth:`GradSync._buffer`); the memory replay counts it as resident from the start of the step;
 - at the end of backward (an autograd engine callback queued by the first hook) every bucket is
   finished: a bucket never completed (a parameter without gradient) is launched with the
   gradients that exist, remaining axes are summed in place. Buckets filled without hooks
@@ -51,6 +53,11 @@ from autopar.runtime.prefetch import drain, in_flight
 from autopar.zero import chunk_index
 
 
+def _is_view(t: torch.Tensor, slot: torch.Tensor) -> bool:
+    return (t.untyped_storage()._cdata == slot.untyped_storage()._cdata and t.storage_offset() == slot.storage_offset()
+            and t.shape == slot.shape and t.dtype == slot.dtype)
+
+
 @dataclasses.dataclass(eq=False)
 class _Bucket:
     axes: tuple[int, ...]
@@ -64,6 +71,8 @@ class _Bucket:
     """The in-place all-reduce in flight (a c10d ``Work``)."""
     viewed: bool = False
     """The members' ``.grad`` are views of ``flat`` (filled by the hooks)."""
+    keep: torch.Tensor | None = None
+    """The flat buffer kept between steps (a hooked bucket; see :meth:`GradSync._buffer`)."""
     sent: torch.Tensor | None = None
     """What the all-reduce sums: ``flat``, or its copy in the reduction dtype."""
     scatter: tuple | None = None
@@ -176,16 +185,30 @@ class GradSync:
             self._scatter_fill(b, p)
             return
         if not b.ready and p.grad is not None and not b.launched:
-            # (sum of the bucket's numels,) allocated with its first gradient
-            b.flat = p.grad.new_zeros(sum(q.numel() for q in b.params))
+            b.flat = self._buffer(b, p.grad)
             b.viewed = True
         if b.viewed and p.grad is not None and id(p) not in b.ready:
             slot = self._slot(b, p)
-            slot.copy_(p.grad)
-            p.grad = slot  # the separate gradient is freed: it lives in the bucket from now on
+            if not _is_view(p.grad, slot):  # (zero_grad(set_to_none=False) left it in its slot)
+                slot.copy_(p.grad)
+                p.grad = slot  # the separate gradient is freed: it lives in the bucket from now on
         b.ready.add(id(p))
         if len(b.ready) == len(b.params) and not b.launched:
             self._launch(b)
+
+    @staticmethod
+    def _buffer(b: _Bucket, grad: torch.Tensor) -> torch.Tensor:
+        """The bucket's flat buffer for this step, (sum of its numels,): the one kept from the
+        last step when nothing but its members' ``.grad`` (views of their slots) still holds it,
+        as DDP keeps its buckets (no allocation, no page faults); else a new one, kept from now on."""
+        keep = b.keep
+        if keep is not None and keep.dtype == grad.dtype and keep.device == grad.device:
+            store = keep.untyped_storage()
+            views = sum(1 for q in b.params if q.grad is not None and q.grad.untyped_storage()._cdata == store._cdata)
+            if torch._C._storage_Use_Count(store._cdata) <= 2 + views:  # (`keep` and `store`)
+                return keep
+        b.keep = grad.new_zeros(sum(q.numel() for q in b.params))
+        return b.keep
 
     @staticmethod
     def _slot(b: _Bucket, p: torch.nn.Parameter) -> torch.Tensor:
@@ -287,6 +310,11 @@ class GradSync:
         if not b.members:
             b.flat, b.viewed = None, False
             return
+        if b.viewed:
+            for p in b.members:
+                if id(p) not in b.ready:  # no gradient this step: last step's, in its slot, stays as it was
+                    p.grad = p.grad.clone()
+            b.members = [p for p in b.members if id(p) in b.ready]
         if not b.viewed:  # filled without hooks: flatten now
             b.flat = torch.cat([p.grad.reshape(-1) for p in b.members])
         # One all-reduce over a flattened group when the bucket is Partial on several axes.

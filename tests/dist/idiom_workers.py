@@ -155,3 +155,47 @@ def work_registry_case(name: str, layout: dict, steps: int = 2) -> list[int]:
         P._launched, P._finish_plain = start, finish
     sizes.append(counts["started"])
     return sizes
+
+
+
+def bucket_reuse_case(name: str, layout: dict) -> dict:
+    """Gradient buckets kept between steps (as DDP keeps its own), trained against one device
+    with the ways a script frees gradients: ``zero_grad()`` (buffers reused: the same data
+    pointers step after step), a script that holds a step's ``.grad`` (a new buffer: what it
+    holds keeps its values), then ``zero_grad(set_to_none=False)`` (gradients accumulate in their
+    slots, the buffers reused)."""
+    import autopar
+
+    ex = cases.example(name)
+    ref = copy.deepcopy(ex.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(ex.model, mesh(), example_inputs=ex.args, example_kwargs=ex.kwargs,
+                             loss_fn=ex.loss_fn, target=ex.target, cache_dir=None, quiet=True, layout=layout)
+
+    def step_ref():
+        out = ref(*ex.args, **ex.kwargs)
+        loss = ex.loss_fn(out, ex.target) if ex.loss_fn is not None else (out.loss if hasattr(out, "loss") else out)
+        loss.backward()
+        return loss.detach()
+
+    steps = {"pm": lambda: pm.train_step(*ex.args, target=ex.target, **ex.kwargs), "ref": step_ref}
+    opts = {"pm": torch.optim.AdamW(pm.parameters(), lr=1e-3), "ref": torch.optim.AdamW(ref.parameters(), lr=1e-3)}
+    buckets = [b for b in pm._grad_sync.buckets if b.scatter is None]
+    ptrs, losses, held, held_err = [], {k: [] for k in steps}, None, None
+    for mode in ["none", "none", "hold", "keep", "keep", "none"]:
+        for k in steps:
+            losses[k].append(float(steps[k]()))
+        ptrs.append([b.keep.data_ptr() if getattr(b, "keep", None) is not None else None for b in buckets])
+        if held is not None:  # what the script held kept its values through this step
+            held_err = max(float((g.full_tensor() - v).abs().max()) for g, v in held)
+            held = None
+        if mode == "hold":
+            held = [(p.grad, p.grad.full_tensor().clone()) for p in pm.parameters() if p.grad is not None]
+        for k in steps:
+            opts[k].step()
+            opts[k].zero_grad(set_to_none=mode != "keep")
+    full = pm.full_state_dict()
+    return {"buckets": len(buckets), "ptrs": ptrs, "held_err": held_err,
+            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses["pm"], losses["ref"])),
+            "param_err": max(cases.rel_err(full[n], p.detach()) for n, p in ref.named_parameters() if n in full)}
