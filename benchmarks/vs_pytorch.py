@@ -10,9 +10,17 @@ AdamW) on ``--world`` gloo processes (one intra-op thread each), the same global
 | data parallel | ``DistributedDataParallel`` | ``layout={"dp": world}`` |
 | ZeRO-3 | FSDP2: ``fully_shard`` per decoder block, then the root | ``layout={"dp": world, "zero": 3}`` |
 | Megatron TP (Llama) | DTensor ``parallelize_module``: Colwise q/k/v/gate/up, Rowwise o/down | ``layout={"tp": world}`` |
+| pipeline 1F1B (Llama) | ``torch.distributed.pipelining``: 2 stages split by layers by hand, each in DDP over ``world / 2`` replicas, ``Schedule1F1B`` | ``layout={"pp": 2, "dp": world / 2, "microbatches": 4, "schedule": "1f1b"}`` |
 | the free plan | the fastest of the rows above | ``autopar.compile`` with no layout (calibrated) |
 
-A step is forward, backward, ``optimizer.step()`` and ``zero_grad``. Each row is one launch: its
+Both pipelines run 4 micro-batches (of one sample) of each replica's share of the batch. (GPT-2 ties its head to
+its embedding, which a hand split across stages cannot: its pipeline row is left out.) No row for
+expert parallelism: stock PyTorch has no expert-parallel module to compare with.
+
+A step is forward, backward, ``optimizer.step()`` and ``zero_grad``; the optimizer is
+``AdamW(foreach=True)`` on every side, torch's default on GPUs (on CPUs torch defaults to one
+parameter at a time, where each op on a DTensor parameter, autopar's and FSDP2's, pays DTensor's
+dispatch: about 20 ms a step more than DDP's plain tensors on the Llama here). Each row is one launch: its
 PyTorch module and autopar's are built in the same processes and run one step each in turn (the
 free plan's launch carries every PyTorch row of the model, its baseline the fastest of them); every step starts together (barrier)
 and is timed on the slowest rank; medians over ``--steps`` after 3 warm-up steps. Memory: each
@@ -37,6 +45,7 @@ from launch import launch
 FULL = dict(layers=4, hidden=256, heads=4, kv_heads=4, intermediate=512, vocab=8192, batch=8, seq=128)
 QUICK = dict(layers=2, hidden=64, heads=4, kv_heads=4, intermediate=128, vocab=512, batch=4, seq=32)
 WARMUP = 3
+FOREACH = True  # AdamW's multi-tensor step, torch's default on GPUs (see the module docstring)
 
 
 def _example(name: str, size: dict):
@@ -56,7 +65,7 @@ def _layers(model):
 def _torch_side(model, ids_local):
     import torch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=FOREACH)
 
     def step():
         model(ids_local, labels=ids_local).loss.backward()
@@ -68,7 +77,7 @@ def _torch_side(model, ids_local):
 def _autopar_side(pm, ids):
     import torch
 
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=FOREACH)
 
     def step():
         pm.train_step(ids, labels=ids)
@@ -102,6 +111,79 @@ def _dtensor_tp(model, dm, ids):
         plan.update({f"{p}.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
         plan.update({f"{p}.self_attn.o_proj": RowwiseParallel(), f"{p}.mlp.down_proj": RowwiseParallel()})
     return _torch_side(parallelize_module(model, dm, plan), ids)
+
+
+
+
+def _pp_micro(batch: int, world: int) -> int:
+    """Micro-batches per step of each pipeline, on both sides: 4 (one sample each on the full
+    size), fewer where a replica has fewer samples."""
+    return min(4, batch // (world // 2))
+
+
+def _stage_module(model, stage: int, stages: int):
+    """Stage ``stage`` of ``stages`` of an HF Llama, split by decoder layers as torchtitan splits it
+    by hand: the embedding on the first stage, the final norm and the head on the last, the rotary
+    embedding (no parameters) on each."""
+    import torch
+
+    inner, layers = model.model, model.model.layers
+    per = len(layers) // stages
+    first, last = stage == 0, stage == stages - 1
+
+    class Stage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = inner.embed_tokens if first else None
+            self.rotary = inner.rotary_emb
+            self.layers = torch.nn.ModuleList(layers[stage * per:(stage + 1) * per])
+            self.norm = inner.norm if last else None
+            self.head = model.lm_head if last else None
+
+        def forward(self, x):
+            h = self.embed(x) if first else x
+            pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            emb = self.rotary(h, position_ids=pos)
+            for layer in self.layers:  # (no mask: sdpa runs causal, as the whole model does)
+                h = layer(h, position_ids=pos, position_embeddings=emb)
+            return self.head(self.norm(h)) if last else h
+    return Stage()
+
+
+def _causal_lm_loss(logits, labels):
+    """HF's causal-LM loss: each position predicts the next token, mean over positions."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
+
+
+def _pipelining(model, ids, world: int):
+    """torch.distributed.pipelining: 2 stages x ``world // 2`` data-parallel replicas (each stage
+    wrapped in DDP over its replicas), ``Schedule1F1B`` over :func:`_pp_micro` micro-batches of
+    each replica's share of the batch."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.nn.parallel import DistributedDataParallel
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    stage, replica = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    mod = _stage_module(model, stage, 2)
+    ddp = DistributedDataParallel(mod, process_group=mesh.get_group("dp"), static_graph=True)
+    pipe = PipelineStage(ddp, stage, 2, torch.device("cpu"), group=mesh.get_group("pp"))
+    sched = Schedule1F1B(pipe, n_microbatches=_pp_micro(ids.shape[0], world), loss_fn=_causal_lm_loss)
+    per = ids.shape[0] // (world // 2)
+    mine = ids[replica * per:(replica + 1) * per]
+    opt = torch.optim.AdamW(mod.parameters(), lr=1e-4, foreach=FOREACH)
+
+    def step():
+        if stage == 0:
+            sched.step(mine)
+        else:
+            sched.step(target=mine)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step, opt
 
 
 def _compile(model, ids, layout=None):
@@ -157,10 +239,12 @@ def _rank(rank: int, world: int, name: str, size: dict, steps: int, torch_sides:
     base = ex.model
     sides, plans = {}, {}
     make = {"ddp": lambda m: _ddp(m, mine), "fsdp2": lambda m: _fsdp2(m, dm, mine),
-            "dtensor tp": lambda m: _dtensor_tp(m, dm, ids)}
+            "dtensor tp": lambda m: _dtensor_tp(m, dm, ids), "pipelining": lambda m: _pipelining(m, ids, world)}
     for k in torch_sides:
         sides[k] = make[k](copy.deepcopy(base))
     layout = {"autopar dp": {"dp": world}, "autopar zero3": {"dp": world, "zero": 3}, "autopar tp": {"tp": world},
+              "autopar pp": {"pp": 2, "dp": world // 2, "microbatches": _pp_micro(ids.shape[0], world),
+                             "schedule": "1f1b"},
               "autopar free": None}[ours]
     pm = _compile(copy.deepcopy(base), ids, layout)
     plans[ours] = (pm.plan.step_time, pm.plan.summary().splitlines()[0])
@@ -179,7 +263,8 @@ def _rank(rank: int, world: int, name: str, size: dict, steps: int, torch_sides:
 
 
 ROWS = [("data parallel", "ddp", "autopar dp"), ("ZeRO-3", "fsdp2", "autopar zero3"),
-        ("Megatron TP", "dtensor tp", "autopar tp")]
+        ("Megatron TP", "dtensor tp", "autopar tp"), ("pipeline 1F1B", "pipelining", "autopar pp")]
+LLAMA_ONLY = ("dtensor tp", "pipelining")  # (GPT-2 ties its head to the embedding: no hand split across stages)
 
 
 def main() -> None:
@@ -198,7 +283,7 @@ def main() -> None:
     # One launch per row (PyTorch's module and autopar's, side by side in the same processes); the
     # free plan's launch carries every PyTorch row of the model, so its baseline is measured beside it.
     for name in names:
-        rows = [r for r in ROWS if name == "llama" or r[1] != "dtensor tp"]
+        rows = [r for r in ROWS if name == "llama" or r[1] not in LLAMA_ONLY]
         runs = [((theirs,), ours) for _, theirs, ours in rows]
         runs.append((tuple(r[1] for r in rows), "autopar free"))
         runs = [(t, o) for t, o in runs if not only or o in only]
