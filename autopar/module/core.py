@@ -147,8 +147,15 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
             pairs, sig.ctx.device_mesh, bucket_bytes=bucket_bytes,
             reduce_dtype=precision.reduce_dtype(plan.dtype, getattr(plan, "grad_reduce", "fp32")), zero=zero))
         object.__setattr__(self, "_bucket_bytes", bucket_bytes)
-        # Pipelines and accumulation: gradients are reduced once, after the last micro-batch.
-        self._grad_sync.enabled = not (pipelined or accumulate > 1)
+        # Pipelines and accumulation: gradients are reduced after the last micro-batch's backward
+        # (each bucket as soon as that backward completes it; GradSync.accumulate).
+        if pipelined or accumulate > 1:
+            twice = ()
+            if self._pipe is not None:  # read by two stages of this rank: its hook fires twice a pass
+                local = set(self._pipe.local)
+                twice = [self._compute(n) for n, st in self._stage_uses.items() if len(st & local) > 1]
+            self._grad_sync.accumulate(self._pipe.m if self._pipe is not None else accumulate,
+                                       divide=not loss_sum, exclude=twice)
         self._register_params()
 
     def _setup_pipeline(self, gm, device_mesh, inputs_sharded):
@@ -457,7 +464,7 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
             params = list({id(t): t for t in [*self._local_parameters(), *self._zero.full.values()]}.values())
             if not self._loss_sum:
                 for p in params:  # the sum of the micro-batches' gradients of a mean loss
-                    if p.grad is not None:
+                    if p.grad is not None and id(p) not in self._grad_sync.divided:
                         p.grad.div_(m)
             self._grad_sync.finish(force=True)
             return torch.stack(losses).sum() if self._loss_sum else torch.stack(losses).mean()
@@ -473,8 +480,9 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
         with torch.no_grad():
             # the parameters and ZeRO compute copies the schedule accumulated into
             params = list({id(t): t for t in [*self._local_parameters(), *self._zero.full.values()]}.values())
+            done = self._grad_sync.divided  # (divided by its hook, its bucket launched)
             for p in params if not self._loss_sum else ():  # the schedule summed the micro-batches'
-                if p.grad is not None:                         # gradients of a mean loss
+                if p.grad is not None and id(p) not in done:   # gradients of a mean loss
                     p.grad.div_(self._pipe.m)
             self._grad_sync.finish(force=True)
             shared = list({id(p): p for p in (self._get(n) for n, st in sorted(self._stage_uses.items())

@@ -10,10 +10,12 @@ mean of the micro-batch losses (equal counted targets per micro-batch are checke
 Priced as it runs: the sharding problem is solved at the micro-batch size (``Config.micro_batches``,
 ``autopar.planner.micro``: every op on activations at ``1 / m`` of its work, with its kernel floor
 and collective latencies in full; parameter gathers whole per micro-batch), the step is ``m`` times
-a micro-batch's seconds plus the gradient sums once, unoverlapped (they run after the last
-backward), and the peak is the replay of ``m`` micro-batches one at a time
-(``autopar.planner.stage_memory.pipeline_peaks`` with one stage under 1F1B: one micro-batch's
-activations live at a time, gradients accumulate in place, then the buckets are reduced).
+a micro-batch's seconds plus the gradient sums once, unoverlapped (the runtime launches each
+bucket as the last backward completes it, ``GradSync.accumulate``, so this prices the sums the
+way they would run after the last backward: an upper bound), and the peak is the replay of ``m``
+micro-batches one at a time (``autopar.planner.stage_memory.pipeline_peaks`` with one stage
+under 1F1B: one micro-batch's activations live at a time, gradients accumulate in place beside
+the buckets kept from the last step).
 
 The free search tries it where the memory budget binds (:func:`accumulate_candidates`): 2, 4, 8,
 ... micro-batches (down to one sample), each solved first without a memory row and, if that is

@@ -200,13 +200,16 @@ def _rank_replay(world, local: list[int], schedule: str, p: int, optimizer: str,
     regions = [r for r in world["regions"] if r[0] in names]
     early = {at: xs for at, xs in world["early"].items() if at in names}
     state = ReplayState(static=static_bytes(ph, size, optimizer))
+    # The gradient buckets of data parallelism are kept from one step to the next (each gradient
+    # copied into its slot once its last micro-batch has added to it: GradSync.accumulate); a
+    # ZeRO-1/2 parameter's is flattened when the schedule is done and freed after its reduction.
+    bucketed = [x for a, x in ph.items() if x.kind == "param" and a in world["bucketed"]]
+    state.grads += sum(x.nbytes for x in bucketed if x.state_share == 1)
     loss = world["loss"] if world["loss"] in names else ""
     _run_schedule(state, mine, ph, regions, loss, (schedule, p, local[0], m), grad_in, size, early)
-    # GradSync.finish: gradients of parameters read by no local stage arrive as zeros, then
-    # every Partial gradient is copied into its bucket's flat buffer at once
+    # GradSync.finish: gradients of parameters read by no local stage arrive as zeros
     state.grads += sum(x.nbytes for a, x in ph.items() if x.kind == "param" and a not in used)
-    flat = sum(x.nbytes for a, x in ph.items() if x.kind == "param" and a in world["bucketed"])
-    state.observe("backward", "grad_sync", flat)
+    state.observe("backward", "grad_sync", sum(x.nbytes for x in bucketed if x.state_share < 1))
     state.observe("optimizer", "optimizer.step", optimizer_transient(ph, size, optimizer, foreach))
     best, st = state.best, state.static
     return MemoryEstimate(peak=best["total"], phase=best["phase"], node=best["node"], params=st["params"],

@@ -103,6 +103,12 @@ class GradSync:
         # ``grad_reduce="bf16"``, see autopar.precision).
         self.reduce_dtype = reduce_dtype
         self.enabled = True
+        self._m, self._divide = 1, False
+        self._counted: set[int] = set()  # buckets whose hooks count passes (accumulate())
+        self._arrivals: dict[int, int] = {}
+        self.divided: set[int] = set()
+        """Parameters whose accumulated gradient this step was divided by the pass count here
+        (:meth:`accumulate`): the caller divides the others."""
         self._queued = False
         self._active = False  # some gradient arrived since the last finish()
         self.buckets: list[_Bucket] = []
@@ -168,15 +174,49 @@ class GradSync:
         self._hooks.clear()
 
     # ------------------------------------------------------------------ backward hooks
+    def accumulate(self, m: int, divide: bool, exclude=()) -> None:
+        """Gradients accumulate over ``m`` backward passes a step (pipeline micro-batches,
+        gradient accumulation) and :meth:`finish` is called explicitly after the last. A plain
+        data-parallel bucket still launches as soon as it is complete: each parameter's hook counts
+        its passes, and at the ``m``-th its gradient is whole (divided by ``m`` first when
+        ``divide``: the mean of the micro-batches' mean losses, see :attr:`divided`), copied into
+        its slot; the bucket's all-reduce then runs behind the rest of the last backward, as DDP's
+        does under ``no_sync`` for all micro-batches but the last. ``exclude``: parameters whose
+        hook fires more than once a pass (one read by two stages of this rank); their buckets are
+        summed in :meth:`finish` only, as are ZeRO-1/2 buckets and sharded weights'."""
+        self.enabled = False
+        self._m, self._divide = m, divide
+        skip = {id(q) for q in exclude}
+        self._counted = {id(b) for b in self.buckets if m > 1 and b.scatter is None
+                         and not any(id(q) in self.zero or id(q) in skip for q in b.params)}
+
+    def _whole(self, b: _Bucket, p) -> bool:
+        """Counting passes (:meth:`accumulate`): whether this hook brings ``p``'s last one."""
+        if id(b) not in self._counted:
+            return False
+        if in_flight(p):  # a sharded weight's reduce-scatter: not counted (finished in finish())
+            self._counted.discard(id(b))
+            return False
+        n = self._arrivals[id(p)] = self._arrivals.get(id(p), 0) + 1
+        if n < self._m:
+            return False
+        if self._divide and p.grad is not None and id(p) not in self.divided:
+            p.grad.div_(self._m)
+            self.divided.add(id(p))
+        return True
+
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        if not self.enabled:
-            return
-        self._active = True
-        if not self._queued:
-            # Runs once the whole backward pass is done, like DDP's finalisation.
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-            self._queued = True
         b = self._of.get(id(p))
+        if not self.enabled:
+            if b is None or not self._whole(b, p):
+                return
+            self._active = True
+        else:
+            self._active = True
+            if not self._queued:
+                # Runs once the whole backward pass is done, like DDP's finalisation.
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+                self._queued = True
         if b is None:  # a ZeRO parameter without a reduction: sliced in finish()
             return
         if in_flight(p):
@@ -195,6 +235,20 @@ class GradSync:
         b.ready.add(id(p))
         if len(b.ready) == len(b.params) and not b.launched:
             self._launch(b)
+
+    def _complete(self, b: _Bucket) -> None:
+        """Copy the gradients of a counted bucket that its hooks left out into their slots."""
+        for p in b.params:
+            if p.grad is None or id(p) in b.ready:
+                continue
+            if b.flat is None:
+                b.flat = self._buffer(b, p.grad)
+                b.viewed = True
+            slot = self._slot(b, p)
+            if not _is_view(p.grad, slot):
+                slot.copy_(p.grad)
+                p.grad = slot
+            b.ready.add(id(p))
 
     @staticmethod
     def _buffer(b: _Bucket, grad: torch.Tensor) -> torch.Tensor:
@@ -335,7 +389,10 @@ class GradSync:
         self._active = False
         for b in self.buckets:
             if not b.launched:
+                if id(b) in self._counted:  # a pass count never reached (a weight unused in some micro-batch)
+                    self._complete(b)
                 self._launch(b)
+        self._arrivals.clear()
         for b in self.buckets:
             if b.scatter is not None:
                 b.flat, b.members, b.launched, b.viewed = None, [], False, False
@@ -366,4 +423,5 @@ class GradSync:
             b.ready.clear()
         if self.zero:
             self._slice_zero()
+        self.divided.clear()
 

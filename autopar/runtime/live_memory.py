@@ -191,11 +191,14 @@ def resident_tensors(pm) -> list:
     ZeRO-1/2 also the compute copies of the split parameters) and,
     under a pipeline, ``PipelineStage``'s receive buffers (one set per micro-batch: the
     activations received from the stage before, the gradients received for those sent on), which
-    the schedule allocates at its first step and reuses."""
+    the schedule allocates at its first step and reuses; the gradient buckets kept from the last
+    step (``GradSync._buffer``), which a step reuses without allocating."""
     params = pm._local_parameters() if hasattr(pm, "_local_parameters") else list(pm.parameters())
     out = [*params, *pm.buffers()]
     # ZeRO-1/2: the compute copies the optimizer shards are gathered into (not parameters).
     out += list({id(t): t for t in getattr(getattr(pm, "_zero", None), "full", {}).values() if t.numel()}.values())
+    sync = getattr(pm, "_grad_sync", None)
+    out += [b.keep for b in getattr(sync, "buckets", ()) if getattr(b, "keep", None) is not None]
     pipe = getattr(pm, "_pipe", None)
     for stage in getattr(pipe, "stages", ()):
         for infos in [*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()]:

@@ -19,9 +19,10 @@ its placements shard over the other axis. Steps:
    ``ScheduleInterleaved1F1B``. The loss of a step is the mean of the micro-batch losses (their
    sum for a loss that sums over the batch: ``autopar.microbatch.loss_reduction``), broadcast to
    every rank; gradients are divided by the number of micro-batches (not for a sum: they are then
-   the full-batch gradients either way), then reduced over the sharding axis
-   (``GradSync.finish``), and parameters used by several stages (tied embeddings) have their
-   gradients summed over the pipeline axis.
+   the full-batch gradients either way), then reduced over the sharding axis: a data-parallel
+   bucket as soon as the last micro-batch's backward completes it (``GradSync.accumulate``, as
+   DDP reduces out of ``no_sync``), the rest in ``GradSync.finish``; parameters used by several
+   stages (tied embeddings) have their gradients summed over the pipeline axis.
 """
 from __future__ import annotations
 

@@ -197,7 +197,7 @@ def test_each_device_shards_for_its_own_micro_batches_in_flight(monkeypatch):
             return autopar.plan(ex.model, mesh, ex.args, example_kwargs=ex.kwargs, loss_fn=ex.loss_fn,
                                 target=ex.target, layout={"pp": 4, "schedule": "1f1b"}, **kw)
 
-    budget = 0.82 * plan().peak_bytes
+    budget = 0.72 * plan().peak_bytes  # (binds on the first stage: 4 micro-batches in flight)
     own = plan(memory_budget=budget)
     assert own.peak_bytes <= budget and own.pipeline.schedule == "1f1b"
     assert own.options["stage_sharding"] == "per device"

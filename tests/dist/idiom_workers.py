@@ -199,3 +199,50 @@ def bucket_reuse_case(name: str, layout: dict) -> dict:
     return {"buckets": len(buckets), "ptrs": ptrs, "held_err": held_err,
             "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses["pm"], losses["ref"])),
             "param_err": max(cases.rel_err(full[n], p.detach()) for n, p in ref.named_parameters() if n in full)}
+
+
+def early_buckets_case(name: str, layout: dict, steps: int = 3) -> dict:
+    """Buckets launched by their hooks during the last micro-batch's backward (before
+    ``GradSync.finish``) against those launched by ``finish``, per step, and the training against
+    one device."""
+    import autopar
+    from autopar.runtime.grads import GradSync
+
+    ex = cases.example(name, batch=16)
+    ref = copy.deepcopy(ex.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(ex.model, mesh(), example_inputs=ex.args, example_kwargs=ex.kwargs,
+                             loss_fn=ex.loss_fn, target=ex.target, cache_dir=None, quiet=True, layout=layout)
+    gs = pm._grad_sync
+    seen = {"in_finish": False, "early": 0, "late": 0}
+    launch, finish = gs._launch, gs.finish
+
+    def counted_launch(b):
+        seen["late" if seen["in_finish"] else "early"] += 1
+        return launch(b)
+
+    def flagged_finish(*a, **k):
+        seen["in_finish"] = True
+        try:
+            return finish(*a, **k)
+        finally:
+            seen["in_finish"] = False
+
+    gs._launch, gs.finish = counted_launch, flagged_finish
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    losses, rlosses = [], []
+    for _ in range(steps):
+        losses.append(float(pm.train_step(*ex.args, target=ex.target, **ex.kwargs)))
+        out = ref(*ex.args, **ex.kwargs)
+        loss = ex.loss_fn(out, ex.target) if ex.loss_fn is not None else (out.loss if hasattr(out, "loss") else out)
+        loss.backward()
+        rlosses.append(float(loss))
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+    full = pm.full_state_dict()
+    return {"early": seen["early"], "late": seen["late"], "buckets": len(gs.buckets),
+            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, rlosses)),
+            "param_err": max(cases.rel_err(full[n], p.detach()) for n, p in ref.named_parameters() if n in full)}

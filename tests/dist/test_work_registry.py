@@ -35,3 +35,16 @@ def test_gradient_buckets_are_kept_between_steps(pool):
         assert p[4] == p[3] and p[5] == p[4], "gradients zeroed in place are their slots: reused"
         assert r["held_err"] == 0.0, r["held_err"]
         assert r["loss_err"] < 1e-5 and r["param_err"] < 1e-5, (r["loss_err"], r["param_err"])
+
+
+@pytest.mark.parametrize("layout", [{"pp": 2, "dp": 2, "microbatches": 2, "schedule": "1f1b"},
+                                    {"dp": 4, "microbatches": 2}], ids=["pp2xdp2", "dp4-accumulate2"])
+def test_buckets_launch_in_the_last_micro_batch(pool, layout):
+    """Under a pipeline or gradient accumulation, each data-parallel bucket launches its
+    all-reduce from its hooks as soon as the last micro-batch's backward completes it (behind the
+    rest of that backward, as DDP does out of ``no_sync``), not after the schedule; the gradients
+    are still one device's (each divided by the micro-batch count once)."""
+    res = pool.run("idiom_workers:early_buckets_case", "llama", layout)
+    for r in res:
+        assert r["buckets"] >= 1 and r["early"] == 3 * r["buckets"] and r["late"] == 0, r
+        assert r["loss_err"] < 1e-5 and r["param_err"] < 1e-5, r
