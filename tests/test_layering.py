@@ -99,6 +99,10 @@ FORBIDDEN = {
     "autopar.runtime": ("autopar.codegen", "autopar.planner", "autopar.module", "autopar.api"),
     "autopar.codegen": ("autopar.planner", "autopar.module", "autopar.api"),
     "autopar.costs": ("autopar.planner", "autopar.codegen", "autopar.runtime", "autopar.module"),
+    # rules are placements; a local implementation's collective runs through its context
+    # (autopar.strategies.local.collective), which the codegen backs with the runtime's runner
+    "autopar.strategies": ("autopar.planner", "autopar.codegen", "autopar.runtime", "autopar.module",
+                           "autopar.api"),
 }
 
 

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.mesh import Mesh
+from autopar.runtime.collectives import run_collective
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -49,6 +50,11 @@ class MeshContext:
     def coordinate(self, axis: int):
         """This rank's coordinate on sharding axis ``axis`` (a per-rank int under LocalTensorMode)."""
         return self.device_mesh.get_local_rank(axis)
+
+    def run_collective(self, kind: str, x: torch.Tensor, axis: int, launch):
+        """A local implementation's collective over sharding axis ``axis`` and its wait, named
+        on failure (:func:`autopar.strategies.local.collective`)."""
+        return run_collective(kind, x, self.device_mesh, axis, None, launch)
 
 
 def _sub_mesh(plan_mesh: Mesh, axes: tuple[int, ...]) -> Mesh:

@@ -56,13 +56,20 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _reduce(x: torch.Tensor, ctx: Any, axes: Sequence[int], op: str) -> torch.Tensor:
-    from autopar.runtime.collectives import run_collective  # names the collective if a peer is lost
+def collective(ctx: Any, kind: str, x: torch.Tensor, axis: int, launch) -> torch.Tensor:
+    """``launch()`` (a functional collective of a local implementation over ``axis``) and its
+    wait, through the runner the context offers: the codegen's ``MeshContext.run_collective``
+    names the collective when a peer is lost (``autopar.runtime.collectives``); a context without
+    one (:class:`~autopar.strategies.base.RunContext` in tests and notebooks) just waits."""
+    run = getattr(ctx, "run_collective", None)
+    return _wait(launch()) if run is None else run(kind, x, axis, launch)
 
+
+def _reduce(x: torch.Tensor, ctx: Any, axes: Sequence[int], op: str) -> torch.Tensor:
     for a in axes:
         y = x.contiguous()
-        x = run_collective(f"all_reduce ({op}) inside an op", y, ctx.device_mesh, a, None,
-                        lambda: funcol.all_reduce(y, op, (ctx.device_mesh, a)))
+        x = collective(ctx, f"all_reduce ({op}) inside an op", y, a,
+                       lambda: funcol.all_reduce(y, op, (ctx.device_mesh, a)))
     return x
 
 

@@ -41,7 +41,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.strategies.base import Comm, CommSpec, Entry, OpInfo, R, S, Strategy, replicate_entry
-from autopar.strategies.local import bound, local_out_shape
+from autopar.strategies.local import bound, collective, local_out_shape
 
 aten = torch.ops.aten
 
@@ -440,13 +440,11 @@ def _exchange(ctx, axis: int, counts: torch.Tensor, experts: int, rows: int) -> 
     many expert ids this rank counted, to catch ids outside the experts)."""
     import torch.distributed._functional_collectives as funcol
 
-    from autopar.runtime.collectives import run_collective
-
     n = int(ctx.shape[axis])
     me = int(ctx.coordinate(axis))
     c = counts.to(torch.int64).contiguous()
-    every = run_collective("all_gather of the routing counts", c, ctx.device_mesh, axis, None,
-                           lambda: funcol.all_gather_tensor(c, 0, (ctx.device_mesh, axis)))
+    every = collective(ctx, "all_gather of the routing counts", c, axis,
+                       lambda: funcol.all_gather_tensor(c, 0, (ctx.device_mesh, axis)))
     on_device = every.reshape(n, experts)
     # The one device-to-host copy of a routing region's step: the all-to-alls take their split
     # sizes as host integers (as torchtitan's expert parallelism copies its counts once).
@@ -464,13 +462,10 @@ ALL_TO_ALLS = [0]
 def _all_to_all(x: torch.Tensor, ctx, axis: int, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
     import torch.distributed._functional_collectives as funcol
 
-    from autopar.runtime.collectives import run_collective
-
     ALL_TO_ALLS[0] += 1
     y = x.contiguous()
-    return run_collective("all_to_all of routed tokens", y, ctx.device_mesh, axis, None,
-                          lambda: funcol.all_to_all_single_autograd(y, out_splits, in_splits,
-                                                                    (ctx.device_mesh, axis)))
+    return collective(ctx, "all_to_all of routed tokens", y, axis,
+                      lambda: funcol.all_to_all_single_autograd(y, out_splits, in_splits, (ctx.device_mesh, axis)))
 
 
 def run_region(node: fx.Node, strategy: Strategy, args: tuple, kwargs: dict, ctx):

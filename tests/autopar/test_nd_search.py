@@ -83,7 +83,7 @@ def test_best_first_search_equals_exhaustive(budget_share):
     # optimal: the search may stop on one that overstates its candidate by up to that gap.
     from autopar.planner.build import Config
 
-    assert got == pytest.approx(want, rel=Config.mip_gap), (got, want)
+    assert got == pytest.approx(want, rel=2 * Config.mip_gap), (got, want)  # (each side within the gap)
 
 
 def _cfg(mesh, budget):
@@ -106,9 +106,10 @@ def test_factored_pipelines_are_3d_plans():
 
 
 def test_a_budget_that_binds_makes_pipeline_stages_recompute_or_shard():
-    """Under a budget below the free plan's peak, the stages fit by recomputing or by sharding
+    """Under a budget below the free plan's peak, the stages fit by recomputing, by sharding
     more weights (a unit's ZeRO-3 gathers are one flat collective each, cheap enough here to win
-    over recomputation), and pay for it in time."""
+    over recomputation) or by smaller micro-batches (less in flight; here, with the data-parallel
+    gradient buckets resident all step, 8 micro-batches instead of 2), and pay for it in time."""
     gp = _gp("gpt2", batch=16, layers=2)
     mesh = Mesh((2, 2), cluster="cpu")
     free = _plan(gp, mesh, force="pp-tp")
@@ -119,7 +120,8 @@ def test_a_budget_that_binds_makes_pipeline_stages_recompute_or_shard():
 
     def sharded(p):
         return sum(pl != "R" for pl in p.params.values())
-    assert any(n.recompute for n in tight.nodes.values()) or sharded(tight) > sharded(free)
+    assert (any(n.recompute for n in tight.nodes.values()) or sharded(tight) > sharded(free)
+            or tight.pipeline.microbatches > free.pipeline.microbatches)
     assert tight.peak_bytes <= budget
     assert tight.step_time > free.step_time  # recomputation costs time
 

@@ -72,7 +72,7 @@ CASES = {
     # the planner's to use. Each micro-batch in flight keeps its own 16-bit copies of the stage's
     # weights (autocast's weight cache lives for one stage forward), at the parameter's size.
     "llama pp4 per-stage sharding bf16-mixed": ("llama@layers=8,batch=16", (4, 2), None,
-                                                {"pp": 4, "schedule": "1f1b", "budget_share": 0.82,
+                                                {"pp": 4, "schedule": "1f1b", "budget_share": 0.72,
                                                  "cluster": "a100", "precision": "bf16-mixed"}),
     # ... in pipeline stages of micro-batches: each stage prefetches its own layers' gathers
     # (its first layer's at its own start) and reduce-scatters asynchronously, per micro-batch.
