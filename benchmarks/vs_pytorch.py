@@ -18,7 +18,9 @@ its embedding, which a hand split across stages cannot: its pipeline row is left
 expert parallelism: stock PyTorch has no expert-parallel module to compare with.
 
 A step is forward, backward, ``optimizer.step()`` and ``zero_grad``; the optimizer is
-``AdamW(foreach=True)`` on every side, torch's default on GPUs (on CPUs torch defaults to one
+``AdamW(foreach=True)`` on every side but Megatron TP's, torch's default on GPUs (DTensor
+TP leaves the parameters it does not split as plain tensors, which the multi-tensor step refuses
+to mix with DTensors: that row steps one parameter at a time on both sides; on CPUs torch defaults to one
 parameter at a time, where each op on a DTensor parameter, autopar's and FSDP2's, pays DTensor's
 dispatch: about 20 ms a step more than DDP's plain tensors on the Llama here). Each row is one launch: its
 PyTorch module and autopar's are built in the same processes and run one step each in turn (the
@@ -62,10 +64,10 @@ def _layers(model):
 
 
 # ------------------------------------------------------------------ the sides
-def _torch_side(model, ids_local):
+def _torch_side(model, ids_local, foreach=FOREACH):
     import torch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=FOREACH)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
 
     def step():
         model(ids_local, labels=ids_local).loss.backward()
@@ -74,10 +76,10 @@ def _torch_side(model, ids_local):
     return step, opt
 
 
-def _autopar_side(pm, ids):
+def _autopar_side(pm, ids, foreach=FOREACH):
     import torch
 
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=FOREACH)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=foreach)
 
     def step():
         pm.train_step(ids, labels=ids)
@@ -110,7 +112,9 @@ def _dtensor_tp(model, dm, ids):
         plan.update({f"{p}.self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")})
         plan.update({f"{p}.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
         plan.update({f"{p}.self_attn.o_proj": RowwiseParallel(), f"{p}.mlp.down_proj": RowwiseParallel()})
-    return _torch_side(parallelize_module(model, dm, plan), ids)
+    # (the parameters it leaves alone stay plain tensors, which the multi-tensor AdamW refuses to
+    # mix with its DTensors: this row steps one parameter at a time, on both sides)
+    return _torch_side(parallelize_module(model, dm, plan), ids, foreach=False)
 
 
 
@@ -248,7 +252,7 @@ def _rank(rank: int, world: int, name: str, size: dict, steps: int, torch_sides:
               "autopar free": None}[ours]
     pm = _compile(copy.deepcopy(base), ids, layout)
     plans[ours] = (pm.plan.step_time, pm.plan.summary().splitlines()[0])
-    sides[ours] = _autopar_side(pm, ids)
+    sides[ours] = _autopar_side(pm, ids, foreach=False if ours == "autopar tp" else FOREACH)
     timed = _timer()
     times = {k: [] for k in sides}
     for i in range(WARMUP + steps):
