@@ -455,6 +455,7 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
             return pytree.tree_map(cut, (args, kwargs, target))
 
         losses = []
+        self._grad_sync.start_step()
         for i in range(m):
             a, k, tg = part(i)
             loss = self.forward(*a, target=tg, **k)
@@ -476,6 +477,7 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
         if self._targets is not None:
             self._targets.check(flat, self._pipe.m)  # every micro-batch's mean has as many targets
         inputs = [flat[s.name].to(device) for s in self._input_slots()]
+        self._grad_sync.start_step()
         loss = self._pipe.step(inputs)
         with torch.no_grad():
             # the parameters and ZeRO compute copies the schedule accumulated into

@@ -190,6 +190,12 @@ class GradSync:
         self._counted = {id(b) for b in self.buckets if m > 1 and b.scatter is None
                          and not any(id(q) in self.zero or id(q) in skip for q in b.params)}
 
+    def start_step(self) -> None:
+        """Before a step of micro-batches (:meth:`accumulate`): forget the passes a step that
+        raised before its :meth:`finish` left counted, so that none is taken for a last one."""
+        self._arrivals.clear()
+        self.divided.clear()
+
     def _whole(self, b: _Bucket, p) -> bool:
         """Counting passes (:meth:`accumulate`): whether this hook brings ``p``'s last one."""
         if id(b) not in self._counted:

@@ -1,6 +1,7 @@
 """``GradSync`` under micro-batches (pipelines, gradient accumulation), on one process with the
 fake process group: a bucket launches from its hooks once the last micro-batch completes it; a
-weight some micro-batch did not use is divided once and summed with its bucket in ``finish``."""
+weight some micro-batch did not use is divided once and summed with its bucket in ``finish``; a
+step that raised halfway leaves no count behind."""
 from __future__ import annotations
 
 import torch
@@ -33,6 +34,16 @@ def test_a_weight_unused_in_a_micro_batch_is_completed_in_finish():
             for p in (a, b):  # each gradient lives in its bucket's kept buffer
                 assert p.grad.untyped_storage()._cdata == bucket[id(p)].keep.untyped_storage()._cdata
             a.grad = b.grad = None
+        # A step that raised after its first micro-batch: the next step starts its counts afresh
+        ((a * 2).sum() + (b * 3).sum()).backward()
+        a.grad = b.grad = None
+        gs.start_step()
+        ((a * 2).sum() + (b * 3).sum()).backward()
+        assert not bucket[id(a)].launched, "a pass of the step that raised was counted"
+        (a * 4).sum().backward()
+        b.grad.div_(2)
+        gs.finish(force=True)
+        assert torch.equal(a.grad, torch.full((3,), 3.0)) and torch.equal(b.grad, torch.full((2,), 1.5))
         gs.remove()
     finally:
         dist.destroy_process_group()
