@@ -233,14 +233,20 @@ class GradSync:
         if not b.ready and p.grad is not None and not b.launched:
             b.flat = self._buffer(b, p.grad)
             b.viewed = True
-        if b.viewed and p.grad is not None and id(p) not in b.ready:
-            slot = self._slot(b, p)
-            if not _is_view(p.grad, slot):  # (zero_grad(set_to_none=False) left it in its slot)
-                slot.copy_(p.grad)
-                p.grad = slot  # the separate gradient is freed: it lives in the bucket from now on
+        if b.viewed:
+            self._put(b, p)
         b.ready.add(id(p))
         if len(b.ready) == len(b.params) and not b.launched:
             self._launch(b)
+
+    def _put(self, b: _Bucket, p) -> None:
+        """``p``'s gradient into its slot of the bucket's buffer; ``.grad`` becomes the slot."""
+        if p.grad is None or id(p) in b.ready:
+            return
+        slot = self._slot(b, p)
+        if not _is_view(p.grad, slot):  # (zero_grad(set_to_none=False) left it in its slot)
+            slot.copy_(p.grad)
+            p.grad = slot  # the separate gradient is freed: it lives in the bucket from now on
 
     def _complete(self, b: _Bucket) -> None:
         """Copy the gradients of a counted bucket that its hooks left out into their slots."""
@@ -250,10 +256,7 @@ class GradSync:
             if b.flat is None:
                 b.flat = self._buffer(b, p.grad)
                 b.viewed = True
-            slot = self._slot(b, p)
-            if not _is_view(p.grad, slot):
-                slot.copy_(p.grad)
-                p.grad = slot
+            self._put(b, p)
             b.ready.add(id(p))
 
     @staticmethod
