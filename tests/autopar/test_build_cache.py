@@ -185,6 +185,8 @@ def test_planning_eases_the_collector_and_puts_it_back(gp):
         n = gc.get_freeze_count()
         with cache.planning_gc():
             pass
-        assert gc.get_freeze_count() == n
+        # still frozen (an unfreeze would leave 0); a frozen object that dies by its reference
+        # count meanwhile leaves the permanent generation, so the count may only drop a little
+        assert 0.9 * n < gc.get_freeze_count() <= n
     finally:
         gc.unfreeze()
