@@ -535,6 +535,8 @@ def _build_captured(ep: torch.export.ExportedProgram, model: nn.Module) -> Captu
     # The graph's last placeholders, in call order; a None input (no target) keeps its placeholder.
     placeholders = [n.name for n in ep.graph.nodes if n.op == "placeholder"]
     user_inputs = placeholders[len(placeholders) - len(sig.user_inputs):]
+    for name in user_inputs:
+        nodes[name].meta["user_input"] = True  # (a value every rank is handed whole: the batch)
     return Captured(ep=ep, gm=ep.graph_module, params=params, buffers=buffers, param_aliases=aliases,
                     user_inputs=user_inputs, loss_node=nodes[user_outputs[0]], mutated_buffers=mutated)
 

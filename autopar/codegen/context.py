@@ -28,6 +28,10 @@ class MeshContext:
     """The whole torch mesh, pipeline axis included."""
     sharding_axes: tuple[int, ...]
     """Indices of ``device_mesh``'s axes in ``full_mesh``."""
+    target_count: tuple | None = None
+    """(cross-entropy node name, the number of targets its mean divides by over the whole
+    (micro-)batch of this call), counted from the inputs by the module before it runs the program;
+    None: the loss sums its ranks' counts with an all-reduce."""
 
     @property
     def shape(self) -> tuple[int, ...]:

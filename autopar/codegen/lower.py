@@ -88,6 +88,10 @@ class LocalSignature:
     dtensor_random: list[str] = dataclasses.field(default_factory=list)
     """Random nodes that draw through DTensor's offset-based generator (CUDA meshes,
     :func:`autopar.runtime.rng.uses_dtensor_rng`): the module seeds it when it is built."""
+    loss_partial: tuple[int, ...] = ()
+    """Sharding axes over which the returned loss is this rank's summand (``build(...,
+    partial_loss=True)``): the caller sums it there where it needs the value. Empty: the loss
+    is returned replicated."""
 
 
 #: Ops whose output is a fresh tensor that their own backward never saves (it reads the inputs,
@@ -99,8 +103,9 @@ _FRESH = CHAIN_MATMULS + (torch.ops.aten.bmm.default, torch.ops.aten.add.Tensor,
 class _Lowering:
     """State of one :func:`build` call (see module docstring)."""
 
-    def __init__(self, captured, plan, ctx: MeshContext, *, debug: bool, executor: str):
+    def __init__(self, captured, plan, ctx: MeshContext, *, debug: bool, executor: str, partial_loss: bool = False):
         self.cap, self.plan, self.ctx, self.debug, self.mode = captured, plan, ctx, debug, executor
+        self.partial_loss, self.loss_partial = partial_loss, ()
         self.dtensor_random: list[str] = []
         self.n = len(ctx.shape)
         self.graph = fx.Graph()
@@ -593,7 +598,13 @@ class _Lowering:
         loss = self.cap.loss_node if getattr(self.cap, "loss_node", None) is not None else _first_output(node)
         src = self.outputs_of(loss)[0]
         v = self.env[loss]
-        if src != self._R():
+        partial = tuple(a for a, p in enumerate(src) if isinstance(p, Partial))
+        if self.partial_loss and partial and all(isinstance(p, (Partial, Replicate)) and
+                                                 getattr(p, "reduce_op", "sum") == "sum" for p in src):
+            # The local summand: its caller sums it over ``partial`` where it needs the value
+            # (the gradient of that sum is the identity: ``loss.backward()`` on the summand).
+            self.loss_partial = partial
+        elif src != self._R():
             v = self.edge(loss, v, node, src, self._R(), pl.grad_placements(src), self._R())
         self.graph.output(v)
 
@@ -627,7 +638,7 @@ def _find_strategy(S, node, name: str, mesh_shape):
 
 
 def build(captured, plan, device_mesh, *, debug: bool = False, executor: str = "auto",
-          check_hash: bool = True) -> fx.GraphModule:
+          check_hash: bool = True, partial_loss: bool = False) -> fx.GraphModule:
     """The per-rank ``GraphModule`` of ``plan`` for ``captured`` on ``device_mesh``.
 
     ``captured``: a ``profiler.capture.Captured`` (``.gm``, ``.params``, ``.buffers``,
@@ -640,7 +651,10 @@ def build(captured, plan, device_mesh, *, debug: bool = False, executor: str = "
     implies. ``check_hash=False`` skips the graph-hash check (the pipeline runs a micro-batch
     capture of the graph the plan was made for). ``executor``: ``"auto"`` (strategy implementations where they exist, else DTensor),
     ``"strategy"`` (strategy implementations only) or ``"dtensor"`` (DTensor for every non-plain
-    node, and for plain ones too).
+    node, and for plain ones too). ``partial_loss=True`` returns a loss that is a sum over ranks
+    as this rank's summand (``LocalSignature.loss_partial`` names the axes): ``train_step``
+    runs backward on it and sums the value after the step, so no rank waits for the others at
+    the end of its forward (DDP's ranks never do: each has its own loss).
     """
     if executor not in ("auto", "strategy", "dtensor"):
         raise ValueError(f"executor must be 'auto', 'strategy' or 'dtensor', got {executor!r}")
@@ -648,11 +662,11 @@ def build(captured, plan, device_mesh, *, debug: bool = False, executor: str = "
     if callable(graph_hash) and check_hash:
         plan.check_fits(graph_hash())
     ctx = mesh_context(device_mesh, plan.mesh, plan.sharding_axes)
-    low = _Lowering(captured, plan, ctx, debug=debug, executor=executor)
+    low = _Lowering(captured, plan, ctx, debug=debug, executor=executor, partial_loss=partial_loss)
     gm = low.run()
     gm.meta["autopar"] = LocalSignature(slots=low.sig_slots, param_grads={low.kinds[k][1]: v for k, v in low.pgrads.items()},
                                         ctx=ctx, executors=low.executors, reshards=low.reshards,
                                         chunking=low.chunking, regions=low.regions,
                                         causal=sorted(getattr(captured, "causal", {})),
-                                        dtensor_random=list(low.dtensor_random))
+                                        dtensor_random=list(low.dtensor_random), loss_partial=low.loss_partial)
     return gm

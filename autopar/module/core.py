@@ -94,7 +94,7 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
                                  "Plan without micro-batches (pipeline=False, no microbatches in the layout)")
             loss_sum = how == "sum"
         gm = build(graph, plan, device_mesh, debug=debug, executor=executor,
-                   check_hash=not (pipelined or accumulate > 1))
+                   check_hash=not (pipelined or accumulate > 1), partial_loss=True)
         sig = gm.meta["autopar"]
         object.__setattr__(self, "_sig", sig)
         object.__setattr__(self, "plan", plan)
@@ -110,6 +110,7 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
         object.__setattr__(self, "_accumulate", accumulate)
         object.__setattr__(self, "_loss_sum", loss_sum)
         object.__setattr__(self, "_targets", None)
+        object.__setattr__(self, "_counter", _loss_counter(graph))
         if pipelined:
             self._setup_pipeline(gm, device_mesh, inputs_sharded)
         elif accumulate > 1:
@@ -180,6 +181,7 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
         object.__setattr__(self, "_stage_uses", uses)
         object.__setattr__(self, "_pipe", PipelineRunner(self, stages, self.plan, device_mesh))
         self._pipe.loss_sum = self._loss_sum
+        self._pipe.sum_loss = self.sum_loss
         self._microbatch_checks(self.plan.pipeline.microbatches, "this pipelined plan")
         self._drop_other_stages(canon)
 
@@ -393,7 +395,14 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
         self._check_ready()
         if not self._in_step:
             self._adopt_grads()
+        return self.sum_loss(self._forward_local(args, kwargs, target))
+
+    def _forward_local(self, args, kwargs, target) -> torch.Tensor:
+        """The program's loss: this rank's summand where it is a sum over ranks
+        (``LocalSignature.loss_partial``), else the replicated loss."""
         self._zero_gather()
+        flat = self._flat_inputs(args, kwargs, target)
+        self._count_targets([flat])
         with self.autocast():
             if getattr(self.plan, "reshard_after_forward", False):
                 from autopar.runtime.reshard import Gathered
@@ -401,6 +410,35 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
                 with Gathered():  # ZeRO-3 weights saved as tokens, gathered again in backward
                     return self._run(*self._graph_args(self._local_inputs(args, kwargs, target)))
             return self._run(*self._graph_args(self._local_inputs(args, kwargs, target)))
+
+    def sum_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The program's loss summed over the ranks that each hold a summand of it (nothing to do
+        where it is replicated); differentiable, the gradient passed through to each summand."""
+        axes = self._sig.loss_partial
+        if not axes:
+            return loss
+        from autopar.strategies.local import all_reduce
+
+        return all_reduce(loss, self._sig.ctx, axes, grad="identity")
+
+    def _count_targets(self, batches: list[list]) -> None:
+        """The number of targets a mean cross entropy divides by, counted on this rank from the
+        global (micro-)batches (``batches``: the flat user inputs of each; every rank holds them)
+        instead of summed over the ranks by an all-reduce at the loss, where every rank would wait
+        for the slowest. Left to that all-reduce when the target is not computed from the inputs
+        alone, the inputs are this rank's shards, or the batches count differently."""
+        ctx = self._sig.ctx
+        ctx.target_count = None
+        if self._counter is None or self._inputs_sharded:
+            return
+        counts = set()
+        try:
+            for flat in batches:
+                counts.update(self._counter.counts(dict(zip(self._captured.user_inputs, flat)), 1) or [None])
+        except Exception:  # noqa: BLE001 - inputs the counter cannot run on: the all-reduce counts
+            return
+        if len(counts) == 1 and None not in counts:
+            ctx.target_count = (self._counter.node, torch.tensor(float(counts.pop()), device=ctx.device))
 
     def autocast(self):
         """The context the per-rank program runs in: ``torch.autocast`` in the plan's compute
@@ -422,10 +460,11 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
                 return self._pipeline_step(args, kwargs, target)
             if self._accumulate > 1:
                 return self._accumulated_step(args, kwargs, target)
-            loss = self.forward(*args, target=target, **kwargs)
+            loss = self._forward_local(args, kwargs, target)
             loss.backward()
             self._grad_sync.finish()
-            return loss.detach()
+            # summed after the step's own collectives, where the ranks meet anyway
+            return self.sum_loss(loss.detach())
         finally:
             self._clock.stop(started)
             object.__setattr__(self, "_in_step", False)
@@ -458,7 +497,7 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
         self._grad_sync.start_step()
         for i in range(m):
             a, k, tg = part(i)
-            loss = self.forward(*a, target=tg, **k)
+            loss = self._forward_local(a, k, tg)
             loss.backward()
             losses.append(loss.detach())
         with torch.no_grad():
@@ -468,7 +507,7 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
                     if p.grad is not None and id(p) not in self._grad_sync.divided:
                         p.grad.div_(m)
             self._grad_sync.finish(force=True)
-            return torch.stack(losses).sum() if self._loss_sum else torch.stack(losses).mean()
+            return self.sum_loss(torch.stack(losses).sum() if self._loss_sum else torch.stack(losses).mean())
 
     def _pipeline_step(self, args, kwargs, target) -> torch.Tensor:
         device = self._sig.ctx.device
@@ -477,6 +516,14 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
         if self._targets is not None:
             self._targets.check(flat, self._pipe.m)  # every micro-batch's mean has as many targets
         inputs = [flat[s.name].to(device) for s in self._input_slots()]
+        m = self._pipe.m
+        batch = next((int(t.shape[0]) for t in flat.values() if isinstance(t, torch.Tensor) and t.dim() > 0), 0)
+        if batch and batch % m == 0:  # the schedule's micro-batches: rows cut in m along dim 0
+            self._count_targets([[t[i * (batch // m):(i + 1) * (batch // m)]
+                                  if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else t
+                                  for t in flat.values()] for i in range(m)])
+        else:
+            self._sig.ctx.target_count = None
         self._grad_sync.start_step()
         loss = self._pipe.step(inputs)
         with torch.no_grad():
@@ -524,6 +571,18 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
     def signature(self):
         """The per-rank graph's :class:`autopar.codegen.lower.LocalSignature`."""
         return self._sig
+
+
+def _loss_counter(graph):
+    """A counter of the targets of the program's mean cross entropy (``autopar.microbatch``), or
+    None (no such loss, a target that depends on state, or class weights: those are counted by
+    the all-reduce at the loss)."""
+    from autopar.microbatch import target_counter
+
+    try:
+        return target_counter(graph)
+    except NotImplementedError:
+        return None
 
 
 def _kwarg_order(spec) -> list[str] | None:

@@ -290,6 +290,8 @@ class PipelineRunner:
         combine = torch.sum if getattr(self, "loss_sum", False) else torch.mean  # how the loss combines
         loss = (combine(torch.stack([x.detach() for x in losses])) if last
                 else torch.zeros((), device=self.device))
+        if last and getattr(self, "sum_loss", None) is not None:
+            loss = self.sum_loss(loss)  # each replica's summand, summed once a step (not per micro-batch)
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
 

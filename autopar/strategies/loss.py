@@ -2,8 +2,11 @@
 
 - batch-like dims (the batch, and the extra dims of ``(N, C, d1, ...)`` inputs) shard the input
   and the target together. ``reduction="sum"`` is then Partial; ``"mean"`` divides each rank's
-  sum by the global count of non-ignored targets (weighted), which one tiny all_reduce provides,
-  and is Partial too; ``"none"`` stays sharded.
+  sum by the global count of non-ignored targets (weighted), and is Partial too; ``"none"`` stays
+  sharded. The count: where the target is computed from the user inputs alone (a language
+  model's labels), the module counts it on every rank from the global batch before the program
+  runs (``MeshContext.target_count``), with no collective; otherwise (class weights, a target
+  computed from the model's state) one tiny all_reduce sums the ranks' counts.
 - ``vocab`` (Megatron's vocab-parallel cross entropy): logits sharded on the class dim, targets
   replicated. Each row's log-sum-exp and target logit come from all_reduces of the ranks' parts
   (max for the shift, sum of exponentials, the target logit found on the rank that holds it),
@@ -33,12 +36,31 @@ def _reduced(info: OpInfo, shard) -> list:
     return [shard if red == _NONE else P]
 
 
+def _from_inputs(node) -> bool:
+    """``node`` is computed from the user inputs alone (placeholders marked ``user_input`` at
+    capture), as the labels of a language model are."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and not n.meta.get("user_input"):
+            return False
+        stack.extend(n.all_input_nodes)
+    return True
+
+
 def _batch_entries(info: OpInfo) -> list[Entry]:
     """Input dim d (d = 0 or d >= 2) with the target dim it lines up with."""
     x, t = 0, info.slot("target")
     nd = info.ins[x].dim()
     count = CommSpec("all_reduce", 4, scales=False)
-    mean = int(info.arg("reduction", _MEAN)) == _MEAN
+    # A mean divides by the count of targets over the whole batch: summed over the ranks by one
+    # tiny all-reduce, unless the target comes from the inputs alone, whose global batch every
+    # rank holds: the module then counts it before the program runs (``ParallelModule``).
+    mean = (int(info.arg("reduction", _MEAN)) == _MEAN
+            and (info.slot("weight") is not None or not _from_inputs(info.slots[t])))
     entries = []
     for d in [0] + list(range(2, nd)):
         td = 0 if d == 0 else d - 1
@@ -87,9 +109,13 @@ def _ce_local(node, st, args, kwargs, ctx):
     valid = t != a["ignore_index"]
     if w is not None:
         den = (w[torch.where(valid, t, torch.zeros_like(t))] * valid.to(w.dtype)).sum()
+        den = all_reduce(den.detach(), ctx, batch, grad="identity")
     else:
-        den = valid.sum().to(rows.dtype)
-    den = all_reduce(den.detach(), ctx, batch, grad="identity")
+        known = getattr(ctx, "target_count", None)
+        if known is not None and known[0] == node.name:  # counted from the global inputs
+            den = known[1].to(rows.dtype)
+        else:
+            den = all_reduce(valid.sum().to(rows.dtype), ctx, batch, grad="identity")
     return rows.sum() / den
 
 

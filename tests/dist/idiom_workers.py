@@ -246,3 +246,59 @@ def early_buckets_case(name: str, layout: dict, steps: int = 3) -> dict:
     return {"early": seen["early"], "late": seen["late"], "buckets": len(gs.buckets),
             "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, rlosses)),
             "param_err": max(cases.rel_err(full[n], p.detach()) for n, p in ref.named_parameters() if n in full)}
+
+
+def loss_sync_case(name: str, layout: dict, steps: int = 2) -> dict:
+    """The reductions inside ops during each ``train_step`` (``strategies.local``'s all-reduces:
+    the count of targets of a mean cross entropy, the loss summed over its ranks), and the losses
+    and weights against one device on batches whose ranks count different numbers of targets
+    (-100 padding, each row its own length; under micro-batches every micro-batch counts the same,
+    as they must: rows in pairs whose counts sum alike)."""
+    import autopar
+    import autopar.strategies.local as local
+
+    ex = cases.example(name, batch=8)
+    ids = ex.args[0]
+    rows, seq = ids.shape
+    micro = "microbatches" in layout
+    labels = ids.clone()
+    for r in range(rows):
+        keep = (seq // 8) * (1 + (r // 2 if r % 2 == 0 else 7 - r // 2)) if micro else (seq * (r + 1)) // (rows + 1)
+        labels[r, keep:] = -100
+    ref = copy.deepcopy(ex.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(ex.model, mesh(), example_inputs=(ids,), example_kwargs={"labels": ids},
+                             cache_dir=None, quiet=True, layout=layout)
+    calls = [0]
+    real = local._reduce
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    local._reduce = counted
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    per_step, losses, rlosses = [], [], []
+    try:
+        for _ in range(steps):
+            calls[0] = 0
+            losses.append(float(pm.train_step(ids, labels=labels)))
+            per_step.append(calls[0])
+            loss = ref(ids, labels=labels).loss
+            loss.backward()
+            rlosses.append(float(loss))
+            for o in (opt, ropt):
+                o.step()
+                o.zero_grad()
+    finally:
+        local._reduce = real
+    full = pm.full_state_dict()
+    known = pm._sig.ctx.target_count
+    local_counts = int((labels[:, 1:] != -100).sum())
+    return {"per_step": per_step, "partial": list(pm._sig.loss_partial),
+            "counted": None if known is None else float(known[1]), "global": local_counts,
+            "last_stage": pm._pipe is None or pm._pipe.n_stages - 1 in pm._pipe.local,
+            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, rlosses)),
+            "param_err": max(cases.rel_err(full[n], p.detach()) for n, p in ref.named_parameters() if n in full)}

@@ -48,3 +48,22 @@ def test_buckets_launch_in_the_last_micro_batch(pool, layout):
     for r in res:
         assert r["buckets"] >= 1 and r["early"] == 3 * r["buckets"] and r["late"] == 0, r
         assert r["loss_err"] < 1e-5 and r["param_err"] < 1e-5, r
+
+
+@pytest.mark.parametrize("layout", [{"dp": 4}, {"pp": 2, "dp": 2, "microbatches": 4, "schedule": "1f1b"},
+                                    {"dp": 4, "microbatches": 2}], ids=["dp4", "pp2xdp2", "dp4-accumulate2"])
+def test_the_loss_does_not_hold_the_ranks(pool, layout):
+    """A mean cross entropy over batch-sharded targets needs the whole batch's count of targets,
+    and the step's loss is a sum over the replicas: neither waits inside the forward (where every
+    rank would wait for the slowest, as DDP's ranks never do). The count is taken on every rank
+    from the global batch it holds, and the loss is summed once a step, after the gradients'
+    reductions: one reduction a step, on the ranks that compute the loss; the numbers stay one
+    device's where the ranks count different numbers of targets."""
+    res = pool.run("idiom_workers:loss_sync_case", "llama", layout)
+    m = layout.get("microbatches", 1)
+    for r in res:
+        assert r["partial"] == [0], r
+        assert r["per_step"] == [1 if r["last_stage"] else 0] * 2, r
+        if r["last_stage"]:
+            assert r["counted"] == r["global"] / m, r  # (every micro-batch counts as many)
+        assert r["loss_err"] < 1e-5 and r["param_err"] < 1e-5, r
