@@ -36,6 +36,42 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
+class _TimedWork:
+    """A ``Work`` whose ``wait()`` gives up after its group's timeout."""
+
+    __slots__ = ("work", "timeout")
+
+    def __init__(self, work, timeout):
+        self.work, self.timeout = work, timeout
+
+    def wait(self):
+        return self.work.wait(self.timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _gloo_timeout(group):
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except Exception:  # noqa: BLE001 - no CPU backend on this group (NCCL only)
+        return None
+    return backend.options._timeout if isinstance(backend, dist.ProcessGroupGloo) else None
+
+
+def timed(work, group, axes_of=None):
+    """``work`` (an asynchronous ``torch.distributed`` collective on ``group``) made to wait no
+    longer than the group's timeout. On gloo a bare ``Work.wait()`` of an asynchronous op waits
+    for ever for a peer that never joins, where the synchronous ops and the functional
+    collectives fail after the timeout (and are named by :func:`run_collective`). NCCL's work is
+    left as it is: its watchdog aborts on its own, and a timed wait would block the host.
+    ``axes_of``: ``(device_mesh, axes)`` when ``group`` flattens those mesh axes: the shortest
+    of their groups' timeouts holds (a group flattened by the runtime has the job's default)."""
+    times = [t for t in [_gloo_timeout(group)] + [_gloo_timeout(axes_of[0].get_group(a)) for a in
+                                                   (axes_of[1] if axes_of else ())] if t is not None]
+    return _TimedWork(work, min(times)) if times else work
+
+
 class CollectiveError(RuntimeError):
     """A collective failed (a peer timed out or died); the message says which and where."""
 

@@ -48,7 +48,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar.lowering import GRAD_BUCKET_BYTES
 from autopar.lowering.program import fill_buckets
-from autopar.runtime.collectives import _chunk, run_collective
+from autopar.runtime.collectives import _chunk, run_collective, timed
 from autopar.runtime.prefetch import drain, in_flight
 from autopar.zero import chunk_index
 
@@ -384,7 +384,7 @@ class GradSync:
         group = b.group[0].get_group(b.group[1]) if b.group else self.dm.get_group(b.axes[0])
         cast = self.reduce_dtype is not None and b.flat.dtype != self.reduce_dtype
         b.sent = b.flat.to(self.reduce_dtype) if cast else b.flat
-        b.work = dist.all_reduce(b.sent, group=group, async_op=True)
+        b.work = timed(dist.all_reduce(b.sent, group=group, async_op=True), group, (self.dm, b.axes))
 
     def finish(self, force: bool = False) -> None:
         """Complete every bucket: launch the ones not launched, sum over the remaining axes, and

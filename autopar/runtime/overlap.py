@@ -29,7 +29,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from autopar.lowering.chunks import ASYNC_KINDS
-from autopar.runtime.collectives import rows_to_dim, run_collective
+from autopar.runtime.collectives import rows_to_dim, run_collective, timed
 from autopar.runtime.reshard import apply_steps
 
 
@@ -51,7 +51,8 @@ class _Pending:
             group = (dm, s.axis)
             x = x.contiguous()
             if s.kind == "all_reduce" and owned:
-                self.work = dist.all_reduce(x, group=dm.get_group(s.axis), async_op=True)
+                group = dm.get_group(s.axis)
+                self.work = timed(dist.all_reduce(x, group=group, async_op=True), group)
                 self.out = x
             elif s.kind == "all_reduce":
                 self.out = funcol.all_reduce(x, "sum", group)

@@ -46,7 +46,7 @@ def _launch_gather(inp: torch.Tensor, pg, n: int):
     import torch.distributed as dist
 
     out = inp.new_empty((inp.shape[0] * n, *inp.shape[1:]))
-    work = dist.all_gather_single(out, inp, group=pg, async_op=True)
+    work = C.timed(dist.all_gather_single(out, inp, group=pg, async_op=True), pg)
     return _launched(out), work
 
 
@@ -55,7 +55,7 @@ def _launch_reduce_scatter(rows: torch.Tensor, pg, n: int):
     import torch.distributed as dist
 
     out = rows.new_empty((rows.shape[0] // n, *rows.shape[1:]))
-    work = dist.reduce_scatter_single(out, rows, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+    work = C.timed(dist.reduce_scatter_single(out, rows, op=dist.ReduceOp.SUM, group=pg, async_op=True), pg)
     return _launched(out), work
 
 

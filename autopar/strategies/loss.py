@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from autopar.strategies.base import P, R, S, CommSpec, Entry, OpInfo, shard_axes, shard_offset
 from autopar.strategies.embedding import local_index
@@ -60,7 +61,7 @@ def _batch_entries(info: OpInfo) -> list[Entry]:
     # tiny all-reduce, unless the target comes from the inputs alone, whose global batch every
     # rank holds: the module then counts it before the program runs (``ParallelModule``).
     mean = (int(info.arg("reduction", _MEAN)) == _MEAN
-            and (info.slot("weight") is not None or not _from_inputs(info.slots[t])))
+            and (info.slot("weight") is not None or not _counted_from_inputs(info.node)))
     entries = []
     for d in [0] + list(range(2, nd)):
         td = 0 if d == 0 else d - 1
@@ -119,7 +120,12 @@ def _ce_local(node, st, args, kwargs, ctx):
     return rows.sum() / den
 
 
-@register(aten.cross_entropy_loss.default, local=_ce_local, simulate=True)
+def _counted_from_inputs(node) -> bool:
+    t = node.args[1] if len(node.args) > 1 else node.kwargs.get("target")
+    return isinstance(t, fx.Node) and _from_inputs(t)
+
+
+@register(aten.cross_entropy_loss.default, local=_ce_local, simulate=True, context=_counted_from_inputs)
 def cross_entropy(info: OpInfo) -> list[Entry]:
     if not _class_targets(info):
         return []

@@ -49,6 +49,9 @@ class Rule:
     simulate: bool = False
     """``local`` has rank-dependent code (offsets from the mesh coordinate) or collectives: the
     sweep checks it under LocalTensorMode rather than in a per-rank loop."""
+    context: Callable[[fx.Node], Any] | None = None
+    """What the rule reads of the graph beyond the node's own inputs (hashable; part of the
+    strategy cache's key): a loss whose count of targets the module takes from the inputs."""
     source: str = "autopar"
     """Where the rule comes from: ``"autopar"`` or ``"dtensor"``."""
 
@@ -57,17 +60,19 @@ _RULES: dict[Any, Rule] = {}
 _WARNED: set[str] = set()
 
 
-def register(*ops, local: Callable[..., Any] | None = None, full: bool = False, simulate: bool = False):
+def register(*ops, local: Callable[..., Any] | None = None, full: bool = False, simulate: bool = False,
+             context: Callable[[fx.Node], Any] | None = None):
     """Decorator: ``@register(aten.mm.default, aten.bmm.default, local=fn)`` binds a rule.
 
     ``full=True``: the rule returns whole-mesh combinations; ``simulate=True``: ``local`` uses
-    the mesh coordinate or collectives (see :class:`Rule`)."""
+    the mesh coordinate or collectives; ``context``: what else of the graph the rule reads (see
+    :class:`Rule`)."""
     def deco(fn):
         for op in ops:
             if op in _RULES:
                 raise ValueError(f"{op} already has a sharding rule ({_RULES[op].fn.__module__}."
                                  f"{_RULES[op].fn.__name__}); an op gets one rule")
-            _RULES[op] = Rule(fn=fn, local=local, full=full, simulate=simulate)
+            _RULES[op] = Rule(fn=fn, local=local, full=full, simulate=simulate, context=context)
         return fn
     return deco
 
@@ -193,8 +198,10 @@ def _key(node: fx.Node, mesh: tuple[int, ...]):
         return repr(a)
 
     try:
+        rule = _RULES.get(node.target) if node.op == "call_function" else None
+        extra = rule.context(node) if rule is not None and rule.context is not None else None
         return (node.op, node.target if node.op == "call_function" else None, arg(tuple(node.args)),
-                arg(dict(node.kwargs)), _meta_key(node.meta.get("val")), requires_grad(node), mesh)
+                arg(dict(node.kwargs)), _meta_key(node.meta.get("val")), requires_grad(node), mesh, extra)
     except TypeError:  # an unhashable target
         return None
 

@@ -195,6 +195,9 @@ def timeout_case(plan_json: str, seconds: float, silent_rank: int) -> dict:
     from autopar.costs.reshard import Step
     from autopar.runtime.reshard import Reshard
 
+    # The ranks report over a group of their own: a collective that timed out leaves its group
+    # unusable, and a bucket summed over every axis of the mesh runs on the default group.
+    report = dist.new_group(list(range(dist.get_world_size())))
     ex, pm = _module("mlp", plan_json)
     dm = pm.signature.ctx.device_mesh
     timeout = datetime.timedelta(seconds=seconds)
@@ -213,5 +216,5 @@ def timeout_case(plan_json: str, seconds: float, silent_rank: int) -> dict:
             Reshard.apply(x, [Step("all_reduce", 0)], (), line, (4, 8), "edge linear_4 -> cross_entropy_loss PR->RR")
         except RuntimeError as err:
             out["reshard"] = (type(err).__name__, str(err))
-    dist.barrier()  # the default group still works: every rank reports instead of hanging
+    dist.barrier(group=report)  # every rank reports instead of hanging
     return out
