@@ -52,11 +52,15 @@ class _TimedWork:
 
 
 def _gloo_timeout(group):
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-    except Exception:  # noqa: BLE001 - no CPU backend on this group (NCCL only)
-        return None
-    return backend.options._timeout if isinstance(backend, dist.ProcessGroupGloo) else None
+    """The timeout of ``group``'s gloo backend, or None (no gloo backend: NCCL, the fake group)."""
+    for dev in getattr(group, "_device_types", ()):
+        try:
+            backend = group._get_backend(dev)
+        except Exception:  # noqa: BLE001 - no backend for that device type
+            continue
+        if isinstance(backend, dist.ProcessGroupGloo):
+            return backend.options._timeout
+    return None
 
 
 def timed(work, group, axes_of=None):

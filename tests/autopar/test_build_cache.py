@@ -175,7 +175,7 @@ def test_planning_eases_the_collector_and_puts_it_back(gp):
     try:
         plan_profile(gp, Mesh((2, 2), cluster="a100"))
         with pytest.raises(InfeasibleBudget):
-            plan_profile(gp, Mesh((2, 2), cluster="a100"), memory_budget=1024)
+            plan_profile(gp, Mesh((2, 2), cluster="a100"), memory_budget=1024, pipeline=False)  # (fails fast)
     finally:
         cache.planning_gc = real
     assert seen == [(cache.PLANNING_GC_THRESHOLD, True)] * 2
