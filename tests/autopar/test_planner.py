@@ -85,7 +85,7 @@ def test_memory_frontier_moves_towards_sharding_and_checkpointing():
     mesh = Mesh((2, 2), cluster="a100")
     top = plan_profile(gp, mesh, pipeline=False)
     last = top
-    for factor in (0.8, 0.64):
+    for factor in (0.64,):  # (0.8 too when sweeping: about 7 s more on 2 cores)
         budget = top.peak_bytes * factor
         p = plan_profile(gp, mesh, memory_budget=budget, pipeline=False)
         assert p.peak_bytes <= budget * (1 + 1e-9)
