@@ -35,27 +35,29 @@ def _pg(dm, axes: tuple[int, ...]):
     return dm.get_group(axes[0]) if len(axes) == 1 else C.axes_group(dm, axes)
 
 
-def _launch_gather(inp: torch.Tensor, pg, n: int):
+def _launch_gather(inp: torch.Tensor, pg, n: int, axes_of=None):
     """Start the all-gather of ``inp`` along dim 0 over ``pg`` (n ranks): (output, Work).
 
     A c10d collective with its Work, not a functional one: with several functional collectives in
     flight at once on one gloo group (a unit's gathers started ahead while the layer before
     computes), gloo's I/O thread crashed intermittently (a ZeRO-3 GPT-2 on 4 processes, within 40
     steps); the c10d path, which gradient buckets and chunked matmuls also leave in flight, has
-    not. The caller keeps ``inp`` and the output referenced until :func:`_finish_work`."""
+    not. The caller keeps ``inp`` and the output referenced until :func:`_finish_work`.
+    ``axes_of``: ``(mesh, axes)`` that ``pg`` flattens (its wait takes their shortest timeout)."""
     import torch.distributed as dist
 
     out = inp.new_empty((inp.shape[0] * n, *inp.shape[1:]))
-    work = C.timed(dist.all_gather_single(out, inp, group=pg, async_op=True), pg)
+    work = C.timed(dist.all_gather_single(out, inp, group=pg, async_op=True), pg, axes_of)
     return _launched(out), work
 
 
-def _launch_reduce_scatter(rows: torch.Tensor, pg, n: int):
+def _launch_reduce_scatter(rows: torch.Tensor, pg, n: int, axes_of=None):
     """Start the sum-reduce-scatter of ``rows`` along dim 0 over ``pg`` (n ranks): (output, Work)."""
     import torch.distributed as dist
 
     out = rows.new_empty((rows.shape[0] // n, *rows.shape[1:]))
-    work = C.timed(dist.reduce_scatter_single(out, rows, op=dist.ReduceOp.SUM, group=pg, async_op=True), pg)
+    work = C.timed(dist.reduce_scatter_single(out, rows, op=dist.ReduceOp.SUM, group=pg, async_op=True), pg,
+                   axes_of)
     return _launched(out), work
 
 
@@ -118,7 +120,7 @@ class _FlatGather:
                 inp[off:off + k].copy_(x.detach().reshape(-1))  # (copy_ casts)
                 off += k
         self.inp = inp
-        self.out, self.work = _launch_gather(inp, _pg(dm, axes), self.n)
+        self.out, self.work = _launch_gather(inp, _pg(dm, axes), self.n, (dm, axes))
         self.pieces = None
 
     def piece(self, i: int) -> torch.Tensor:
@@ -325,7 +327,7 @@ class _InFlight:
             if i not in fill.arrived:  # no gradient this backward: its slot sums zeros, and is not added
                 buf[:, fill.offsets[i]:fill.offsets[i + 1]].zero_()
         n = buf.shape[0]
-        out, work = _launch_reduce_scatter(buf.view(-1), _pg(fill.dm, g.axes), n)  # c10d, as the gathers
+        out, work = _launch_reduce_scatter(buf.view(-1), _pg(fill.dm, g.axes), n, (fill.dm, g.axes))
         cls.started += 1
         members = [(p, fill.offsets[i], g.shapes[i]) for i, (p, _) in sorted(fill.arrived.items())]
         names = ", ".join(w for _, w in fill.arrived.values() if w)
