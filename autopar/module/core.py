@@ -343,9 +343,9 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
                             f"and keyword inputs, and target= exactly when the model was captured with a loss_fn")
         return leaves
 
-    def _local_inputs(self, args, kwargs, target) -> dict[str, torch.Tensor]:
+    def _local_inputs(self, flat: list) -> dict[str, torch.Tensor]:
+        """This rank's shard of each user input (``flat``: :meth:`_flat_inputs`)."""
         ctx = self._sig.ctx
-        flat = self._flat_inputs(args, kwargs, target)
         slots = {s.name: s for s in self._sig.slots if s.kind == "input"}
         out = {}
         for name, x in zip(self._captured.user_inputs, flat):
@@ -408,8 +408,8 @@ class ParallelModule(DTensorParams, ModuleState, nn.Module):
                 from autopar.runtime.reshard import Gathered
 
                 with Gathered():  # ZeRO-3 weights saved as tokens, gathered again in backward
-                    return self._run(*self._graph_args(self._local_inputs(args, kwargs, target)))
-            return self._run(*self._graph_args(self._local_inputs(args, kwargs, target)))
+                    return self._run(*self._graph_args(self._local_inputs(flat)))
+            return self._run(*self._graph_args(self._local_inputs(flat)))
 
     def sum_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The program's loss summed over the ranks that each hold a summand of it (nothing to do
