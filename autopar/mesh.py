@@ -404,6 +404,61 @@ def _preset_links(shape, preset: Cluster, gpus_per_node) -> tuple[Link, ...]:
     return tuple(out)
 
 
+def regroup(mesh: "Mesh", shape: Sequence[int], axis_names: Sequence[str]) -> "Mesh":
+    """``mesh``'s devices as a row-major mesh of ``shape`` (a layout's logical mesh), with links
+    carried over from ``mesh``'s own. Each new axis keeps the link of the physical axis its ranks
+    lie along. One whose ranks cross two physical axes (a ``dp`` of 4 over a 2 x 2 mesh) is priced
+    as a collective over those two axes is (hierarchically, :func:`autopar.costs.collectives.axis_links`):
+    the outer one's link with the inner one's as its ``split``. Across more than two, the slowest
+    of them (largest latency, smallest bandwidth, kind by kind). A preset mesh is regrouped by its
+    preset's row-major rule instead, which knows the nodes. The calibration record is kept, with
+    the regrouping noted."""
+    shape = _check_shape(shape)
+    names = _check_names(axis_names, len(shape))
+    if math.prod(shape) != mesh.size:
+        raise ValueError(f"cannot regroup the {mesh.size} devices of mesh {mesh.shape} as {shape}")
+    preset = _cluster(mesh.cluster)
+    if (mesh.calibration is None and mesh.links == _preset_links(mesh.shape, preset, mesh.gpus_per_node)) \
+            or any(lk.split for lk in mesh.links):
+        return Mesh(shape, axis_names=names, cluster=mesh.cluster, gpus_per_node=mesh.gpus_per_node,
+                    device=mesh.device)
+    links = tuple(_crossing_link([(n, mesh.links[j]) for j, n in _crossed(shape, i, mesh.shape)] or [(1, mesh.links[0])])
+                  for i in range(len(shape)))
+    calibration = mesh.calibration
+    if calibration is not None:
+        calibration = {**calibration, "regrouped": {"from": list(mesh.shape), "as": list(shape),
+                                                    "axis_names": list(names)}}
+    return mesh.replace(shape=shape, axis_names=names, links=links, calibration=calibration)
+
+
+def _crossed(shape, i: int, physical) -> list[tuple[int, float]]:
+    """(physical axis, how many of its coordinates axis ``i`` of row-major ``shape`` runs through)
+    for each axis of the row-major ``physical`` shape of the same devices that it crosses (their
+    rank strides overlap), outer to inner."""
+    lo, hi = math.prod(shape[i + 1:]), math.prod(shape[i:])
+    out = []
+    for j in range(len(physical)):
+        plo, phi = math.prod(physical[j + 1:]), math.prod(physical[j:])
+        if shape[i] > 1 and physical[j] > 1 and max(lo, plo) < min(hi, phi):
+            out.append((j, min(hi, phi) / max(lo, plo)))
+    return out
+
+
+def _crossing_link(parts: list[tuple[float, Link]]) -> Link:
+    if len(parts) == 1:
+        return parts[0][1]
+    (_, outer), (n_in, inner) = parts[0], parts[-1]
+    if len(parts) == 2 and float(n_in).is_integer() and n_in > 1:
+        return dataclasses.replace(outer, split=(int(n_in), inner.alpha, inner.beta),
+                                   compute_share=max(outer.compute_share, inner.compute_share))
+    links = [lk for _, lk in parts]
+    common = [k for k, *_ in links[0].kinds if all(k in {kk for kk, *_ in lk.kinds} for lk in links)]
+    kinds = tuple((k, max(a for lk in links for kk, a, _ in lk.kinds if kk == k),
+                   min(b for lk in links for kk, _, b in lk.kinds if kk == k)) for k in common)
+    return Link(max(lk.alpha for lk in links), min(lk.beta for lk in links), kinds,
+                max(lk.compute_share for lk in links))
+
+
 def factor_link(link: Link, outer: int, inner: int) -> tuple[Link, Link]:
     """The links of an axis factored row-major into ``(outer, inner)`` sub-axes. Both keep its
     link, except where it straddles nodes with ``r`` ranks in each (``Link.split``): the inner

@@ -43,8 +43,9 @@ model as its own. Keys left out are searched.
 The layout's degrees multiply to the mesh's device count. The logical mesh is
 ``(pp, dp, ep, cp, tp)`` in row-major order (torchtitan's order; under HSDP ``dp`` is two axes,
 ``dp_replicate`` then ``dp_shard``) (tensor parallelism innermost, so on 8-GPU nodes ``tp <= 8``
-stays inside a node), axes of size 1 left out, with the links of the cluster preset by the
-row-major rule of :class:`autopar.mesh.Mesh`. Missing degrees: every completion whose product is
+stays inside a node), axes of size 1 left out. Its links: a preset mesh's by the preset's
+row-major rule of :class:`autopar.mesh.Mesh`; a calibrated one's (or one with links of the user's)
+carried over from the physical axes each logical axis crosses (:func:`autopar.mesh.regroup`). Missing degrees: every completion whose product is
 the device count is planned and the fastest returned (``tp`` only up to the GPUs of a node).
 """
 from __future__ import annotations
@@ -165,7 +166,7 @@ def completions(lay: Layout, size: int, gpus_per_node: int | None) -> list[tuple
 def logical_mesh(mesh, pp: int, dp: int, ep: int, cp: int, tp: int, dp_shard: int | None = None):
     """The ``(pp, dp, ep, cp, tp)`` mesh of ``mesh``'s devices (size-1 axes left out; at least one
     axis; ``dp`` as ``(dp_replicate, dp_shard)`` under HSDP), and the role of each of its axes."""
-    from autopar.mesh import Mesh
+    from autopar.mesh import regroup
 
     dps = ((dp // dp_shard, "dp_replicate"), (dp_shard, "dp_shard")) if hsdp(dp, dp_shard) else ((dp, "dp"),)
     zero_axes = [(n, name) for n, name in ((pp, "pp"), *dps, (ep, "ep"), (cp, "cp"), (tp, "tp"))
@@ -176,9 +177,7 @@ def logical_mesh(mesh, pp: int, dp: int, ep: int, cp: int, tp: int, dp_shard: in
         return mesh
     if len(mesh.shape) == len(shape) and tuple(mesh.shape) == shape:
         return mesh.replace(axis_names=names)  # the physical axes are the layout's: keep their links
-    logical = Mesh(shape, axis_names=names, cluster=mesh.cluster, gpus_per_node=mesh.gpus_per_node,
-                   device=mesh.device)
-    return logical
+    return regroup(mesh, shape, names)
 
 
 def hsdp(dp: int, dp_shard: int | None) -> bool:

@@ -187,3 +187,42 @@ def test_factor_axis_keeps_the_physical_links():
     assert got == {((q, 64 // q, 8), 0) for q in (2, 4, 8, 16, 32)} | {((64, q, 8 // q), 1) for q in (2, 4)}
     with pytest.raises(ValueError, match="does not factor"):
         factor_axis(phys, 1, 8)
+
+
+def test_a_layout_over_a_calibrated_mesh_keeps_its_measured_links():
+    """A layout's logical mesh over a calibrated (or hand-linked) mesh is priced with the links
+    measured on it, not the cluster preset's: a logical axis along one physical axis keeps that
+    axis' link, one across two is priced as a collective over both physical axes. (Before, a
+    layout of ``{"tp": 4}`` over a calibrated 2 x 2 gloo mesh priced every collective with the
+    CPU preset's 30 us and 2 GB/s, about 1/10 of what gloo takes there.)"""
+    from autopar.costs.collectives import collective_time
+    from autopar.mesh import regroup
+    from autopar.planner.layout import logical_mesh
+
+    outer = Link(1.5e-3, 1.0e9, (("all_reduce", 1.6e-3, 0.9e9), ("all_gather", 1.4e-3, 1.1e9)), 0.6)
+    inner = Link(1.2e-3, 0.8e9, (("all_reduce", 1.3e-3, 0.7e9),), 0.7)
+    phys = Mesh((2, 2), axis_names=("dp", "tp"), cluster="cpu", links=[outer, inner]).replace(
+        calibration={"backend": "gloo"})
+    flat = logical_mesh(phys, 1, 4, 1, 1, 1)
+    assert flat.shape == (4,) and flat.axis_names == ("dp",)
+    assert flat.calibration["regrouped"] == {"from": [2, 2], "as": [4], "axis_names": ["dp"]}
+    assert flat.links[0].compute_share == 0.7
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+        for nbytes in (4e3, 4e6):
+            assert collective_time(kind, nbytes, flat, 0) == pytest.approx(
+                collective_time(kind, nbytes, phys, (0, 1)), rel=0.02)
+    preset = Mesh((4,), cluster="cpu")
+    assert collective_time("all_reduce", 4e3, flat, 0) > 10 * collective_time("all_reduce", 4e3, preset, 0)
+    assert collective_time("all_reduce", 4e6, flat, 0) > 3 * collective_time("all_reduce", 4e6, preset, 0)
+    # Along one physical axis each: the same links (renamed); a pp over the outer axis keeps it.
+    assert logical_mesh(phys, 2, 2, 1, 1, 1).links == (outer, inner)
+    assert regroup(phys, (2, 2), ("pp", "tp")).links == (outer, inner)
+    # Across three physical axes: the slowest of them, kind by kind where all measured it.
+    three = Mesh((2, 2, 2), cluster="cpu", links=[outer, inner, outer])
+    slow = regroup(three, (8,), ("dp",)).links[0]
+    assert (slow.alpha, slow.beta, slow.kinds, slow.compute_share) == (1.5e-3, 0.8e9, (("all_reduce", 1.6e-3, 0.7e9),),
+                                                                      0.7)
+    # A preset mesh keeps the preset's row-major rule (it knows the nodes).
+    assert logical_mesh(Mesh((8, 8), cluster="a100"), 1, 64, 1, 1, 1) == Mesh((64,), cluster="a100")
+    with pytest.raises(ValueError, match="cannot regroup"):
+        regroup(phys, (8,), ("dp",))
