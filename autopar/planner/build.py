@@ -582,14 +582,17 @@ def _batch_split(allowed: list, node, dp_axes: tuple[int, ...], batch: int | Non
     return kept or allowed
 
 
-def _carries_batch(node, batch: int | None) -> bool:
-    """Some tensor ``node`` reads or makes has the samples in dim 0 (a multiple of the batch, of
-    two or more dims: ``(batch, seq, hidden)``, a flattened ``(batch * seq, hidden)``), or the
-    batch is not known."""
+def _carries_batch(node, batch: int | None, weights=(), kinds=None) -> bool:
+    """Some activation ``node`` reads or makes has the samples in dim 0 (a multiple of the batch,
+    of two or more dims: ``(batch, seq, hidden)``, a flattened ``(batch * seq, hidden)``), or the
+    batch is not known. Parameters, buffers and views of them (``weights``) carry no samples: a
+    position embedding's table of 1,024 rows is no batch of 8."""
     if not batch:
         return True
+    acts = [t for a, t in zip(node.all_input_nodes, _input_vals(node))
+            if a.name not in weights and (kinds or {}).get(a.name) not in ("param", "buffer")]
     return any(t.dim() >= 2 and int(t.shape[0]) > 1 and int(t.shape[0]) % batch == 0
-               for t in _input_vals(node) + tensor_vals(node))
+               for t in acts + tensor_vals(node))
 
 
 def _no_weight_gather(allowed: list, node, weights: set[str], tp_axes: tuple[int, ...]) -> list:
@@ -699,7 +702,7 @@ def priced_nodes(gm, gp, cfg: Config, micro: "Micro | None" = None) -> tuple[dic
             # Partial sum would all-reduce the weight in forward; and on the data-parallel axes, not
             # an op on values without samples, such as the rotary embedding's positions: split by
             # some other dim, they would be gathered again where they meet the activations).
-            axes = dp_axes if _carries_batch(node, batch) else cp_axes
+            axes = dp_axes if _carries_batch(node, batch, weights, kinds) else cp_axes
             split = [s for s in allowed if all(s.per_axis and s.per_axis[a] != "R" for a in axes)]
             allowed = split or allowed
             if batch_axes:

@@ -200,8 +200,9 @@ def test_layouts_reproduce_the_published_shapes():
     assert all(p in ("RR", "RS(0)") for p in hsdp.params.values()) and \
         sum(p == "RS(0)" for p in hsdp.params.values()) == len(sharded)
     # HSDP's gathers stay inside a node; on this small model its cross-node gradient all-reduce
-    # costs about what FSDP's cross-node flat gathers do (one latency per layer)
-    assert hsdp.breakdown["reshard"] < fsdp.breakdown["reshard"] and hsdp.step_time < 1.02 * fsdp.step_time
+    # costs about what FSDP's cross-node flat gathers do (one latency per layer; and the position
+    # embeddings, computed whole, have their gradient all-reduced across nodes in backward)
+    assert hsdp.breakdown["reshard"] < fsdp.breakdown["reshard"] and hsdp.step_time < 1.03 * fsdp.step_time
     searched = _plan(gp, phys, layout={"tp": 8})  # pp and dp searched
     assert searched.options["layout"]["tp"] == 8 and math.prod(searched.mesh["shape"]) == 32
 

@@ -219,3 +219,18 @@ def test_the_free_search_is_never_slower_than_fsdp_or_hsdp():
     assert free.peak_bytes <= 12 * 2**30
     assert free.step_time <= min(hsdp.step_time, fsdp.step_time) * (1 + 1e-3), \
         (free.step_time, hsdp.step_time, fsdp.step_time, free.options["family"])
+
+
+def test_a_data_parallel_layout_computes_what_has_no_samples_whole():
+    """GPT-2's position embeddings (1, seq, hidden) carry no samples: under ``{"dp": 4}`` every
+    rank looks them up whole, as DDP does, rather than split by sequence and all-gathered for the
+    add (the table of 1,024 positions once counted as a batch of 8; a gather a step on gloo)."""
+    from autopar.planner.comms import plan_collectives
+
+    gp = _gp("gpt2", batch=8)
+    p = plan_profile(gp, Mesh((4,), cluster="cpu"), layout={"dp": 4}, pipeline=False)
+    positions = [n for n in gp.captured.gm.graph.nodes if n.target is torch.ops.aten.embedding.default
+                 and n.meta["val"].shape[0] == 1]
+    assert positions and all(tuple(p.nodes[n.name].outputs) == ("R",) for n in positions), \
+        [p.nodes[n.name].outputs for n in positions]
+    assert [c for c in plan_collectives(gp.captured, p) if c.phase == "forward" and c.kind != "all_reduce"] == []
