@@ -29,7 +29,8 @@ the line that made it.
 
 ``--fake-world N``: a subprocess runs rank 0 of an N-rank job under the fake process group
 (torchtitan's ``COMM_MODE=fake_backend``) for GPT-2 124M and the 1B Llama (tiny ones with
-``--quick``) under TP-N, ZeRO-3-N and 2 x N/2 layouts, and compares the measured per-rank peak with
+``--quick``) under TP-N, ZeRO-3-N and 2 x N/2 layouts, and GPT-2 with dropout 0.1 under TP-N
+(random ops seeded per shard at build, with no broadcast inside a step), and compares the measured per-rank peak with
 ``plan.peak_bytes`` (sharded memory, on one device), the step with the plan's compute-only time,
 and the host's enqueue time with the step. Collectives cost nothing there (they return at once
 and move no data), and the numbers the step computes mean nothing. A layout a model cannot take
@@ -256,15 +257,25 @@ def _fake_layouts(world: int) -> dict:
 
 
 def _fake_models(quick: bool):
+    """(name, example, layouts to run: None for all) of the fake-world rows; the last is GPT-2 with
+    dropout 0.1 (attention's too) under TP, where every random op draws per shard (seeded at build)."""
     from autopar import zoo
 
-    if quick:
-        return {"gpt2": zoo.build("gpt2", batch=8, seq=64, hidden=64, layers=2, heads=8, vocab=512),
-                "llama": zoo.build("llama", batch=8, seq=64, hidden=64, layers=2, heads=8, kv_heads=8,
-                                   intermediate=128, vocab=512)}
-    return {"gpt2-124m": zoo.build("gpt2-small", batch=8, seq=1024),
-            "llama-1b": zoo.build("llama", batch=8, seq=2048, hidden=2048, layers=16, heads=32, kv_heads=8,
-                                  intermediate=8192, vocab=32000)}
+    def gpt2():
+        return (zoo.build("gpt2", batch=8, seq=64, hidden=64, layers=2, heads=8, vocab=512) if quick
+                else zoo.build("gpt2-small", batch=8, seq=1024))
+
+    dropped = gpt2()
+    for m in dropped.model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.1
+    llama = (zoo.build("llama", batch=8, seq=64, hidden=64, layers=2, heads=8, kv_heads=8, intermediate=128,
+                       vocab=512) if quick else
+             zoo.build("llama", batch=8, seq=2048, hidden=2048, layers=16, heads=32, kv_heads=8,
+                       intermediate=8192, vocab=32000))
+    small = "" if quick else "-124m"
+    return [(f"gpt2{small}", gpt2(), None), ("llama" if quick else "llama-1b", llama, None),
+            (f"gpt2{small} p=0.1", dropped, ("tp",))]
 
 
 def fake_rank0(world: int, quick: bool, device_type: str, steps: int) -> list[dict]:
@@ -289,13 +300,15 @@ def fake_rank0(world: int, quick: bool, device_type: str, steps: int) -> list[di
     precision = "bf16-mixed" if device_type == "cuda" else "fp32"
     cluster = default_cluster() if device_type == "cuda" else "cpu"
     rows = []
-    for name, ex in _fake_models(quick).items():
+    for name, ex, only in _fake_models(quick):
         model = ex.model.to(device)
         args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in ex.args)
         kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in ex.kwargs.items()}
         target = ex.target.to(device) if isinstance(ex.target, torch.Tensor) else ex.target
         cap = capture(model, args, kwargs, loss_fn=ex.loss_fn, target=target)
         for lname, layout in _fake_layouts(world).items():
+            if only is not None and not lname.startswith(only):
+                continue
             row = {"name": name, "layout": lname, "world": world, "precision": precision}
             try:
                 with warnings.catch_warnings():
@@ -358,13 +371,13 @@ def fake_world(world: int, quick: bool, device_type: str, steps: int, out_dir: s
 def _print_fake(rows: list[dict]) -> None:
     print("\nfake process group, rank 0 of the job (collectives cost nothing here: they return at once without "
           "moving data)")
-    print(f"{'model':<10} {'layout':<8} {'pred peak':>10} {'meas peak':>10} {'ratio':>6} {'compute ms':>10} "
+    print(f"{'model':<16} {'layout':<8} {'pred peak':>10} {'meas peak':>10} {'ratio':>6} {'compute ms':>10} "
           f"{'step ms':>8} {'comp/step':>9} {'host/step':>9}")
     for r in rows:
         if "error" in r:
-            print(f"{r.get('name', '-'):<10} {r.get('layout', '-'):<8} error: {r['error'][:160]}")
+            print(f"{r.get('name', '-'):<16} {r.get('layout', '-'):<8} error: {r['error'][:160]}")
             continue
-        print(f"{r['name']:<10} {r['layout']:<8} {r['predicted_peak_bytes'] / 2**20:>8.1f}Mi "
+        print(f"{r['name']:<16} {r['layout']:<8} {r['predicted_peak_bytes'] / 2**20:>8.1f}Mi "
               f"{r['measured_peak_bytes'] / 2**20:>8.1f}Mi {r['peak_ratio']:>6.2f} "
               f"{r['predicted_compute_s'] * 1e3:>10.2f} {r['measured_step_s'] * 1e3:>8.2f} "
               f"{r['compute_over_step']:>9.2f} {r['host_over_step']:>9.2f}")

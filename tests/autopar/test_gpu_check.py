@@ -30,7 +30,8 @@ def test_quick_run_writes_every_figure(tmp_path):
     # rank 0 of a 4-rank job under the fake process group: the sharded peak on one device
     fake = out["fake_world"]
     assert [(row["name"], row["layout"]) for row in fake] == [(m, lay) for m in ("gpt2", "llama")
-                                                              for lay in ("tp-4", "zero3-4", "2x2")], fake
+                                                              for lay in ("tp-4", "zero3-4", "2x2")] + \
+        [("gpt2 p=0.1", "tp-4")], fake
     for row in fake:
         assert "error" not in row and 0.8 < row["peak_ratio"] < 1.2, row
         assert row["measured_step_s"] > 0 and row["host_enqueue_s"] > 0 and row["predicted_compute_s"] > 0, row
