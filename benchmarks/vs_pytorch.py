@@ -34,7 +34,9 @@ forward and backward with the gradients reduced, not the optimizer (the user's `
 rank's median), and ``pred/fw+bw`` their ratio (target 0.8-1.2, printed with each RATIO).
 
 RATIO per row: autopar / PyTorch's own, in time and in peak memory (the free plan: against the
-fastest PyTorch row); target <= 1.0 for each. ``--quick`` (2 layers, hidden 64, vocab 512, batch 4 x 32,
+fastest PyTorch row); target <= 1.0 for each. PICK per model: whether the search picks what runs
+fastest among what it priced: Spearman's rho of ``predicted`` against ``fw+bw`` over autopar's rows
+(target >= 0.9) and the free plan's ``fw+bw`` over the fastest row's (target <= 1.05). ``--quick`` (2 layers, hidden 64, vocab 512, batch 4 x 32,
 2 steps) runs in a test so the script never rots; its figures mean nothing.
 """
 from __future__ import annotations
@@ -279,6 +281,35 @@ ROWS = [("data parallel", "ddp", "autopar dp"), ("ZeRO-3", "fsdp2", "autopar zer
 LLAMA_ONLY = ("dtensor tp", "pipelining")  # (GPT-2 ties its head to the embedding: no hand split across stages)
 
 
+def _pick_figures(plans: dict):
+    """(Spearman's rho of predicted against measured forward+backward over autopar's rows, the free
+    plan's measured forward+backward over the fastest row's, that row), or None with fewer than
+    three rows or no free plan. Ties take their mean rank."""
+    if "autopar free" not in plans or len(plans) < 3:
+        return None
+    keys = sorted(plans)
+
+    def ranks(vals):
+        order = sorted(range(len(vals)), key=lambda i: vals[i])
+        out = [0.0] * len(vals)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and vals[order[j + 1]] == vals[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rp, rm = ranks([plans[k][0] for k in keys]), ranks([plans[k][2] for k in keys])
+    mp, mm = statistics.mean(rp), statistics.mean(rm)
+    cov = sum((a - mp) * (b - mm) for a, b in zip(rp, rm))
+    var = (sum((a - mp) ** 2 for a in rp) * sum((b - mm) ** 2 for b in rm)) ** 0.5
+    best = min(keys, key=lambda k: plans[k][2])
+    return (cov / var if var else 1.0), plans["autopar free"][2] / plans[best][2], best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=10)
@@ -327,6 +358,12 @@ def main() -> None:
             print(f"RATIO {name} {family}: time {tt[ours] / tt[theirs]:.2f} memory {pp[ours] / pp[theirs]:.2f} "
                   f"(target <= 1.0); predicted / measured forward+backward {plans[ours][0] / plans[ours][2]:.2f} "
                   f"(target 0.8-1.2)")
+        pick = _pick_figures(plans)
+        if pick is not None:
+            rho, free_over_best, best = pick
+            print(f"PICK {name}: Spearman of predicted against measured forward+backward over autopar's "
+                  f"{len(plans)} plans {rho:.2f} (target >= 0.9); the free plan's / the fastest measured ({best}) "
+                  f"{free_over_best:.2f} (target <= 1.05)")
 
 if __name__ == "__main__":
     main()

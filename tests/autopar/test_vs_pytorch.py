@@ -18,3 +18,5 @@ def test_quick_run_prints_every_ratio():
     assert out.returncode == 0, out.stderr[-3000:]
     ratios = [line for line in out.stdout.splitlines() if line.startswith("RATIO ")]
     assert len(ratios) == 8, out.stdout  # GPT-2: dp, zero3, free; Llama: dp, zero3, tp, pp, free
+    picks = [line for line in out.stdout.splitlines() if line.startswith("PICK ")]
+    assert [line.split(":")[0] for line in picks] == ["PICK gpt2", "PICK llama"], out.stdout
