@@ -49,11 +49,13 @@ def template(node, device: torch.device | None) -> tuple[tuple, dict]:
     arguments pointed at ``device`` (graphs are captured on the CPU; ranks may run on GPUs)."""
     index = {n: i for i, n in enumerate(node.all_input_nodes)}
 
-    def sub(a):
+    def sub(a):  # fx's immutable lists and dicts become plain ones (Dynamo cannot pass those to an op)
         if isinstance(a, torch.fx.Node):
             return In(index[a])
-        if isinstance(a, (list, tuple)):
-            return type(a)(sub(x) for x in a)
+        if isinstance(a, list):
+            return [sub(x) for x in a]
+        if isinstance(a, tuple):
+            return tuple(sub(x) for x in a)
         if isinstance(a, dict):
             return {k: sub(v) for k, v in a.items()}
         if isinstance(a, torch.device) and device is not None:
@@ -284,18 +286,19 @@ class PlainCall(nn.Module):
 
 
 class StrategyExec(nn.Module):
-    """Run one node with its strategy's local implementation (``autopar.strategies.run_local``)."""
+    """Run one node with its strategy's local implementation (``autopar.strategies.run_local``),
+    chosen once at build (``local_runner``): ``run(args, kwargs, ctx)``."""
 
-    def __init__(self, name: str, node, strategy, run_local, ctx, args, kwargs):
+    def __init__(self, name: str, node, strategy, run, ctx, args, kwargs):
         super().__init__()
         self.node_name, self.node, self.strategy = name, node, strategy
-        self.run_local, self.ctx, self.args_t, self.kwargs_t = run_local, ctx, args, kwargs
+        self.run, self.ctx, self.args_t, self.kwargs_t = run, ctx, args, kwargs
 
     def extra_repr(self) -> str:
         return f"{self.node_name}: {self.strategy.name}"
 
     def forward(self, *xs):
-        return self.run_local(self.node, self.strategy, fill(self.args_t, xs), fill(self.kwargs_t, xs), self.ctx)
+        return self.run(fill(self.args_t, xs), fill(self.kwargs_t, xs), self.ctx)
 
 
 def all_replicated(*groups) -> bool:

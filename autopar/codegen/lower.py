@@ -559,7 +559,7 @@ class _Lowering:
         if self.strategies is not None and np_ is not None:
             strat = _find_strategy(self.strategies, node, np_.strategy, self.ctx.shape)
             if strat is not None:
-                return ex.StrategyExec(node.name, node, strat, self.strategies.run_local, self.ctx,
+                return ex.StrategyExec(node.name, node, strat, self.strategies.local_runner(node, strat), self.ctx,
                                        args_t, kwargs_t), "strategy"
         if np_ is not None and is_region_strategy(np_.strategy):
             raise CodegenError(f"node {node.name!r}: strategy {np_.strategy!r} runs a routing region per rank, which "

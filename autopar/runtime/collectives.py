@@ -70,7 +70,11 @@ def timed(work, group, axes_of=None):
     collectives fail after the timeout (and are named by :func:`run_collective`). NCCL's work is
     left as it is: its watchdog aborts on its own, and a timed wait would block the host.
     ``axes_of``: ``(device_mesh, axes)`` when ``group`` flattens those mesh axes: the shortest
-    of their groups' timeouts holds (a group flattened by the runtime has the job's default)."""
+    of their groups' timeouts holds (a group flattened by the runtime has the job's default).
+    Under ``torch.compile`` the work is left as it is: Dynamo cannot read a process group's
+    backends (an opaque object to it), and the compiled program waits as it traces."""
+    if torch.compiler.is_compiling():
+        return work
     times = [t for t in [_gloo_timeout(group)] + [_gloo_timeout(axes_of[0].get_group(a)) for a in
                                                    (axes_of[1] if axes_of else ())] if t is not None]
     return _TimedWork(work, min(times)) if times else work

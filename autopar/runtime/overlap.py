@@ -50,7 +50,9 @@ class _Pending:
             s = self.steps[0]
             group = (dm, s.axis)
             x = x.contiguous()
-            if s.kind == "all_reduce" and owned:
+            if s.kind == "all_reduce" and owned and not torch.compiler.is_compiling():
+                # (c10d's asynchronous ops break a compiled graph: a traced program takes the
+                # functional collective below, whose wait Inductor places)
                 group = dm.get_group(s.axis)
                 self.work = timed(dist.all_reduce(x, group=group, async_op=True), group)
                 self.out = x

@@ -159,6 +159,7 @@ class GatherLaunch(nn.Module):
         super().__init__()
         self.ctx, self.axes, self.dims, self.dtype, self.unit = ctx, tuple(axes), tuple(dims), dtype, unit
         self.what = tuple(what)
+        self.every = tuple(range(len(self.dims)))  # (a tuple: Dynamo cannot list a range of a module's int)
         self.reduce = UnitReduce(self.axes, len(self.dims), unit)
         """The flat reduce-scatter of the same weights' gradients (:func:`reduce_async`)."""
 
@@ -170,7 +171,7 @@ class GatherLaunch(nn.Module):
     def forward(self, *shards: torch.Tensor) -> tuple[Gathering, ...]:
         if self.unit == 0 and self.new_step:  # a new forward: what the last one left for backward is dropped
             BackwardGathers.reset()
-        return self.start(shards, range(len(self.dims)))
+        return self.start(shards, self.every)
 
     @torch.no_grad()
     def start(self, shards, members) -> tuple[Gathering, ...]:

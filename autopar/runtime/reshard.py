@@ -119,6 +119,8 @@ class Reshard(torch.autograd.Function):
         if fwd_dtype is not None and local.dtype != fwd_dtype:
             local, owned_fwd = local.to(fwd_dtype), True
             return _apply(local, tuple(fwd_steps), device_mesh, where=where, owned=True)[0]
+        # (Compiled, the sum is functional: Dynamo cannot read whether a tensor is a view.)
+        owned_fwd = owned_fwd and not torch.compiler.is_compiling()
         out, written = _apply(local, tuple(fwd_steps), device_mesh, where=where, owned=owned_fwd)
         if written and out is local and not local._is_view():
             ctx.mark_dirty(local)  # summed in place: autograd's version check guards any other reader

@@ -3,7 +3,8 @@
 - :func:`strategies_for` ``(node, mesh_shape) -> list[Strategy]``: the placements of a node's
   inputs, outputs and input gradients, its work divisor and in-op collectives, per strategy;
   strategy 0 is all-replicated.
-- :func:`run_local` ``(node, strategy, args, kwargs, ctx)``: run the node on this rank's shards.
+- :func:`run_local` ``(node, strategy, args, kwargs, ctx)``: run the node on this rank's shards;
+  :func:`local_runner` ``(node, strategy)`` makes that choice once (what the codegen holds).
 - :func:`register`: bind a rule to aten ops (see ``docs/strategies.md``).
 """
 from autopar.strategies.base import Comm, CommSpec, Entry, OpInfo, RunContext, Strategy
@@ -11,6 +12,7 @@ from autopar.strategies.registry import (
     NoRuleWarning,
     RuleFailedWarning,
     register,
+    local_runner,
     registered_ops,
     rule_for,
     run_local,
@@ -28,6 +30,7 @@ __all__ = [
     "RunContext",
     "Strategy",
     "register",
+    "local_runner",
     "registered_ops",
     "rule_for",
     "run_local",

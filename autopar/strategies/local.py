@@ -35,21 +35,35 @@ def local_out_shape(node, strategy: Strategy, ctx: Any, j: int = 0) -> list[int]
 
 def bound(node, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The call's arguments by schema name, defaults filled in (local values, not nodes)."""
-    schema = node.target._schema
     out = {}
-    for k, a in enumerate(schema.arguments):
+    for k, (name, has_default, default) in enumerate(_arguments(node.target)):
         if k < len(args):
-            out[a.name] = args[k]
-        elif a.name in kwargs:
-            out[a.name] = kwargs[a.name]
-        elif a.has_default_value():
-            out[a.name] = a.default_value
+            out[name] = args[k]
+        elif name in kwargs:
+            out[name] = kwargs[name]
+        elif has_default:
+            out[name] = default
     return out
+
+
+#: op -> ((name, has a default, default), ...) of its schema's arguments: read once, since a
+#: step runs ``bound`` per node (and Dynamo cannot iterate a schema's C++ argument list).
+_ARGUMENTS: dict = {}
+
+
+def _arguments(op) -> tuple:
+    got = _ARGUMENTS.get(op)
+    if got is None:
+        got = _ARGUMENTS[op] = tuple((a.name, a.has_default_value(), a.default_value if a.has_default_value() else None)
+                                     for a in op._schema.arguments)
+    return got
 
 
 def in_val(node, i: int):
     """FakeTensor of input node ``i`` (``node.all_input_nodes`` order)."""
-    return node.all_input_nodes[i].meta.get("val")
+    # (``all_input_nodes`` is ``list(node._input_nodes)``; read directly, as Dynamo will not call
+    # into torch.fx from a compiled step)
+    return list(node._input_nodes)[i].meta.get("val")
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ the replicate-only strategy with one warning naming the op.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import warnings
 from typing import Any, Callable
@@ -223,6 +224,14 @@ def run_local(node: fx.Node, strategy: Strategy, args: tuple, kwargs: dict, ctx)
     local value (placed as ``strategy.inputs`` says). Returns the local output(s), placed as
     ``strategy.outputs`` says. ``ctx`` offers ``shape`` (the mesh shape), ``device_mesh`` (for
     collectives over ``(device_mesh, axis)``) and ``coordinate(axis)``."""
+    return local_runner(node, strategy)(args, kwargs, ctx)
+
+
+def local_runner(node: fx.Node, strategy: Strategy) -> Callable[[tuple, dict, Any], Any]:
+    """:func:`run_local` for ``node`` under ``strategy`` with its checks and its choice of
+    implementation made once: a callable ``(args, kwargs, ctx) -> outputs``. The codegen builds
+    it when it builds the program, so a step reads no graph node to find what to run (and
+    ``torch.compile`` does not break its graph there: Dynamo skips ``torch.fx``)."""
     if node.op != "call_function":
         raise ValueError(f"run_local runs call_function nodes; {node.name} is a {node.op} node "
                          f"(placeholders are loaded as stored, outputs are returned as they are)")
@@ -231,11 +240,19 @@ def run_local(node: fx.Node, strategy: Strategy, args: tuple, kwargs: dict, ctx)
                          f"{node.name} has {len(node.all_input_nodes)} inputs: pass one of "
                          f"strategies_for({node.name}, mesh_shape)")
     if routed.modes_of(strategy):  # a routing region run per rank (autopar.strategies.routed)
-        return routed.run_region(node, strategy, args, kwargs, ctx)
+        return functools.partial(_with_node, routed.run_region, node, strategy)
     rule = rule_for(node)
     if rule is not None and rule.local is not None:
-        return rule.local(node, strategy, args, kwargs, ctx)
-    return node.target(*args, **kwargs)
+        return functools.partial(_with_node, rule.local, node, strategy)
+    return functools.partial(_plain, node.target)
+
+
+def _with_node(fn, node, strategy, args, kwargs, ctx):
+    return fn(node, strategy, args, kwargs, ctx)
+
+
+def _plain(target, args, kwargs, ctx):
+    return target(*args, **kwargs)
 
 
 def strategy_named(node: fx.Node, name: str, mesh_shape) -> Strategy | None:
