@@ -902,18 +902,20 @@ class _EdgePricer:
         return c if math.isfinite(c) else FORBIDDEN
 
     def matrix(self, outs: list, ins: list, grads: list, t: torch.Tensor, param_uses: int = 0,
-               unit_share: float = 1.0) -> np.ndarray:
+               unit_share: float = 1.0, bucket: bool = True) -> np.ndarray:
         """``outs[s]``: producer output placement per producer choice; ``ins[u]``/``grads[u]``:
         consumer input placement and input-gradient placement per consumer choice.
         ``param_uses``: for a parameter's edge, how many ops read the parameter (0: not one);
-        ``unit_share``: its share of its prefetch unit's parameter bytes (:func:`unit_shares`)."""
+        ``unit_share``: its share of its prefetch unit's parameter bytes (:func:`unit_shares`);
+        ``bucket``: whether a parameter's edge includes its share of the bucketed gradient
+        reduction after backward (the micro-batch pricing takes that part out: it runs once a step)."""
         shape, itemsize = tuple(t.shape), t.element_size()
         # Under mixed precision forward and gradient may move in different dtypes (_AsRun).
         gsize = t.grad_element_size() if hasattr(t, "grad_element_size") else itemsize
         diff = _differentiable(t)
         o_keys = [self.key(o) for o in outs]
         i_keys = [(self.key(x), self.key(g) if diff else None) for x, g in zip(ins, grads)]
-        key = (tuple(o_keys), tuple(i_keys), shape, itemsize, gsize, param_uses, unit_share)
+        key = (tuple(o_keys), tuple(i_keys), shape, itemsize, gsize, param_uses, unit_share, bucket)
         m = self.cache.get(key)
         # An edge depends on the mesh alone, a parameter's also on the ZeRO stage, the buckets and
         # the gathers' exposed share: shared by every build that agrees on them.
@@ -938,7 +940,8 @@ class _EdgePricer:
                         c = self.one(o, x, shape, itemsize)
                     if g is not None and o is not None and param_uses:
                         c = c * self.gather_scale + self.param_grad(o, g, shape, gsize, param_uses,
-                                                                   (flat, unit_share) if flat else None, x)
+                                                                   (flat, unit_share) if flat else None, x,
+                                                                   bucket)
                     elif g is not None and o is not None:
                         c += self.one(g, go, shape, gsize)
                     small[a, b] = c
@@ -951,7 +954,8 @@ class _EdgePricer:
                 _remember(_SHARED_MATRICES, shared, m)
         return m
 
-    def param_grad(self, stored: str, grad: str, shape, itemsize, uses: int, flat=None, used=None) -> float:
+    def param_grad(self, stored: str, grad: str, shape, itemsize, uses: int, flat=None, used=None,
+                   with_bucket: bool = True) -> float:
         """A parameter's gradient on the edge of one of its ``uses``: resharded to the stored
         placement with Partial kept on replicated axes (``comms.param_grad_target``), plus this
         use's share of the bucketed reduction after backward (``comms.bucket_seconds``).
@@ -968,7 +972,7 @@ class _EdgePricer:
                                             self.mesh, flat[0], flat[1])
         else:
             back = self.one(grad, target, shape, itemsize)
-        return back * self.gather_scale + bucket / uses
+        return back * self.gather_scale + (bucket / uses if with_bucket else 0.0)
 
 
 def _local_bytes_of(shape, placements: str, mesh_shape, itemsize: int) -> float:

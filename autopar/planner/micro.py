@@ -11,10 +11,11 @@ gradients once after the last one):
 - resharding an activation moves ``1 / m`` of its bytes, with every step's full latency;
 - a parameter stored sharded is gathered whole in every micro-batch's forward and its gradient
   reduce-scattered in every backward (the gather's backward, part of the stage graph);
-- a parameter stored replicated gets a Partial gradient from split ops, summed once per step by
-  ``GradSync``: in the per-micro-batch problem it is charged ``1 / m`` (so the ILP weighs it
-  against ``m`` micro-batches of work), and its full seconds are kept in ``Built.step_edges`` for
-  the pipeline's step time.
+- a parameter stored replicated on some axes (all of them under DDP; the data-parallel ones beside
+  a tensor-parallel shard) gets a Partial gradient there from split ops, summed once per step by
+  ``GradSync``: in the per-micro-batch problem that bucketed sum is charged ``1 / m`` (so the ILP
+  weighs it against ``m`` micro-batches of work), and its full seconds are kept in
+  ``Built.step_edges`` for the pipeline's step time.
 
 The micro-batch must also be runnable: every sharded dim of an activation must divide at the
 micro-batch size (a micro-batch may be one sample: ``autopar.microbatch.one_sample_capture``). Which dims
@@ -26,7 +27,6 @@ happens to be one (it then must divide by ``m`` times the shard count).
 from __future__ import annotations
 
 import numpy as np
-from torch.distributed.tensor import Replicate
 
 from autopar import placement as pl
 from autopar.lowering.graph import tensor_vals
@@ -154,11 +154,11 @@ class Micro:
         full = pricer.matrix(outs, ins, grads, t, param_uses, unit_share)
         if kind != "param":
             return full
-        # Rows where the parameter is stored replicated: the gradient part is GradSync's sum,
-        # once per step.
-        fwd = pricer.matrix(outs, ins, [None] * len(grads), t, param_uses, unit_share)
-        replicated = np.array([[all(isinstance(p, Replicate) for p in o)] for o in outs], dtype=float)
-        once = (full - fwd) * replicated
+        # The bucketed reduction of the gradient over the axes the parameter is stored replicated
+        # on (all of them for DDP; dp beside a tensor-parallel shard) is GradSync's, once per step;
+        # the rest of the edge (a sharded weight's gather and its gradient's reduce-scatter) runs
+        # in every micro-batch.
+        once = full - pricer.matrix(outs, ins, grads, t, param_uses, unit_share, bucket=False)
         if not once.any():
             return full
         out = full - once + once / self.m
