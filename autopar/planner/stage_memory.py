@@ -161,9 +161,12 @@ def _rank_replay(world, local: list[int], schedule: str, p: int, optimizer: str,
     - resident: the parameters its stages read and those read by several stages (the runtime
       holds them on every rank and gives them a gradient there), with their gradients and AdamW
       state; every buffer of the model;
-    - ``PipelineStage``'s buffers, one per micro-batch: the values received from the stage before
-      and the gradients received for the values sent on; the gradients of the received values
-      stay (``.grad`` of those buffers) until the next step;
+    - ``PipelineStage``'s buffers: the values received from the stage before and the gradients
+      received for the values sent on, one set per micro-batch, or under 1F1B one per micro-batch
+      in flight, shared in turn (``solver.pipeline.in_flight``, as ``runtime.pipeline`` shares
+      them); the gradients of the received
+      values are held by their sends: under 1F1B until the next micro-batch's receive (the
+      schedule waits for the send there), else until the end of the schedule;
     - the stage's micro-batches forward and backward in the schedule's order, each a replay of
       the stage's step nodes at ``1 / m`` of the batch; the values sent on are kept until their
       micro-batch's backward; gradients accumulate in place after the first backward;
@@ -185,15 +188,20 @@ def _rank_replay(world, local: list[int], schedule: str, p: int, optimizer: str,
             ph[a] = x
     by_name = {n.name: n for n in world["steps"]}
     recv = [v for s in local if s > 0 for v in world["received"][s] if v not in names]
+    import solver
+
+    n_stages = len(world["received"])
+    one_each = schedule == "1f1b" and len(local) == 1  # buffer sets: one per micro-batch in flight
+    sets = int(solver.pipeline.in_flight("1f1b", n_stages, m)[local[0]]) if one_each else m
     grad_in = 0  # bytes of the received values' gradients, per micro-batch
     for v in recv:
-        ph[v] = Placeholder(nbytes=m * _value_bytes(world, v), float_size=0, kind="input")
+        ph[v] = Placeholder(nbytes=sets * _value_bytes(world, v), float_size=0, kind="input")
         if v in by_name and by_name[v].grad_bytes:
             grad_in += _value_bytes(world, v)
     sent = [v for s in local if s + 1 < len(world["received"]) for v in world["received"][s + 1] if v in names]
     for v in sent:
         if by_name[v].grad_bytes:
-            ph[f"grad:{v}"] = Placeholder(nbytes=m * _value_bytes(world, v), float_size=0, kind="input")
+            ph[f"grad:{v}"] = Placeholder(nbytes=sets * _value_bytes(world, v), float_size=0, kind="input")
     if sent and mine:  # the schedule keeps what it sent until that micro-batch's backward
         keep = [k for v in sent for k in by_name[v].out_keys]
         mine = [step_replace(mine[0], saved=list(mine[0].saved) + keep)] + mine[1:]
@@ -231,7 +239,7 @@ def _run_schedule(state, mine: list, ph: dict, regions: list, loss: str, sched: 
     schedule, p, stage, m = sched
     m_run = min(m, min(m, p - stage) + 2) if schedule == "1f1b" else min(m, 2)
     frozen = {a: dataclasses.replace(x, kind="frozen") if x.kind == "param" else x for a, x in ph.items()}
-    fixed, runs, first_backward = set(ph), {}, True
+    fixed, runs, first_backward, last_sent = set(ph), {}, True, None
     for kind, i in _actions(schedule, p, stage, m_run):
         if kind == "F":
             nodes = _renamed(mine, i, fixed)
@@ -247,6 +255,10 @@ def _run_schedule(state, mine: list, ph: dict, regions: list, loss: str, sched: 
             # after the first backward, gradients accumulate in place
             replay_backward(nodes, ph if first_backward else frozen, size, state, ck, {})
             first_backward = False
-            state.add(("recv_grad", i), grad_in)  # the received value's .grad stays until next step
+            if schedule == "1f1b":  # the send before it has been waited for: its gradient is freed
+                state.free(("recv_grad", last_sent))
+                last_sent = i
+            state.add(("recv_grad", i), grad_in)  # the received value's gradient, held by its send
     state.free(("in flight", 0))
-    state.add(("recv_grad", m_run), (m - m_run) * grad_in)
+    if schedule != "1f1b":  # every send waited for at the end of the schedule
+        state.add(("recv_grad", m_run), (m - m_run) * grad_in)

@@ -189,8 +189,9 @@ def measure_step(pm, opt, args=(), kwargs=None, target=None, *, world: int = 1, 
 def resident_tensors(pm) -> list:
     """What a ParallelModule holds from one step to the next: its parameters and buffers (under
     ZeRO-1/2 also the compute copies of the split parameters) and,
-    under a pipeline, ``PipelineStage``'s receive buffers (one set per micro-batch: the
-    activations received from the stage before, the gradients received for those sent on), which
+    under a pipeline, ``PipelineStage``'s receive buffers (one set per micro-batch, or per
+    micro-batch in flight under 1F1B: the activations received from the stage before, the
+    gradients received for those sent on), which
     the schedule allocates at its first step and reuses; the gradient buckets kept from the last
     step (``GradSync._buffer``), which a step reuses without allocating."""
     params = pm._local_parameters() if hasattr(pm, "_local_parameters") else list(pm.parameters())
@@ -200,7 +201,8 @@ def resident_tensors(pm) -> list:
     sync = getattr(pm, "_grad_sync", None)
     out += [b.keep for b in getattr(sync, "buckets", ()) if getattr(b, "keep", None) is not None]
     pipe = getattr(pm, "_pipe", None)
-    for stage in getattr(pipe, "stages", ()):
-        for infos in [*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()]:
+    for stage in getattr(pipe, "stages", ()):  # (micro-batches in turn may share one set: each once)
+        for infos in {id(i): i for i in [*stage.args_recv_info.values(),
+                                         *getattr(stage, "grad_recv_info", {}).values()]}.values():
             out += [info.buffer for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
     return out

@@ -227,6 +227,42 @@ def _loss_is_output(output, target):
     return output
 
 
+def _in_flight(m: int, n_stages: int, stage: int) -> int:
+    """Micro-batches whose received values stage ``stage`` holds at once under ``Schedule1F1B``:
+    its warm-up forwards, ``min(m, n_stages - stage)``. The schedule receives micro-batch ``k``'s
+    inputs only after micro-batch ``k - that``'s backward, and a micro-batch's output gradients
+    only after the backward before it, so micro-batches that many apart can share one buffer."""
+    return max(1, min(m, n_stages - stage))
+
+
+def _shared_buffer_stage(base):
+    """``base`` (``PipelineStage``) whose receive buffers, for values and for gradients, are one
+    set per micro-batch in flight (:func:`_in_flight`), shared round-robin, not one per micro-batch
+    of the step: a stage's peak does not grow with the micro-batch count (Megatron's buffers hold
+    the micro-batches in flight). The gradients of received values are not held by the buffers
+    (``stage_backward`` hands them to the send and clears ``.grad``)."""
+
+    class SharedBufferStage(base):
+        def __init__(self, *args, in_flight: int, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.in_flight = in_flight
+
+        def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+            w = min(num_microbatches, self.in_flight)
+            super()._setup_forward_recv_info(w, has_backward)
+            for k in range(w, num_microbatches):
+                self.args_recv_info[k] = self.args_recv_info[k % w]
+
+        def _setup_backward_recv_info(self, num_microbatches: int) -> None:
+            w = min(num_microbatches, self.in_flight)
+            super()._setup_backward_recv_info(w)
+            self.chunks = num_microbatches
+            for k in range(w, num_microbatches):
+                self.grad_recv_info[k] = self.grad_recv_info[k % w]
+
+    return SharedBufferStage
+
+
 class PipelineRunner:
     """The schedule of this rank's stages (see module docstring)."""
 
@@ -251,11 +287,15 @@ class PipelineRunner:
         device = owner.signature.ctx.device
         # Static shapes: the stage inputs and outputs are known from the plan, and PipelineStage's
         # own shape inference would run the stages on uninitialised data (integer targets too).
-        self.stages = [PipelineStage(StageModule(stages[s], owner, s == 0), s, self.n_stages, device,
-                                     input_args=_examples(stages[s].input_meta, device, self.m if s == 0 else 1),
-                                     output_args=_examples(stages[s].output_meta, device, 1),
-                                     group=self.group)
-                       for s in self.local]
+        # Under 1F1B with one stage per rank, micro-batches share receive buffers (``_in_flight``).
+        one_f_one_b = pipe.schedule == "1f1b" and len(self.local) == 1
+        make = _shared_buffer_stage(PipelineStage) if one_f_one_b else PipelineStage
+        extra = [{"in_flight": _in_flight(self.m, self.n_stages, s)} if one_f_one_b else {} for s in self.local]
+        self.stages = [make(StageModule(stages[s], owner, s == 0), s, self.n_stages, device,
+                            input_args=_examples(stages[s].input_meta, device, self.m if s == 0 else 1),
+                            output_args=_examples(stages[s].output_meta, device, 1),
+                            group=self.group, **kw_s)
+                       for s, kw_s in zip(self.local, extra)]
         from torch.distributed.pipelining.microbatch import _CustomReducer
 
         # The last stage returns a scalar loss per micro-batch: summed, not concatenated (the

@@ -236,3 +236,14 @@ def test_more_micro_batches_of_one_batch_shrink_the_bubble_and_not_the_step():
     assert all(s2 <= s1 * (1 + 1e-6) for s1, s2 in zip(steps, steps[1:])), steps
     peaks = [p.peak_bytes for p in plans]
     assert all(q2 <= q1 * (1 + 1e-6) for q1, q2 in zip(peaks, peaks[1:])), peaks
+
+
+def test_the_runtime_shares_receive_buffers_as_the_replay_counts_them():
+    """Under 1F1B a stage holds one set of receive buffers per micro-batch in flight
+    (``runtime.pipeline._in_flight``, the warm-up forwards of ``Schedule1F1B``), the count the
+    memory replay and the schedule's pricing use (``solver.pipeline.in_flight``)."""
+    from autopar.runtime.pipeline import _in_flight
+
+    for p in (2, 4, 8):
+        for m in (1, 2, 3, 8, 96):
+            assert [_in_flight(m, p, s) for s in range(p)] == [int(x) for x in solver.pipeline.in_flight("1f1b", p, m)]

@@ -297,7 +297,15 @@ def loss_sync_case(name: str, layout: dict, steps: int = 2) -> dict:
     full = pm.full_state_dict()
     known = pm._sig.ctx.target_count
     local_counts = int((labels[:, 1:] != -100).sum())
-    return {"per_step": per_step, "partial": list(pm._sig.loss_partial),
+    recv = None
+    if pm._pipe is not None:  # distinct sets of receive buffers (values, gradients) of this rank's stage
+        st = pm._pipe.stages[0]
+
+        def sets(d):
+            return len({id(v) for v in d.values() if any(getattr(i, "buffer", None) is not None for i in v)})
+
+        recv = [st.stage_index, sets(st.args_recv_info), sets(getattr(st, "grad_recv_info", {}))]
+    return {"per_step": per_step, "partial": list(pm._sig.loss_partial), "recv": recv,
             "counted": None if known is None else float(known[1]), "global": local_counts,
             "last_stage": pm._pipe is None or pm._pipe.n_stages - 1 in pm._pipe.local,
             "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, rlosses)),

@@ -67,3 +67,7 @@ def test_the_loss_does_not_hold_the_ranks(pool, layout):
         if r["last_stage"]:
             assert r["counted"] == r["global"] / m, r  # (every micro-batch counts as many)
         assert r["loss_err"] < 1e-5 and r["param_err"] < 1e-5, r
+        if "pp" in layout:  # 1F1B: one set of receive buffers per micro-batch in flight, shared in turn
+            s, values, grads = r["recv"]
+            w = min(m, layout["pp"] - s)
+            assert (values, grads) == (w if s > 0 else 0, w if s < layout["pp"] - 1 else 0), r
