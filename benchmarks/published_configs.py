@@ -17,7 +17,10 @@ Rows and their sources (../shared/REFERENCES.md):
   51,200, global batch 512 / 512 / 512 / 1024, TP 1 / 2 / 4 / 8, PP 1, DP the rest, full
   recomputation; 137 / 138 / 142 / 135 TFLOP/s per GPU by the paper's formula
   ``F = 96 B s l h^2 (1 + s / 6h + V / 16 l h)`` per step. Predicted TFLOP/s use the same formula
-  over the predicted step time.
+  over the predicted step time. Two pipelined rows of the same table: 39.1B (48 layers, hidden
+  8,192, 64 heads) on 512 GPUs at TP 8 x PP 2, global batch 1,536, 138 TFLOP/s; 145.6B (80
+  layers, hidden 12,288, 96 heads) on 1,536 GPUs at TP 8 x PP 8, global batch 2,304, 148 TFLOP/s;
+  both with the paper's 1F1B schedule and micro-batches of one sample (48 and 96 per pipeline).
 - torchtitan, bf16 without torch.compile or Float8, Llama attention causal (``is_causal`` SDPA, the
   kernel torchtitan runs; ``zoo.llama(attn="causal")``), seq 8192, local batch = per data-parallel
   rank:
@@ -70,12 +73,13 @@ GRAND_TETON_H100 = dataclasses.replace(
 DEVICES = {"grand-teton-h100": GRAND_TETON_H100}
 
 
-def _megatron(name, layers, hidden, heads, gpus, tp, batch, tflops):
+def _megatron(name, layers, hidden, heads, gpus, tp, batch, tflops, pp=1):
+    layout = {"pp": pp, "dp": gpus // (tp * pp), "tp": tp, "zero": 0, "recompute": "full"}
+    if pp > 1:  # the paper's schedule, micro-batches of one sample
+        layout.update(microbatches=batch // (gpus // (tp * pp)), schedule="1f1b")
     return dict(name=name, kind="megatron", model=dict(layers=layers, hidden=hidden, heads=heads, vocab=51200,
                                                        seq=2048, batch=batch),
-                mesh=(gpus // 8, 8), cluster="a100",
-                layout={"pp": 1, "dp": gpus // tp, "tp": tp, "zero": 0, "recompute": "full"},
-                published=tflops, unit="TFLOP/s/GPU")
+                mesh=(gpus // 8, 8), cluster="a100", layout=layout, published=tflops, unit="TFLOP/s/GPU")
 
 
 ROWS = [
@@ -83,6 +87,8 @@ ROWS = [
     _megatron("megatron-3.6b", 30, 3072, 32, 64, 2, 512, 138.0),
     _megatron("megatron-7.5b", 36, 4096, 32, 128, 4, 512, 142.0),
     _megatron("megatron-18.4b", 40, 6144, 48, 256, 8, 1024, 135.0),
+    _megatron("megatron-39.1b", 48, 8192, 64, 512, 8, 1536, 138.0, pp=2),
+    _megatron("megatron-145.6b", 80, 12288, 96, 1536, 8, 2304, 148.0, pp=8),
     dict(name="torchtitan-llama3-8b", kind="llama",
          model=dict(zoo="llama3-8b", seq=8192, batch=16, attn="causal"), mesh=(1, 8), device="grand-teton-h100",
          layout={"pp": 1, "dp": 8, "tp": 1, "zero": 3, "reshard_after_forward": True},
