@@ -293,6 +293,7 @@ def fake_rank0(world: int, quick: bool, device_type: str, steps: int) -> list[di
     from autopar.module import ParallelModule
     from profiler.capture import capture
 
+    dist.set_debug_level(dist.DebugLevel.OFF)  # (TORCH_DISTRIBUTED_DEBUG's wrapper cannot wrap the fake group)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     if device_type == "cuda":
         torch.cuda.set_device(0)

@@ -41,6 +41,7 @@ def count(layers: int) -> dict:
     from profiler.capture import capture
 
     warnings.simplefilter("ignore")
+    dist.set_debug_level(dist.DebugLevel.OFF)  # (TORCH_DISTRIBUTED_DEBUG's wrapper cannot wrap the fake group)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     ex = zoo.build("llama", batch=8, seq=64, hidden=64, layers=layers, heads=4, kv_heads=4, intermediate=128,
                    vocab=512)

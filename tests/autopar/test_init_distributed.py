@@ -15,7 +15,10 @@ def _init(monkeypatch, debug, preset=None):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "3")
     for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_DISTRIBUTED_DEBUG"):
-        monkeypatch.delenv(k, raising=False)
+        # (set first, so that monkeypatch records the key and removes what init_distributed sets:
+        # a TORCH_DISTRIBUTED_DEBUG left behind wraps every later process group of the worker)
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     for k, v in (preset or {}).items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(api.dist, "is_initialized", lambda: False)
