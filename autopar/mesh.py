@@ -448,7 +448,7 @@ def _crossing_link(parts: list[tuple[float, Link]]) -> Link:
     if len(parts) == 1:
         return parts[0][1]
     (_, outer), (n_in, inner) = parts[0], parts[-1]
-    if len(parts) == 2 and float(n_in).is_integer() and n_in > 1:
+    if len(parts) == 2 and float(n_in).is_integer() and n_in > 1 and inner.alpha > 0:  # (a split needs alpha > 0)
         return dataclasses.replace(outer, split=(int(n_in), inner.alpha, inner.beta),
                                    compute_share=max(outer.compute_share, inner.compute_share))
     links = [lk for _, lk in parts]
