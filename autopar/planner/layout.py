@@ -45,7 +45,8 @@ The layout's degrees multiply to the mesh's device count. The logical mesh is
 ``dp_replicate`` then ``dp_shard``) (tensor parallelism innermost, so on 8-GPU nodes ``tp <= 8``
 stays inside a node), axes of size 1 left out. Its links: a preset mesh's by the preset's
 row-major rule of :class:`autopar.mesh.Mesh`; a calibrated one's (or one with links of the user's)
-carried over from the physical axes each logical axis crosses (:func:`autopar.mesh.regroup`). Missing degrees: every completion whose product is
+carried over from the physical axes each logical axis crosses (:func:`autopar.mesh.regroup`).
+Missing degrees: every completion whose product is
 the device count is planned and the fastest returned (``tp`` only up to the GPUs of a node).
 """
 from __future__ import annotations
