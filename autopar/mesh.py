@@ -422,8 +422,8 @@ def regroup(mesh: "Mesh", shape: Sequence[int], axis_names: Sequence[str]) -> "M
             or any(lk.split for lk in mesh.links):
         return Mesh(shape, axis_names=names, cluster=mesh.cluster, gpus_per_node=mesh.gpus_per_node,
                     device=mesh.device)
-    links = tuple(_crossing_link([(n, mesh.links[j]) for j, n in _crossed(shape, i, mesh.shape)] or [(1, mesh.links[0])])
-                  for i in range(len(shape)))
+    links = tuple(_crossing_link([(n, mesh.links[j]) for j, n in _crossed(shape, i, mesh.shape)]
+                                 or [(1, mesh.links[0])]) for i in range(len(shape)))
     calibration = mesh.calibration
     if calibration is not None:
         calibration = {**calibration, "regrouped": {"from": list(mesh.shape), "as": list(shape),
